@@ -1,0 +1,57 @@
+// linvis version: what this build is and what it runs on.
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+
+#include "command.h"
+#include "linvis/core/runtime.h"
+#include "linvis/tools/args.h"
+
+namespace linvis::cli {
+namespace {
+
+int run_version(int argc, const char* const* argv) {
+    tools::ArgParser args("version", "Print the linvis and LibTorch versions, the BLAS LibTorch calls, "
+                                     "thread counts, the SIMD level of this CPU and CUDA availability.");
+    args.option("--format", "text|json", "output format", "text");
+    args.option("--threads", "N", "threads to configure before reporting (0: all cores)", "0");
+    if (!args.parse(argc, argv, 1)) return 0;
+    runtime::configure_threads(static_cast<int>(args.get_int("--threads")));
+    const runtime::Info info = runtime::query();
+    if (args.get("--format") == "json") {
+        nlohmann::json j = {{"linvis", info.linvis_version},
+                            {"libtorch", info.torch_version},
+                            {"blas", info.blas},
+                            {"blas_optimized", info.blas_is_optimized},
+                            {"torch_threads", info.torch_threads},
+                            {"blas_threads", info.blas_threads},
+                            {"openmp_passive", runtime::openmp_is_passive()},
+                            {"simd", runtime::simd_name(info.simd)},
+                            {"cuda_compiled", info.cuda_compiled},
+                            {"cuda_available", info.cuda_available},
+                            {"cuda_devices", info.cuda_devices}};
+        std::cout << j.dump() << "\n";
+        return 0;
+    }
+    if (args.get("--format") != "text") {
+        std::cerr << "linvis version: --format must be text or json, got '" << args.get("--format") << "'\n";
+        return 2;
+    }
+    std::cout << "linvis     " << info.linvis_version << "\n"
+              << "LibTorch   " << info.torch_version << "\n"
+              << "BLAS       " << info.blas << "\n"
+              << "threads    " << info.torch_threads << " LibTorch (OpenMP"
+              << (runtime::openmp_is_passive() ? ", passive wait" : ", active wait") << "), "
+              << (info.blas_threads > 0 ? std::to_string(info.blas_threads) : std::string("?")) << " BLAS\n"
+              << "SIMD       " << runtime::simd_name(info.simd) << "\n"
+              << "CUDA       " << (info.cuda_compiled ? "kernels compiled" : "kernels not compiled") << ", "
+              << (info.cuda_available ? std::to_string(info.cuda_devices) + " device(s) visible"
+                                      : std::string("no device visible"))
+              << "\n";
+    return 0;
+}
+
+CommandRegistrar registrar("version", "print versions, BLAS, threads, SIMD level and CUDA status", run_version);
+
+}  // namespace
+}  // namespace linvis::cli

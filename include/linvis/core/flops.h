@@ -1,0 +1,50 @@
+// FLOP counting by instrumented primitives, the way fvcore and the papers count:
+// one FLOP per multiply-add of a matrix product or convolution; elementwise ops,
+// norms and softmax are ignored.
+//
+// Model code calls the wrappers below instead of the raw LibTorch functions. They
+// compute the same result and, while a flops::Counter is alive on this thread, add
+// their multiply-adds to it. Counting costs nothing when no Counter is active.
+#pragma once
+
+#include <cstdint>
+
+#include <torch/torch.h>
+
+namespace linvis::flops {
+
+// Counts multiply-adds issued on this thread during its lifetime. Counters nest;
+// each sees the work done while it is the innermost one and passes it to its parent.
+class Counter {
+public:
+    Counter();
+    ~Counter();
+    Counter(const Counter&) = delete;
+    Counter& operator=(const Counter&) = delete;
+    int64_t macs() const { return macs_; }
+    double gflops() const { return static_cast<double>(macs_) * 1e-9; }
+
+private:
+    friend void add(int64_t);
+    int64_t macs_ = 0;
+    Counter* parent_ = nullptr;
+};
+
+// Adds `macs` multiply-adds to the active counter, if any.
+void add(int64_t macs);
+bool counting();
+
+// y = x W^T + b over the last dimension of x.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
+                     const torch::Tensor& bias = {});
+// torch::matmul with broadcasting; counts prod(batch) * n * k * m.
+torch::Tensor matmul(const torch::Tensor& a, const torch::Tensor& b);
+// Convolutions with the functional options of LibTorch; counts
+// output elements * (in_channels / groups) * kernel volume.
+torch::Tensor conv1d(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                     int64_t stride, int64_t padding, int64_t dilation, int64_t groups);
+torch::Tensor conv2d(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                     torch::IntArrayRef stride, torch::IntArrayRef padding,
+                     torch::IntArrayRef dilation, int64_t groups);
+
+}  // namespace linvis::flops

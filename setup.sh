@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# One command from a fresh Debian 12 machine to a working linvis:
+# installs the system packages, builds, and runs the demo.
+set -euo pipefail
+cd "$(dirname "$0")"
+./scripts/install-deps.sh
+./scripts/build.sh
+./build/linvis demo

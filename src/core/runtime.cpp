@@ -1,0 +1,115 @@
+#include "linvis/core/runtime.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+namespace linvis::runtime {
+namespace {
+
+// OpenBLAS entry points, looked up at run time: LibTorch links libblas.so.3, and which
+// library answers depends on Debian's alternatives (OpenBLAS or the reference BLAS).
+using openblas_config_fn = char* (*)();
+using openblas_get_threads_fn = int (*)();
+using openblas_set_threads_fn = void (*)(int);
+using openblas_parallel_fn = int (*)();
+
+template <typename Fn>
+Fn find_symbol(const char* name) {
+    return reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, name));
+}
+
+std::string describe_blas(bool& optimized) {
+    auto config = find_symbol<openblas_config_fn>("openblas_get_config");
+    auto corename = find_symbol<openblas_config_fn>("openblas_get_corename");
+    auto parallel = find_symbol<openblas_parallel_fn>("openblas_get_parallel");
+    if (config != nullptr) {
+        optimized = true;
+        std::string text = std::string("OpenBLAS (") + config();
+        if (corename != nullptr) text += std::string(", kernels: ") + corename();
+        if (parallel != nullptr) {
+            const int mode = parallel();
+            text += mode == 0 ? ", sequential" : mode == 1 ? ", pthreads" : ", OpenMP";
+        }
+        return text + ")";
+    }
+    if (dlsym(RTLD_DEFAULT, "bli_info_get_version_str") != nullptr) {
+        optimized = true;
+        return "BLIS";
+    }
+    if (dlsym(RTLD_DEFAULT, "mkl_get_max_threads") != nullptr) {
+        optimized = true;
+        return "Intel MKL";
+    }
+    optimized = false;
+    return "reference BLAS (about 25x slower matrix products: install libopenblas0-pthread)";
+}
+
+}  // namespace
+
+SimdLevel detect_simd() {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl")) {
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+        if (__builtin_cpu_supports("avx512bf16")) return SimdLevel::Avx512Bf16;
+#endif
+        return SimdLevel::Avx512;
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return SimdLevel::Avx2;
+    return SimdLevel::Scalar;
+}
+
+const char* simd_name(SimdLevel level) {
+    switch (level) {
+        case SimdLevel::Avx512Bf16: return "AVX-512 (with BF16)";
+        case SimdLevel::Avx512: return "AVX-512";
+        case SimdLevel::Avx2: return "AVX2+FMA";
+        case SimdLevel::Scalar: return "scalar";
+    }
+    return "scalar";
+}
+
+bool set_blas_threads(int threads) {
+    auto setter = find_symbol<openblas_set_threads_fn>("openblas_set_num_threads");
+    if (setter == nullptr) return false;
+    setter(threads);
+    return true;
+}
+
+bool openmp_is_passive() {
+    const char* policy = std::getenv("OMP_WAIT_POLICY");
+    return policy != nullptr && strcasecmp(policy, "passive") == 0;
+}
+
+void configure_threads(int threads) {
+    if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    at::set_num_threads(threads);
+    set_blas_threads(threads);
+}
+
+Info query() {
+    Info info;
+    info.linvis_version = LINVIS_VERSION;
+    info.torch_version = TORCH_VERSION;
+    info.blas = describe_blas(info.blas_is_optimized);
+    info.torch_threads = at::get_num_threads();
+    if (auto getter = find_symbol<openblas_get_threads_fn>("openblas_get_num_threads")) {
+        info.blas_threads = getter();
+    }
+    info.simd = detect_simd();
+#ifdef LINVIS_WITH_CUDA
+    info.cuda_compiled = true;
+#endif
+    info.cuda_available = torch::cuda::is_available();
+    info.cuda_devices = info.cuda_available ? static_cast<int>(torch::cuda::device_count()) : 0;
+    return info;
+}
+
+}  // namespace linvis::runtime

@@ -1,0 +1,85 @@
+// Helpers shared by the op and model tests: closeness with a readable report, and a
+// finite-difference gradient check (LibTorch's C++ API has no gradcheck).
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace linvis::testing {
+
+// Max |a-b| and max relative error, for failure messages.
+inline std::string diff_report(const torch::Tensor& actual, const torch::Tensor& expected) {
+    auto a = actual.detach().to(torch::kFloat64);
+    auto e = expected.detach().to(torch::kFloat64);
+    auto abs_err = (a - e).abs().max().item<double>();
+    auto scale = e.abs().max().item<double>();
+    return "max abs err " + std::to_string(abs_err) + ", max |expected| " + std::to_string(scale);
+}
+
+// Asserts |actual - expected| <= atol + rtol * |expected| elementwise (and same shape, no NaN).
+inline ::testing::AssertionResult all_close(const torch::Tensor& actual, const torch::Tensor& expected,
+                                            double rtol, double atol) {
+    if (actual.sizes() != expected.sizes())
+        return ::testing::AssertionFailure() << "shape " << actual.sizes() << " != " << expected.sizes();
+    auto a = actual.detach().to(torch::kFloat64);
+    auto e = expected.detach().to(torch::kFloat64);
+    if (!torch::isfinite(a).all().item<bool>()) return ::testing::AssertionFailure() << "non-finite values";
+    auto bad = ((a - e).abs() > (atol + rtol * e.abs())).sum().item<int64_t>();
+    if (bad > 0)
+        return ::testing::AssertionFailure() << bad << " of " << a.numel() << " elements outside rtol "
+                                             << rtol << " atol " << atol << ": " << diff_report(a, e);
+    return ::testing::AssertionSuccess();
+}
+
+// Relative L2 error ||a - e|| / ||e||.
+inline double relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
+    auto a = actual.detach().to(torch::kFloat64);
+    auto e = expected.detach().to(torch::kFloat64);
+    return ((a - e).norm() / e.norm().clamp_min(1e-300)).item<double>();
+}
+
+// Finite-difference check of d(sum(f(inputs) * probe))/d(inputs) in float64.
+// `inputs` must be float64 leaf tensors; each input with requires_grad is checked
+// element by element with central differences (keep them small).
+inline ::testing::AssertionResult gradcheck(
+    const std::function<torch::Tensor(const std::vector<torch::Tensor>&)>& f,
+    std::vector<torch::Tensor> inputs, double eps = 1e-6, double atol = 1e-5, double rtol = 1e-3) {
+    for (auto& t : inputs)
+        if (t.defined() && t.scalar_type() != torch::kFloat64)
+            return ::testing::AssertionFailure() << "gradcheck needs float64 inputs";
+    torch::Tensor out = f(inputs);
+    torch::Tensor probe = torch::randn_like(out);
+    torch::Tensor loss = (out * probe).sum();
+    std::vector<torch::Tensor> wrt;
+    for (auto& t : inputs)
+        if (t.defined() && t.requires_grad()) wrt.push_back(t);
+    auto analytic = torch::autograd::grad({loss}, wrt, {}, false, false, true);
+    torch::NoGradGuard no_grad;
+    size_t k = 0;
+    for (auto& t : inputs) {
+        if (!t.defined() || !t.requires_grad()) continue;
+        torch::Tensor numeric = torch::zeros_like(t);
+        auto flat = t.view({-1});
+        auto num_flat = numeric.view({-1});
+        for (int64_t i = 0; i < flat.numel(); ++i) {
+            const double orig = flat[i].item<double>();
+            flat[i] = orig + eps;
+            const double plus = (f(inputs) * probe).sum().item<double>();
+            flat[i] = orig - eps;
+            const double minus = (f(inputs) * probe).sum().item<double>();
+            flat[i] = orig;
+            num_flat[i] = (plus - minus) / (2 * eps);
+        }
+        torch::Tensor a = analytic[k].defined() ? analytic[k] : torch::zeros_like(t);
+        auto ok = all_close(a, numeric, rtol, atol);
+        if (!ok) return ::testing::AssertionFailure() << "input " << k << " (shape " << t.sizes() << "): " << ok.message();
+        ++k;
+    }
+    return ::testing::AssertionSuccess();
+}
+
+}  // namespace linvis::testing

@@ -1,0 +1,81 @@
+// Core utilities: error messages, argument parsing, FLOP counting, runtime facts.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "linvis/core/error.h"
+#include "linvis/core/flops.h"
+#include "linvis/core/runtime.h"
+#include "linvis/tools/args.h"
+
+using linvis::Error;
+using linvis::tools::ArgParser;
+
+TEST(Error, CheckNamesExpectedAndActual) {
+    try {
+        LINVIS_CHECK(1 + 1 == 3, "file.safetensors: tensor 'w': expected shape ", linvis::shape_string(std::vector<int>{2, 3}),
+                     ", got ", linvis::shape_string(std::vector<int>{3}));
+        FAIL() << "LINVIS_CHECK did not throw";
+    } catch (const Error& e) {
+        EXPECT_STREQ(e.what(), "file.safetensors: tensor 'w': expected shape [2, 3], got [3]");
+    }
+}
+
+TEST(Args, ParsesOptionsFlagsListsAndPositionals) {
+    ArgParser args("bench", "test");
+    args.option("--res", "LIST", "resolutions", "224")
+        .option("--batch", "N", "batch", "1")
+        .multi_option("--model-kwargs", "K=V", "kwargs")
+        .flag("--train", "train")
+        .positional("FILE", "input", true, true);
+    ASSERT_TRUE(args.parse({"a.st", "--res", "224,384", "--model-kwargs", "depth=2", "embed_dim=64", "--train",
+                            "--batch=4", "b.st"}));
+    EXPECT_EQ(args.get_int_list("--res"), (std::vector<int64_t>{224, 384}));
+    EXPECT_EQ(args.get_int("--batch"), 4);
+    EXPECT_TRUE(args.get_flag("--train"));
+    EXPECT_EQ(args.get_all("--model-kwargs"), (std::vector<std::string>{"depth=2", "embed_dim=64"}));
+    EXPECT_EQ(args.positionals(), (std::vector<std::string>{"a.st", "b.st"}));
+}
+
+TEST(Args, RejectsUnknownOptionMissingValueAndBadNumber) {
+    ArgParser args("run", "test");
+    args.option("--batch", "N", "batch", "1").option("--model", "NAME", "model", "", true);
+    EXPECT_THROW(args.parse({"--model", "x", "--bogus"}), Error);
+    EXPECT_THROW(args.parse({"--model"}), Error);
+    EXPECT_THROW(args.parse({"--batch", "2"}), Error);  // --model is required
+    ASSERT_TRUE(args.parse({"--model", "x", "--batch", "two"}));
+    EXPECT_THROW(args.get_int("--batch"), Error);
+}
+
+TEST(Args, KeyValuesNeedEquals) {
+    auto kv = linvis::tools::parse_key_values({"depth=2", "img_size=64"}, "--model-kwargs");
+    EXPECT_EQ(kv.at("depth"), "2");
+    EXPECT_THROW(linvis::tools::parse_key_values({"depth"}, "--model-kwargs"), Error);
+}
+
+TEST(Flops, CountsMultiplyAddsOfLinearMatmulAndConv) {
+    auto x = torch::randn({2, 10, 8});
+    auto w = torch::randn({16, 8});
+    linvis::flops::Counter counter;
+    auto y = linvis::flops::linear(x, w);
+    EXPECT_EQ(counter.macs(), 2 * 10 * 8 * 16);
+    {
+        linvis::flops::Counter inner;
+        linvis::flops::matmul(torch::randn({3, 4, 5}), torch::randn({5, 6}));
+        EXPECT_EQ(inner.macs(), 3 * 4 * 5 * 6);
+    }
+    EXPECT_EQ(counter.macs(), 2 * 10 * 8 * 16 + 3 * 4 * 5 * 6);
+    linvis::flops::Counter conv_counter;
+    auto img = torch::randn({1, 3, 32, 32});
+    auto cw = torch::randn({8, 3, 16, 16});
+    linvis::flops::conv2d(img, cw, {}, {16, 16}, {0, 0}, {1, 1}, 1);
+    EXPECT_EQ(conv_counter.macs(), 8 * 2 * 2 * 3 * 16 * 16);
+    EXPECT_TRUE(torch::allclose(y, torch::matmul(x, w.t())));
+}
+
+TEST(Runtime, ReportsVersionsAndAnOptimizedBlas) {
+    auto info = linvis::runtime::query();
+    EXPECT_FALSE(info.torch_version.empty());
+    EXPECT_FALSE(info.blas.empty());
+    // The setup installs OpenBLAS; the reference BLAS would make every model 25x slower.
+    EXPECT_TRUE(info.blas_is_optimized) << info.blas;
+}
