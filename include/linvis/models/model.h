@@ -1,0 +1,79 @@
+// The interface every linvis model implements, and the options it is built from.
+//
+// Conventions follow timm: forward = forward_head(forward_features(x)); forward_features
+// returns the final normalised tokens (B, T, D) for plain models or the last feature map
+// (B, C, H, W) for hierarchical ones; forward_intermediates returns the outputs of chosen
+// blocks (or stages) for dense-prediction heads. Parameter and buffer names equal the
+// official PyTorch implementations' state_dict keys, so weights load by name.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+namespace linvis::models {
+
+// key=value model options (from the CLI's --model-kwargs or code) with typed getters.
+// Each factory reads the keys it understands; check_all_used() then rejects any key no
+// factory read, so a misspelt option is an error instead of being silently ignored.
+class ModelConfig {
+public:
+    ModelConfig() = default;
+    explicit ModelConfig(std::map<std::string, std::string> values) : values_(std::move(values)) {}
+
+    ModelConfig& set(const std::string& key, const std::string& value);
+    ModelConfig& set(const std::string& key, int64_t value);
+    ModelConfig& set(const std::string& key, double value);
+    bool has(const std::string& key) const { return values_.count(key) != 0; }
+
+    int64_t get_int(const std::string& key, int64_t default_value) const;
+    double get_double(const std::string& key, double default_value) const;
+    bool get_bool(const std::string& key, bool default_value) const;  // 1/0/true/false/yes/no
+    std::string get_string(const std::string& key, const std::string& default_value) const;
+
+    // Throws linvis::Error naming every key that no getter asked for.
+    void check_all_used(const std::string& model_name) const;
+    const std::map<std::string, std::string>& values() const { return values_; }
+
+private:
+    std::map<std::string, std::string> values_;
+    mutable std::set<std::string> used_;
+};
+
+class VisionModel : public torch::nn::Module {
+public:
+    ~VisionModel() override = default;
+
+    // images (B, in_chans, H, W) -> logits (B, num_classes).
+    virtual torch::Tensor forward(const torch::Tensor& images) {
+        return forward_head(forward_features(images), false);
+    }
+    // Final normalised tokens (B, T, D) before pooling, or the last feature map (B, C, H, W).
+    virtual torch::Tensor forward_features(const torch::Tensor& images) = 0;
+    // Pooling and classifier; pre_logits=true returns the pooled features (B, D).
+    virtual torch::Tensor forward_head(const torch::Tensor& features, bool pre_logits) = 0;
+    // Outputs of the blocks (plain models, (B, T, D)) or stages (hierarchical, (B, C, H, W))
+    // with the given indices; negative indices count from the end.
+    virtual std::vector<torch::Tensor> forward_intermediates(const torch::Tensor& images,
+                                                             const std::vector<int64_t>& indices) = 0;
+
+    virtual int64_t num_classes() const = 0;
+    virtual int64_t num_features() const = 0;  // width of the pooled features
+
+    // Maps a key of an official raw/training checkpoint to this model's key; an empty string
+    // drops the key. The default keeps keys unchanged.
+    virtual std::string map_checkpoint_key(const std::string& key) const { return key; }
+    // Adapts a loaded tensor whose shape depends on the resolution (absolute position
+    // embeddings: bicubic resize; RoPE buffers: recomputed). Returns `value` unchanged by default.
+    virtual torch::Tensor adapt_checkpoint_tensor(const std::string& key, const torch::Tensor& value) const {
+        return value;
+    }
+};
+
+using ModelPtr = std::shared_ptr<VisionModel>;
+
+}  // namespace linvis::models

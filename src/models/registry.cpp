@@ -1,0 +1,127 @@
+#include "linvis/models/registry.h"
+
+#include <algorithm>
+#include <map>
+
+#include "linvis/core/error.h"
+
+namespace linvis::models {
+namespace {
+
+std::map<std::string, ModelInfo>& table() {
+    static std::map<std::string, ModelInfo> models;
+    return models;
+}
+
+std::string lowercase(std::string s) {
+    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+    return s;
+}
+
+bool parse_bool(const std::string& key, const std::string& text) {
+    const std::string v = lowercase(text);
+    if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
+    if (v == "0" || v == "false" || v == "no" || v == "off") return false;
+    fail("model option ", key, ": expected true/false, got '", text, "'");
+}
+
+}  // namespace
+
+ModelConfig& ModelConfig::set(const std::string& key, const std::string& value) {
+    values_[key] = value;
+    return *this;
+}
+ModelConfig& ModelConfig::set(const std::string& key, int64_t value) { return set(key, std::to_string(value)); }
+ModelConfig& ModelConfig::set(const std::string& key, double value) {
+    std::ostringstream out;
+    out.precision(17);
+    out << value;
+    return set(key, out.str());
+}
+
+int64_t ModelConfig::get_int(const std::string& key, int64_t default_value) const {
+    used_.insert(key);
+    auto it = values_.find(key);
+    if (it == values_.end()) return default_value;
+    try {
+        size_t used = 0;
+        int64_t v = std::stoll(it->second, &used);
+        if (used == it->second.size()) return v;
+    } catch (const std::exception&) {
+    }
+    fail("model option ", key, ": expected an integer, got '", it->second, "'");
+}
+
+double ModelConfig::get_double(const std::string& key, double default_value) const {
+    used_.insert(key);
+    auto it = values_.find(key);
+    if (it == values_.end()) return default_value;
+    try {
+        size_t used = 0;
+        double v = std::stod(it->second, &used);
+        if (used == it->second.size()) return v;
+    } catch (const std::exception&) {
+    }
+    fail("model option ", key, ": expected a number, got '", it->second, "'");
+}
+
+bool ModelConfig::get_bool(const std::string& key, bool default_value) const {
+    used_.insert(key);
+    auto it = values_.find(key);
+    return it == values_.end() ? default_value : parse_bool(key, it->second);
+}
+
+std::string ModelConfig::get_string(const std::string& key, const std::string& default_value) const {
+    used_.insert(key);
+    auto it = values_.find(key);
+    return it == values_.end() ? default_value : it->second;
+}
+
+void ModelConfig::check_all_used(const std::string& model_name) const {
+    std::string unknown;
+    for (const auto& [key, value] : values_)
+        if (!used_.count(key)) unknown += (unknown.empty() ? "" : ", ") + key;
+    if (!unknown.empty()) fail(model_name, ": unknown model option(s): ", unknown);
+}
+
+void register_model(ModelInfo info) {
+    LINVIS_CHECK(!table().count(info.name), "model '", info.name, "' registered twice");
+    table()[info.name] = std::move(info);
+}
+
+std::vector<ModelInfo> list_models() {
+    std::vector<ModelInfo> out;
+    for (const auto& [name, info] : table()) out.push_back(info);
+    return out;
+}
+
+bool has_model(const std::string& name) { return table().count(name) != 0; }
+
+ModelPtr create_model(const std::string& name, const ModelConfig& config) {
+    auto it = table().find(name);
+    if (it == table().end()) {
+        std::string close;
+        const std::string family = name.substr(0, name.find('_'));
+        for (const auto& [other, info] : table())
+            if (other.rfind(family, 0) == 0) close += (close.empty() ? "" : ", ") + other;
+        fail("unknown model '", name, "'", close.empty() ? std::string(" (see 'linvis models')") : "; did you mean one of: " + close);
+    }
+    ModelConfig local = config;
+    ModelPtr model = it->second.create(local);
+    local.check_all_used(name);
+    return model;
+}
+
+ModelRegistrar::ModelRegistrar(std::string name, std::string family, std::string description,
+                               ModelFactory create) {
+    register_model({std::move(name), std::move(family), std::move(description), std::move(create)});
+}
+
+int64_t count_parameters(const torch::nn::Module& module, bool trainable_only) {
+    int64_t total = 0;
+    for (const auto& p : module.parameters(true))
+        if (!trainable_only || p.requires_grad()) total += p.numel();
+    return total;
+}
+
+}  // namespace linvis::models
