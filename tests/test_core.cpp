@@ -79,3 +79,13 @@ TEST(Runtime, ReportsVersionsAndAnOptimizedBlas) {
     // The setup installs OpenBLAS; the reference BLAS would make every model 25x slower.
     EXPECT_TRUE(info.blas_is_optimized) << info.blas;
 }
+
+#include "linvis/models/imagenet.h"
+
+TEST(ImageNet, ClassNamesInIndexOrder) {
+    EXPECT_STREQ(linvis::models::imagenet_synset(0), "n01440764");
+    EXPECT_EQ(linvis::models::imagenet_class_name(0), "tench");
+    EXPECT_EQ(linvis::models::imagenet_class_name(207), "golden retriever");
+    EXPECT_EQ(linvis::models::imagenet_class_name(999), "toilet tissue");
+    EXPECT_THROW(linvis::models::imagenet_class_name(1000), linvis::Error);
+}

@@ -1,0 +1,62 @@
+// linvis models: every registered model with its parameter count and GFLOPs at 224.
+#include <cstdio>
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+
+#include "command.h"
+#include "linvis/core/error.h"
+#include "linvis/core/runtime.h"
+#include "linvis/models/profile.h"
+#include "linvis/models/registry.h"
+#include "linvis/tools/args.h"
+
+namespace linvis::cli {
+namespace {
+
+std::string with_commas(int64_t n) {
+    std::string digits = std::to_string(n), out;
+    for (size_t i = 0; i < digits.size(); ++i) {
+        if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+        out += digits[i];
+    }
+    return out;
+}
+
+int run_models(int argc, const char* const* argv) {
+    tools::ArgParser args("models", "List every model in the registry with its parameter count (1000 classes) "
+                                    "and GFLOPs at 224x224 (one FLOP per multiply-add, as fvcore and the papers).");
+    args.option("--format", "text|json", "output format", "text")
+        .option("--filter", "TEXT", "only models whose name contains TEXT", "")
+        .flag("--no-flops", "skip the FLOP count (faster)")
+        .option("--threads", "N", "threads (0: all cores)", "0");
+    if (!args.parse(argc, argv, 1)) return 0;
+    const std::string format = args.get("--format");
+    LINVIS_CHECK(format == "text" || format == "json", "--format must be text or json, got '", format, "'");
+    runtime::configure_threads(static_cast<int>(args.get_int("--threads")));
+    const std::string filter = args.get("--filter");
+
+    nlohmann::json rows = nlohmann::json::array();
+    if (format == "text") std::printf("%-16s %-8s %14s %11s  %s\n", "name", "family", "params", "GFLOPs@224", "description");
+    for (const auto& info : models::list_models()) {
+        if (!filter.empty() && info.name.find(filter) == std::string::npos) continue;
+        const models::ModelSummary s = models::summarize_model(info.name, !args.get_flag("--no-flops"));
+        if (format == "json") {
+            rows.push_back({{"name", s.name}, {"family", s.family}, {"description", s.description},
+                            {"params", s.params},
+                            {"gflops_224", s.gflops_224 < 0 ? nlohmann::json(nullptr) : nlohmann::json(s.gflops_224)}});
+        } else {
+            std::printf("%-16s %-8s %14s %11s  %s\n", s.name.c_str(), s.family.c_str(), with_commas(s.params).c_str(),
+                        s.gflops_224 < 0 ? "-" : (std::to_string(s.gflops_224).substr(0, 6)).c_str(),
+                        s.description.c_str());
+            std::fflush(stdout);
+        }
+    }
+    if (format == "json") std::cout << rows.dump(2) << "\n";
+    return 0;
+}
+
+CommandRegistrar registrar("models", "list every model with parameters and GFLOPs at 224", run_models);
+
+}  // namespace
+}  // namespace linvis::cli
