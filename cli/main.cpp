@@ -32,6 +32,7 @@ void print_help() {
               << ": linear-time vision backbones (Vision-TTT, ViT3, ViL, T5) and the DeiT baseline\n\n"
               << "usage: linvis <command> [options]\n\ncommands:\n";
     for (const auto& c : table) {
+        if (c.summary.empty()) continue;  // internal commands
         std::cout << "  " << c.name << std::string(c.name.size() < 20 ? 20 - c.name.size() : 1, ' ')
                   << c.summary << "\n";
     }

@@ -1,0 +1,240 @@
+// linvis bench: throughput, latency, peak memory and FLOPs of models side by side.
+//
+// Every (model, resolution) case runs in a fresh child process (`linvis bench-case`, internal)
+// so the peak memory reported is that case's own. Results: a terminal table with ratios to a
+// baseline model, and optionally JSON, CSV and a PNG figure.
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "command.h"
+#include "linvis/core/error.h"
+#include "linvis/core/runtime.h"
+#include "linvis/models/registry.h"
+#include "linvis/tools/args.h"
+#include "linvis/tools/bench.h"
+
+namespace linvis::cli {
+namespace {
+
+using tools::BenchCase;
+using tools::BenchResult;
+
+// Runs one case in a child process and parses the JSON line it prints.
+BenchResult run_isolated(const BenchCase& c, double timeout_s) {
+    BenchResult failed;
+    failed.config = c;
+    failed.status = "error";
+    int pipe_fds[2];
+    if (pipe(pipe_fds) != 0) {
+        failed.message = "pipe() failed";
+        return failed;
+    }
+    const std::string payload = tools::to_json(c).dump();
+    const pid_t pid = fork();
+    if (pid == 0) {
+        dup2(pipe_fds[1], STDOUT_FILENO);
+        close(pipe_fds[0]);
+        close(pipe_fds[1]);
+        const char* child_argv[] = {"linvis", "bench-case", payload.c_str(), nullptr};
+        execv("/proc/self/exe", const_cast<char* const*>(child_argv));
+        _exit(127);
+    }
+    close(pipe_fds[1]);
+    std::string output;
+    char buffer[4096];
+    const auto start = std::chrono::steady_clock::now();
+    bool timed_out = false;
+    while (true) {
+        struct pollfd pfd {pipe_fds[0], POLLIN, 0};
+        const int ready = poll(&pfd, 1, 1000);
+        if (ready > 0) {
+            const ssize_t n = read(pipe_fds[0], buffer, sizeof(buffer));
+            if (n <= 0) break;
+            output.append(buffer, static_cast<size_t>(n));
+        }
+        if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout_s) {
+            kill(pid, SIGKILL);
+            timed_out = true;
+            break;
+        }
+    }
+    close(pipe_fds[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (timed_out) {
+        failed.message = str_cat("timed out after ", timeout_s, " s");
+        return failed;
+    }
+    const auto last_line_start = output.rfind('{');
+    if (last_line_start == std::string::npos) {
+        failed.message = WIFSIGNALED(status) ? str_cat("child killed by signal ", WTERMSIG(status),
+                                                       WTERMSIG(status) == SIGKILL ? " (out of memory?)" : "")
+                                             : str_cat("child exited with status ", WEXITSTATUS(status));
+        return failed;
+    }
+    try {
+        return tools::bench_result_from_json(nlohmann::json::parse(output.substr(last_line_start)));
+    } catch (const std::exception& e) {
+        failed.message = str_cat("unreadable child output: ", e.what());
+        return failed;
+    }
+}
+
+int run_bench_case(int argc, const char* const* argv) {
+    LINVIS_CHECK(argc == 2, "bench-case takes one JSON argument");
+    const BenchCase c = tools::bench_case_from_json(nlohmann::json::parse(argv[1]));
+    std::cout << tools::to_json(tools::measure_case(c)).dump() << std::endl;
+    return 0;
+}
+
+std::string mib(int64_t bytes) {
+    char text[32];
+    std::snprintf(text, sizeof(text), "%.0f", static_cast<double>(bytes) / (1024.0 * 1024.0));
+    return text;
+}
+
+void print_table(const std::vector<BenchResult>& results, const std::string& baseline) {
+    std::printf("%-14s %5s %5s %-9s %-4s %-5s %12s %17s %10s %9s %9s %8s\n", "model", "res", "batch", "impl",
+                "dtype", "mode", "images/s", "(min-max)", "latency ms", "peak MiB", "GFLOPs", "iters");
+    for (const auto& r : results) {
+        const auto& c = r.config;
+        if (r.status != "ok") {
+            std::printf("%-14s %5lld %5lld %-9s %-4s %-5s  %s: %s\n", c.model.c_str(), static_cast<long long>(c.res),
+                        static_cast<long long>(c.batch), c.impl.c_str(), c.dtype.c_str(), c.train ? "train" : "infer",
+                        r.status.c_str(), r.message.c_str());
+            continue;
+        }
+        char spread[40];
+        std::snprintf(spread, sizeof(spread), "(%.3g-%.3g)", r.images_per_s_min, r.images_per_s_max);
+        std::printf("%-14s %5lld %5lld %-9s %-4s %-5s %12.3f %17s %10.1f %9s %9.2f %8d\n", c.model.c_str(),
+                    static_cast<long long>(c.res), static_cast<long long>(c.batch), c.impl.c_str(), c.dtype.c_str(),
+                    c.train ? "train" : "infer", r.images_per_s, spread, r.latency_ms, mib(r.peak_mem_bytes).c_str(),
+                    r.gflops, r.iterations);
+    }
+    // Ratios against the baseline model at each resolution, measured in this same run.
+    std::map<int64_t, const BenchResult*> base_at;
+    for (const auto& r : results)
+        if (r.config.model == baseline && r.status == "ok") base_at[r.config.res] = &r;
+    if (base_at.empty()) return;
+    std::printf("\nratios to %s at the same resolution (speed: images/s ratio; memory: peak ratio)\n", baseline.c_str());
+    std::printf("%-14s %5s %10s %10s\n", "model", "res", "speed", "memory");
+    for (const auto& r : results) {
+        if (r.config.model == baseline || r.status != "ok" || !base_at.count(r.config.res)) continue;
+        const BenchResult& b = *base_at[r.config.res];
+        std::printf("%-14s %5lld %9.2fx %9.1f%%\n", r.config.model.c_str(), static_cast<long long>(r.config.res),
+                    r.images_per_s / b.images_per_s,
+                    100.0 * static_cast<double>(r.peak_mem_bytes) / static_cast<double>(b.peak_mem_bytes));
+    }
+}
+
+void write_csv(const std::string& path, const std::vector<BenchResult>& results, double sgemm) {
+    std::ofstream out(path);
+    LINVIS_CHECK(out.good(), path, ": cannot open for writing");
+    out << "model,res,batch,impl,dtype,mode,status,images_per_s,images_per_s_min,images_per_s_max,latency_ms,"
+           "peak_mem_bytes,base_mem_bytes,gflops,params,check_rel_err,sgemm_gflops\n";
+    for (const auto& r : results) {
+        const auto& c = r.config;
+        out << c.model << ',' << c.res << ',' << c.batch << ',' << c.impl << ',' << c.dtype << ','
+            << (c.train ? "train" : "infer") << ',' << r.status << ',' << r.images_per_s << ',' << r.images_per_s_min
+            << ',' << r.images_per_s_max << ',' << r.latency_ms << ',' << r.peak_mem_bytes << ','
+            << r.base_mem_bytes << ',' << r.gflops << ',' << r.params << ',' << r.check_rel_err << ',' << sgemm
+            << '\n';
+    }
+}
+
+int run_bench(int argc, const char* const* argv) {
+    tools::ArgParser args("bench",
+                          "Measure throughput (images/s, median and spread), latency, peak memory and GFLOPs of "
+                          "models side by side, each (model, resolution) in its own child process.");
+    args.option("--models", "A,B,...", "models to measure", "deit_tiny,vittt_tiny,vit3_tiny,vil_tiny")
+        .multi_option("--model-kwargs", "K=V", "options passed to every model")
+        .option("--res", "R1,R2,...", "square input resolutions", "224,384,512,768,1024,1280")
+        .option("--batch", "N", "images per pass", "1")
+        .option("--threads", "N", "threads for LibTorch and BLAS (0: all cores)", "0")
+        .option("--dtype", "f32|bf16", "parameter and activation dtype", "f32")
+        .option("--impl", "reference|fused", "op implementation (fused is checked against reference first)",
+                "reference")
+        .flag("--train", "time forward + backward instead of inference")
+        .option("--warmup", "N", "warm-up passes per case", "2")
+        .option("--iters", "N", "timed passes per case (at least 3 are kept)", "5")
+        .option("--max-seconds", "S", "stop timing a case after S seconds (once 3 passes are done)", "60")
+        .option("--case-timeout", "S", "kill a case that runs longer than S seconds", "900")
+        .option("--baseline", "MODEL", "model the ratios are computed against", "deit_tiny")
+        .option("--format", "table|json", "output on stdout", "table")
+        .option("--csv", "FILE", "also write the results as CSV", "")
+        .flag("--no-gemm", "skip measuring the machine's SGEMM rate");
+    if (!args.parse(argc, argv, 1)) return 0;
+    const std::string format = args.get("--format");
+    LINVIS_CHECK(format == "table" || format == "json", "--format must be table or json, got '", format, "'");
+    const std::string dtype = args.get("--dtype"), impl = args.get("--impl");
+    LINVIS_CHECK(dtype == "f32" || dtype == "bf16", "--dtype must be f32 or bf16, got '", dtype, "'");
+    LINVIS_CHECK(impl == "reference" || impl == "fused", "--impl must be reference or fused, got '", impl, "'");
+    const auto model_names = args.get_list("--models");
+    for (const auto& name : model_names)
+        LINVIS_CHECK(models::has_model(name), "--models: unknown model '", name, "' (see 'linvis models')");
+
+    runtime::configure_threads(static_cast<int>(args.get_int("--threads")));
+    const runtime::Info info = runtime::query();
+    const double sgemm = args.get_flag("--no-gemm") ? 0.0 : tools::measure_sgemm_gflops();
+    if (format == "table") {
+        std::printf("machine: %s | threads %d | BLAS %s\n", runtime::simd_name(info.simd), info.torch_threads,
+                    info.blas.c_str());
+        if (sgemm > 0) std::printf("SGEMM rate (2048^3, same run): %.1f GFLOP/s\n", sgemm);
+        std::printf("\n");
+        std::fflush(stdout);
+    }
+
+    std::vector<BenchResult> results;
+    for (const int64_t res : args.get_int_list("--res")) {
+        for (const auto& name : model_names) {
+            BenchCase c;
+            c.model = name;
+            c.model_kwargs = tools::parse_key_values(args.get_all("--model-kwargs"), "--model-kwargs");
+            c.res = res;
+            c.batch = args.get_int("--batch");
+            c.threads = static_cast<int>(args.get_int("--threads"));
+            c.dtype = dtype;
+            c.impl = impl;
+            c.train = args.get_flag("--train");
+            c.warmup = static_cast<int>(args.get_int("--warmup"));
+            c.iters = static_cast<int>(args.get_int("--iters"));
+            c.max_seconds = args.get_double("--max-seconds");
+            results.push_back(run_isolated(c, args.get_double("--case-timeout")));
+            if (format == "table") {
+                const auto& r = results.back();
+                std::fprintf(stderr, "  %s @ %lld: %s\n", name.c_str(), static_cast<long long>(res),
+                             r.status == "ok" ? (std::to_string(r.images_per_s) + " images/s").c_str()
+                                              : (r.status + ": " + r.message).c_str());
+            }
+        }
+    }
+    if (format == "json") {
+        nlohmann::json rows = nlohmann::json::array();
+        for (const auto& r : results) {
+            nlohmann::json row = tools::to_json(r);
+            row["sgemm_gflops"] = sgemm;
+            rows.push_back(row);
+        }
+        std::cout << rows.dump(2) << "\n";
+    } else {
+        print_table(results, args.get("--baseline"));
+    }
+    if (!args.get("--csv").empty()) write_csv(args.get("--csv"), results, sgemm);
+    return 0;
+}
+
+CommandRegistrar bench_registrar("bench", "measure images/s, latency, peak memory and GFLOPs side by side", run_bench);
+CommandRegistrar case_registrar("bench-case", "", run_bench_case);
+
+}  // namespace
+}  // namespace linvis::cli
