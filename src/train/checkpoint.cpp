@@ -1,0 +1,142 @@
+#include "linvis/train/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <filesystem>
+
+#include "linvis/core/error.h"
+
+namespace linvis::train {
+namespace {
+
+void fsync_path(const std::string& path, bool directory) {
+    const int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+    if (fd < 0) return;
+    ::fsync(fd);
+    ::close(fd);
+}
+
+torch::Tensor string_tensor(const std::string& text) {
+    torch::Tensor t = torch::empty({static_cast<int64_t>(text.size())}, torch::kUInt8);
+    std::memcpy(t.data_ptr(), text.data(), text.size());
+    return t;
+}
+
+std::string tensor_string(const torch::Tensor& t) {
+    return std::string(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel()));
+}
+
+}  // namespace
+
+void write_atomically(const std::string& path, const std::function<void(const std::string&)>& write) {
+    namespace fs = std::filesystem;
+    const fs::path target(path);
+    const fs::path temp = target.parent_path() / ("." + target.filename().string() + ".tmp-" + std::to_string(::getpid()));
+    try {
+        write(temp.string());
+    } catch (...) {
+        std::error_code ignored;
+        fs::remove(temp, ignored);
+        throw;
+    }
+    fsync_path(temp.string(), false);
+    std::error_code error;
+    fs::rename(temp, target, error);
+    if (error) {
+        fs::remove(temp, error);
+        fail(path, ": cannot replace checkpoint: ", error.message());
+    }
+    fsync_path(target.parent_path().empty() ? "." : target.parent_path().string(), true);
+}
+
+void save_checkpoint(const std::string& path, const TrainingState& state, const torch::nn::Module& model,
+                     const torch::optim::Optimizer& optimizer, const std::map<std::string, torch::Tensor>* ema) {
+    write_atomically(path, [&](const std::string& temp) {
+        torch::serialize::OutputArchive archive;
+        torch::serialize::OutputArchive model_archive, optimizer_archive, ema_archive;
+        for (const auto& item : model.named_parameters(true)) model_archive.write(item.key(), item.value());
+        for (const auto& item : model.named_buffers(true)) model_archive.write(item.key(), item.value(), true);
+        archive.write("model", model_archive);
+        optimizer.save(optimizer_archive);
+        archive.write("optimizer", optimizer_archive);
+        if (ema != nullptr) {
+            for (const auto& [name, tensor] : *ema) ema_archive.write(name, tensor, true);
+            archive.write("ema", ema_archive);
+        }
+        archive.write("epoch", torch::tensor(state.epoch, torch::kLong), true);
+        archive.write("batch", torch::tensor(state.batch, torch::kLong), true);
+        archive.write("step", torch::tensor(state.step, torch::kLong), true);
+        archive.write("best_top1", torch::tensor(state.best_top1, torch::kFloat64), true);
+        archive.write("config_json", string_tensor(state.config_json), true);
+        {
+            at::Generator generator = at::detail::getDefaultCPUGenerator();
+            std::lock_guard<std::mutex> lock(generator.mutex());
+            archive.write("torch_rng", generator.get_state(), true);
+        }
+        archive.save_to(temp);
+    });
+}
+
+TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                              std::map<std::string, torch::Tensor>* ema) {
+    LINVIS_CHECK(std::filesystem::exists(path), path, ": checkpoint not found");
+    torch::serialize::InputArchive archive;
+    try {
+        archive.load_from(path);
+    } catch (const c10::Error& e) {
+        fail(path, ": not a readable linvis checkpoint: ", e.what_without_backtrace());
+    }
+    TrainingState state;
+    try {
+        torch::serialize::InputArchive model_archive, optimizer_archive;
+        archive.read("model", model_archive);
+        torch::NoGradGuard no_grad;
+        for (auto& item : model.named_parameters(true)) {
+            torch::Tensor value;
+            model_archive.read(item.key(), value);
+            LINVIS_CHECK(value.sizes() == item.value().sizes(), path, ": tensor '", item.key(), "': expected shape ",
+                         shape_string(item.value().sizes()), ", got ", shape_string(value.sizes()));
+            item.value().copy_(value);
+        }
+        for (auto& item : model.named_buffers(true)) {
+            torch::Tensor value;
+            model_archive.read(item.key(), value, true);
+            item.value().copy_(value);
+        }
+        archive.read("optimizer", optimizer_archive);
+        optimizer.load(optimizer_archive);
+        if (ema != nullptr) {
+            torch::serialize::InputArchive ema_archive;
+            archive.read("ema", ema_archive);
+            for (auto& [name, tensor] : *ema) {
+                torch::Tensor value;
+                ema_archive.read(name, value, true);
+                tensor.copy_(value);
+            }
+        }
+        // InputArchive::read assigns into an undefined tensor but resizes a defined one in place,
+        // so every value is read into a fresh tensor.
+        auto read_value = [&](const char* key) {
+            torch::Tensor value;
+            archive.read(key, value, true);
+            return value;
+        };
+        state.epoch = read_value("epoch").item<int64_t>();
+        state.batch = read_value("batch").item<int64_t>();
+        state.step = read_value("step").item<int64_t>();
+        state.best_top1 = read_value("best_top1").item<double>();
+        state.config_json = tensor_string(read_value("config_json"));
+        at::Generator generator = at::detail::getDefaultCPUGenerator();
+        std::lock_guard<std::mutex> lock(generator.mutex());
+        generator.set_state(read_value("torch_rng"));
+    } catch (const c10::Error& e) {
+        fail(path, ": checkpoint does not match this model/optimizer: ", e.what_without_backtrace());
+    }
+    return state;
+}
+
+}  // namespace linvis::train

@@ -1,0 +1,91 @@
+#include "linvis/train/data.h"
+
+#include <random>
+
+#include "linvis/core/error.h"
+
+namespace linvis::train {
+
+uint64_t mix_seed(uint64_t a, uint64_t b, uint64_t c) {
+    auto splitmix = [](uint64_t x) {
+        x += 0x9e3779b97f4a7c15ULL;
+        x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+        x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+        return x ^ (x >> 31);
+    };
+    return splitmix(splitmix(splitmix(a) ^ b) ^ c);
+}
+
+void BatchSource::skip(int64_t count) {
+    torch::Tensor images, labels;
+    for (int64_t i = 0; i < count && next(images, labels); ++i) {
+    }
+}
+
+TensorBatchSource::TensorBatchSource(torch::Tensor images, torch::Tensor labels, int64_t batch_size, bool shuffle,
+                                     uint64_t seed, TensorAugment augment, bool drop_last)
+    : images_(std::move(images)), labels_(std::move(labels)), batch_size_(batch_size), shuffle_(shuffle),
+      drop_last_(drop_last), seed_(seed), augment_(augment) {
+    LINVIS_CHECK(images_.dim() == 4, "TensorBatchSource: images must be (N, C, H, W), got ",
+                 shape_string(images_.sizes()));
+    LINVIS_CHECK(labels_.dim() == 1 && labels_.size(0) == images_.size(0), "TensorBatchSource: labels must be (",
+                 images_.size(0), "), got ", shape_string(labels_.sizes()));
+    LINVIS_CHECK(batch_size_ > 0, "batch size must be positive, got ", batch_size_);
+    start_epoch(0);
+}
+
+void TensorBatchSource::start_epoch(int64_t epoch) {
+    epoch_ = epoch;
+    position_ = 0;
+    batch_index_ = 0;
+    const int64_t n = images_.size(0);
+    if (!shuffle_) {
+        order_ = torch::arange(n, torch::kLong);
+        return;
+    }
+    std::vector<int64_t> order(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) order[static_cast<size_t>(i)] = i;
+    std::mt19937_64 rng(mix_seed(seed_, static_cast<uint64_t>(epoch)));
+    std::shuffle(order.begin(), order.end(), rng);
+    order_ = torch::tensor(order, torch::kLong);
+}
+
+int64_t TensorBatchSource::batches_per_epoch() const {
+    const int64_t n = images_.size(0);
+    return drop_last_ ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
+}
+
+void TensorBatchSource::skip(int64_t count) {
+    for (int64_t i = 0; i < count && batch_index_ < batches_per_epoch(); ++i) {
+        position_ = std::min(position_ + batch_size_, images_.size(0));
+        ++batch_index_;
+    }
+}
+
+bool TensorBatchSource::next(torch::Tensor& images, torch::Tensor& labels) {
+    if (batch_index_ >= batches_per_epoch()) return false;
+    const int64_t end = std::min(position_ + batch_size_, images_.size(0));
+    torch::Tensor index = order_.slice(0, position_, end);
+    images = images_.index_select(0, index);
+    labels = labels_.index_select(0, index);
+    if (augment_.pad > 0 || augment_.hflip) {
+        std::mt19937_64 rng(mix_seed(seed_, static_cast<uint64_t>(epoch_), static_cast<uint64_t>(batch_index_) + 1));
+        const int64_t h = images.size(2), w = images.size(3), p = augment_.pad;
+        torch::Tensor padded = p > 0 ? torch::constant_pad_nd(images, {p, p, p, p}, 0.0) : images;
+        std::uniform_int_distribution<int64_t> offset(0, 2 * p);
+        std::bernoulli_distribution flip(0.5);
+        std::vector<torch::Tensor> out;
+        for (int64_t i = 0; i < images.size(0); ++i) {
+            const int64_t dy = offset(rng), dx = offset(rng);
+            torch::Tensor crop = padded[i].slice(1, dy, dy + h).slice(2, dx, dx + w);
+            if (augment_.hflip && flip(rng)) crop = crop.flip({2});
+            out.push_back(crop);
+        }
+        images = torch::stack(out);
+    }
+    position_ = end;
+    ++batch_index_;
+    return true;
+}
+
+}  // namespace linvis::train
