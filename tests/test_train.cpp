@@ -278,3 +278,22 @@ TEST(Ema, AveragesTowardsTheWeights) {
     ema.update(model);
     EXPECT_TRUE(linvis::testing::all_close(ema.tensors().at("head.weight"), before + 1.0, 1e-6, 1e-6));
 }
+
+#include "linvis/train/finetune.h"
+
+TEST(Finetune, InheritsMatchingTensorsAndReportsTheRest) {
+    torch::manual_seed(0);
+    TinyNet source(4), target(5);  // the heads differ in shape
+    std::map<std::string, torch::Tensor> weights;
+    for (const auto& item : source.named_parameters(true)) weights[item.key()] = item.value().detach().clone();
+    weights["extra.weight"] = torch::zeros({2});
+    auto report = train::inherit_weights(target, weights);
+    EXPECT_TRUE(torch::equal(target.conv->weight, source.conv->weight));
+    EXPECT_EQ(report.copied.size(), 4u);  // conv.weight/bias, norm.weight/bias
+    EXPECT_EQ(report.shape_mismatch.size(), 2u);
+    EXPECT_EQ(report.unused, (std::vector<std::string>{"extra.weight"}));
+    EXPECT_TRUE(report.new_parameters.empty());
+    EXPECT_THROW(train::inherit_weights(target, weights, false), Error);
+    weights.erase("conv.bias");
+    EXPECT_EQ(train::inherit_weights(target, weights).new_parameters, (std::vector<std::string>{"conv.bias"}));
+}
