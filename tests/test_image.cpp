@@ -353,7 +353,8 @@ TEST(Transforms, BicubicAntialiasMatchesIndependentReference) {
         const auto got64 = resize(plane.unsqueeze(0), oh, ow).squeeze(0);
         EXPECT_TRUE(linvis::testing::all_close(got64, expected, 0, 1e-9)) << oh << "x" << ow;
         const auto got32 = resize(plane.to(torch::kFloat32).unsqueeze(0), oh, ow).squeeze(0);
-        EXPECT_TRUE(linvis::testing::all_close(got32, expected, 0, 1e-3))  // float32 rounding on a 0..255 scale << oh << "x" << ow;
+        // float32 rounding on a 0..255 scale: measured up to 5.3e-4.
+        EXPECT_TRUE(linvis::testing::all_close(got32, expected, 0, 1e-3)) << oh << "x" << ow;
     }
     // Without antialias the kernel is not widened: downscaling gives a different answer.
     const auto plain = resize(plane.unsqueeze(0), 11, 16, Interpolation::Bicubic, false).squeeze(0);
