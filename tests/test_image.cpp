@@ -1,0 +1,408 @@
+// Image decoding/encoding (linvis/io/image.h) and evaluation transforms (linvis/io/transforms.h).
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "linvis/core/error.h"
+#include "linvis/io/image.h"
+#include "linvis/io/transforms.h"
+#include "support/testing.h"
+
+namespace fs = std::filesystem;
+using linvis::Error;
+using namespace linvis::io;
+
+namespace {
+
+// A fresh directory per test, removed afterwards.
+class TempDir {
+public:
+    TempDir() {
+        const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+        path_ = fs::temp_directory_path() /
+                ("linvis_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
+        fs::remove_all(path_);
+        fs::create_directories(path_);
+    }
+    ~TempDir() {
+        std::error_code ec;
+        fs::remove_all(path_, ec);
+    }
+    std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+private:
+    fs::path path_;
+};
+
+void write_bytes(const std::string& path, const std::vector<uint8_t>& bytes) {
+    std::ofstream out(path, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+}
+
+// Runs `f`, expects linvis::Error whose message contains every needle.
+template <typename F>
+void expect_error_containing(F&& f, const std::vector<std::string>& needles) {
+    try {
+        f();
+        ADD_FAILURE() << "no linvis::Error thrown";
+    } catch (const Error& e) {
+        for (const auto& needle : needles)
+            EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+                << "message '" << e.what() << "' lacks '" << needle << "'";
+    }
+}
+
+// A smooth colour image (JPEG-friendly), uint8 (h, w, 3).
+torch::Tensor smooth_image(int64_t h, int64_t w) {
+    auto y = torch::arange(h, torch::kFloat32).view({h, 1, 1}) / float(h - 1);
+    auto x = torch::arange(w, torch::kFloat32).view({1, w, 1}) / float(w - 1);
+    auto c = torch::tensor({0.2f, 0.5f, 0.8f}).view({1, 1, 3});
+    auto img = 40 + 170 * (0.5 * x + 0.3 * y + 0.2 * c);
+    return img.round().to(torch::kUInt8);
+}
+
+// The antialiased (PIL-style) separable filter, written out independently in double:
+// output i samples the input around centre (i + 0.5) * scale with the kernel widened by
+// max(scale, 1), truncated at the borders and renormalised.
+double keys_cubic(double x) {
+    const double a = -0.5;
+    x = std::abs(x);
+    if (x < 1) return ((a + 2) * x - (a + 3)) * x * x + 1;
+    if (x < 2) return (((x - 5) * x + 8) * x - 4) * a;
+    return 0;
+}
+
+std::vector<std::vector<std::pair<int64_t, double>>> aa_weights(int64_t in, int64_t out) {
+    const double scale = double(in) / double(out);
+    const double widen = std::max(scale, 1.0);
+    const double support = 2.0 * widen;
+    std::vector<std::vector<std::pair<int64_t, double>>> rows(out);
+    for (int64_t i = 0; i < out; ++i) {
+        const double center = (i + 0.5) * scale;
+        const int64_t lo = std::max<int64_t>(int64_t(center - support + 0.5), 0);
+        const int64_t hi = std::min<int64_t>(int64_t(center + support + 0.5), in);
+        double total = 0;
+        for (int64_t j = lo; j < hi; ++j) {
+            const double w = keys_cubic((j - center + 0.5) / widen);
+            rows[i].push_back({j, w});
+            total += w;
+        }
+        for (auto& entry : rows[i]) entry.second /= total;
+    }
+    return rows;
+}
+
+// (H, W) double -> (out_h, out_w), width pass then height pass.
+torch::Tensor reference_bicubic_aa(const torch::Tensor& plane, int64_t out_h, int64_t out_w) {
+    const int64_t h = plane.size(0), w = plane.size(1);
+    auto src = plane.to(torch::kFloat64).contiguous();
+    auto a = src.accessor<double, 2>();
+    auto tmp = torch::zeros({h, out_w}, torch::kFloat64);
+    auto t = tmp.accessor<double, 2>();
+    const auto wx = aa_weights(w, out_w);
+    for (int64_t y = 0; y < h; ++y)
+        for (int64_t i = 0; i < out_w; ++i)
+            for (auto [j, wt] : wx[i]) t[y][i] += wt * a[y][j];
+    auto out = torch::zeros({out_h, out_w}, torch::kFloat64);
+    auto o = out.accessor<double, 2>();
+    const auto wy = aa_weights(h, out_h);
+    for (int64_t i = 0; i < out_h; ++i)
+        for (auto [j, wt] : wy[i])
+            for (int64_t x = 0; x < out_w; ++x) o[i][x] += wt * t[j][x];
+    return out;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ decoding / encoding
+
+TEST(Image, PngAndBmpRoundTripExactly) {
+    TempDir dir;
+    const auto image = demo_image(37, 53);
+    for (const char* name : {"a.png", "a.bmp"}) {
+        write_image(dir.file(name), image);
+        const auto decoded = read_image(dir.file(name));
+        EXPECT_EQ(decoded.sizes(), (std::vector<int64_t>{37, 53, 3})) << name;
+        EXPECT_EQ(decoded.scalar_type(), torch::kUInt8);
+        EXPECT_TRUE(torch::equal(decoded, image)) << name;
+    }
+    // The memory path gives the same pixels.
+    EXPECT_TRUE(torch::equal(decode_image(encode_image(image, ImageFormat::Png)), image));
+}
+
+TEST(Image, JpegDecodesWithinCompressionTolerance) {
+    TempDir dir;
+    const auto image = smooth_image(48, 64);
+    write_image(dir.file("a.jpg"), image, 95);
+    const auto decoded = read_image(dir.file("a.jpg"));
+    ASSERT_EQ(decoded.sizes(), image.sizes());
+    const auto diff = (decoded.to(torch::kInt32) - image.to(torch::kInt32)).abs();
+    EXPECT_LT(diff.to(torch::kFloat32).mean().item<float>(), 1.5f);
+    EXPECT_LE(diff.max().item<int>(), 8);
+    // A low quality differs more: the decoder really decodes what was written.
+    const auto rough = decode_image(encode_image(image, ImageFormat::Jpeg, 5));
+    EXPECT_GT((rough.to(torch::kInt32) - image.to(torch::kInt32)).abs().sum().item<int64_t>(),
+              diff.sum().item<int64_t>());
+}
+
+TEST(Image, GrayscaleAndAlphaBecomeRgb) {
+    const auto rgb = demo_image(20, 30);
+    const auto gray = rgb.select(2, 1).contiguous();  // (H, W)
+    for (auto format : {ImageFormat::Png, ImageFormat::Bmp}) {
+        const auto decoded = decode_image(encode_image(gray, format));
+        ASSERT_EQ(decoded.sizes(), (std::vector<int64_t>{20, 30, 3})) << image_format_name(format);
+        for (int c = 0; c < 3; ++c) EXPECT_TRUE(torch::equal(decoded.select(2, c), gray)) << image_format_name(format);
+    }
+    // RGBA and gray+alpha: alpha is dropped, colour kept (PIL convert("RGB")).
+    const auto alpha = torch::full({20, 30, 1}, 7, torch::kUInt8);
+    const auto rgba = torch::cat({rgb, alpha}, 2);
+    EXPECT_TRUE(torch::equal(decode_image(encode_image(rgba, ImageFormat::Png)), rgb));
+    const auto gray_alpha = torch::cat({gray.unsqueeze(2), alpha}, 2);
+    EXPECT_TRUE(torch::equal(decode_image(encode_image(gray_alpha, ImageFormat::Png)),
+                             gray.unsqueeze(2).expand({20, 30, 3})));
+}
+
+TEST(Image, MissingEmptyAndDirectoryNameTheFile) {
+    TempDir dir;
+    expect_error_containing([&] { read_image(dir.file("nope.png")); }, {dir.file("nope.png"), "no such file"});
+    write_bytes(dir.file("empty.jpg"), {});
+    expect_error_containing([&] { read_image(dir.file("empty.jpg")); }, {dir.file("empty.jpg"), "empty"});
+    fs::create_directories(dir.file("sub.png"));
+    expect_error_containing([&] { read_image(dir.file("sub.png")); }, {dir.file("sub.png"), "directory"});
+    write_bytes(dir.file("text.png"), {'h', 'e', 'l', 'l', 'o'});
+    expect_error_containing([&] { read_image(dir.file("text.png")); },
+                            {dir.file("text.png"), "not a JPEG, PNG or BMP", "68 65 6c 6c"});
+}
+
+TEST(Image, TruncatedFilesAreRejected) {
+    TempDir dir;
+    const auto image = demo_image(40, 40);
+    for (auto format : {ImageFormat::Png, ImageFormat::Jpeg, ImageFormat::Bmp}) {
+        auto bytes = encode_image(image, format);
+        const std::string name = dir.file(std::string("cut.") + image_format_name(format));
+        // Cut at several points, from inside the header to just before the end.
+        for (double fraction : {0.05, 0.5, 0.9}) {
+            const auto cut = std::vector<uint8_t>(bytes.begin(), bytes.begin() + std::ptrdiff_t(bytes.size() * fraction));
+            write_bytes(name, cut);
+            expect_error_containing([&] { read_image(name); }, {name});
+        }
+        write_bytes(name, std::vector<uint8_t>(bytes.begin(), bytes.end() - 1));
+        expect_error_containing([&] { read_image(name); }, {name, "truncated"});
+    }
+}
+
+TEST(Image, CorruptFilesAreRejectedWithReason) {
+    TempDir dir;
+    const auto image = demo_image(40, 40);
+    // A flipped byte inside PNG data: the chunk CRC no longer matches.
+    auto png = encode_image(image, ImageFormat::Png);
+    png[png.size() / 2] ^= 0x5a;
+    write_bytes(dir.file("bad.png"), png);
+    expect_error_containing([&] { read_image(dir.file("bad.png")); }, {dir.file("bad.png"), "CRC mismatch"});
+    // A JPEG with a whole container but no frame: stb's own reason is reported.
+    const std::vector<uint8_t> no_frame = {0xff, 0xd8, 0xff, 0xd9};
+    expect_error_containing([&] { decode_image(no_frame, "frameless.jpg"); }, {"frameless.jpg", "cannot decode JPEG: "});
+    // Garbage where a JPEG marker must be.
+    auto jpeg = encode_image(image, ImageFormat::Jpeg);
+    const size_t second_marker = 4 + ((size_t(jpeg[4]) << 8) | jpeg[5]);  // after SOI and the first segment
+    ASSERT_LT(second_marker, jpeg.size());
+    ASSERT_EQ(jpeg[second_marker], 0xff);
+    jpeg[second_marker] = 0x12;
+    expect_error_containing([&] { decode_image(jpeg, "garbled.jpg"); }, {"garbled.jpg", "corrupt JPEG"});
+}
+
+TEST(Image, EncodeRejectsBadInputs) {
+    EXPECT_THROW(encode_image(torch::zeros({4, 4, 3}), ImageFormat::Png), Error);                 // float
+    EXPECT_THROW(encode_image(torch::zeros({4, 4, 5}, torch::kUInt8), ImageFormat::Png), Error);  // 5 channels
+    EXPECT_THROW(encode_image(torch::zeros({4, 4, 4}, torch::kUInt8), ImageFormat::Jpeg), Error); // RGBA JPEG
+    TempDir dir;
+    expect_error_containing([&] { write_image(dir.file("x.gif"), demo_image(8, 8)); }, {"x.gif", "extension"});
+    expect_error_containing([&] { write_png(dir.file("missing_dir/x.png"), demo_image(8, 8)); },
+                            {"missing_dir/x.png", "cannot open"});
+}
+
+TEST(Image, WritePngOfFloatHeatMap) {
+    TempDir dir;
+    const auto heat = torch::linspace(0, 1, 12).view({1, 3, 4}).expand({3, 3, 4});  // (C, H, W)
+    const auto pixels = to_uint8_image(heat);
+    ASSERT_EQ(pixels.sizes(), (std::vector<int64_t>{3, 4, 3}));
+    EXPECT_EQ(pixels[0][0][0].item<int>(), 0);
+    EXPECT_EQ(pixels[2][3][1].item<int>(), 255);
+    EXPECT_EQ(pixels[0][1][2].item<int>(), 23);  // 255 / 11 = 23.18
+    write_png(dir.file("heat.png"), pixels);
+    EXPECT_TRUE(torch::equal(read_image(dir.file("heat.png")), pixels));
+}
+
+TEST(Image, DemoImageIsDeterministicAndStructured) {
+    const auto a = demo_image(), b = demo_image();
+    ASSERT_EQ(a.sizes(), (std::vector<int64_t>{256, 320, 3}));
+    EXPECT_TRUE(torch::equal(a, b));
+    // Features at positions given by the construction: checker cell (0, 0) light,
+    // the next cell dark, the disc's centre blue, the bottom-right corner from the gradient.
+    EXPECT_EQ(a[0][0][0].item<int>(), 235);
+    EXPECT_EQ(a[0][16][0].item<int>(), 25);
+    EXPECT_EQ(a[192][80][2].item<int>(), 200);
+    EXPECT_EQ(a[255][319][0].item<int>(), 255);
+    EXPECT_EQ(a[255][319][1].item<int>(), 255);
+    EXPECT_GT(a.to(torch::kFloat32).std().item<float>(), 40.0f);
+    EXPECT_THROW(demo_image(4, 4), Error);
+}
+
+// ------------------------------------------------------------------ transforms
+
+TEST(Transforms, ShorterSideSizeFollowsTorchvision) {
+    EXPECT_EQ(shorter_side_size(480, 640, 256), (std::pair<int64_t, int64_t>{256, 341}));  // 341.33
+    EXPECT_EQ(shorter_side_size(640, 480, 256), (std::pair<int64_t, int64_t>{341, 256}));
+    EXPECT_EQ(shorter_side_size(375, 500, 256), (std::pair<int64_t, int64_t>{256, 341}));
+    EXPECT_EQ(shorter_side_size(100, 100, 256), (std::pair<int64_t, int64_t>{256, 256}));
+    EXPECT_EQ(shorter_side_size(300, 599, 256), (std::pair<int64_t, int64_t>{256, 511}));  // 511.15
+    EXPECT_THROW(shorter_side_size(0, 5, 256), Error);
+}
+
+TEST(Transforms, CenterCropOffsetsRoundHalfToEven) {
+    using P = std::pair<int64_t, int64_t>;
+    EXPECT_EQ(center_crop_offsets(256, 256, 224, 224), (P{16, 16}));
+    EXPECT_EQ(center_crop_offsets(257, 259, 224, 224), (P{16, 18}));  // 16.5 -> 16, 17.5 -> 18
+    EXPECT_EQ(center_crop_offsets(225, 227, 224, 224), (P{0, 2}));    // 0.5 -> 0, 1.5 -> 2
+    EXPECT_EQ(center_crop_offsets(5, 6, 2, 2), (P{2, 2}));            // 1.5 -> 2, 2
+}
+
+TEST(Transforms, CenterCropTakesTheRightPixelsAndPads) {
+    const auto x = torch::arange(2 * 5 * 7, torch::kFloat32).view({2, 5, 7});
+    const auto c = center_crop(x, 2, 4);
+    // Offsets: top round(1.5) = 2, left round(1.5) = 2.
+    EXPECT_TRUE(torch::equal(c, x.narrow(1, 2, 2).narrow(2, 2, 4)));
+    // Larger than the image: zero padding floor(d/2) before, ceil(d/2) after.
+    const auto p = center_crop(torch::ones({1, 2, 3}), 5, 4);
+    ASSERT_EQ(p.sizes(), (std::vector<int64_t>{1, 5, 4}));
+    const auto expected = torch::tensor({0.f, 0.f, 0.f, 0.f,  //
+                                         1.f, 1.f, 1.f, 0.f,  //
+                                         1.f, 1.f, 1.f, 0.f,  //
+                                         0.f, 0.f, 0.f, 0.f,  //
+                                         0.f, 0.f, 0.f, 0.f})
+                              .view({1, 5, 4});
+    EXPECT_TRUE(torch::equal(p, expected)) << p;
+}
+
+TEST(Transforms, ConstantImageNormalisesToHandValues) {
+    // Resizing a constant keeps it constant (weights sum to one), so every output pixel is
+    // (v / 255 - mean) / std per channel.
+    const auto image = torch::stack({torch::full({300, 400}, 128, torch::kUInt8), torch::full({300, 400}, 0, torch::kUInt8),
+                                     torch::full({300, 400}, 255, torch::kUInt8)},
+                                    2);
+    const EvalTransform transform;
+    const auto out = transform(image);
+    ASSERT_EQ(out.sizes(), (std::vector<int64_t>{3, 224, 224}));
+    EXPECT_EQ(out.scalar_type(), torch::kFloat32);
+    const double expected[3] = {(128.0 / 255 - 0.485) / 0.229, (0.0 - 0.456) / 0.224, (1.0 - 0.406) / 0.225};
+    // By hand: 0.0740645, -2.0357143, 2.64.
+    EXPECT_NEAR(expected[0], 0.0740645, 1e-6);
+    EXPECT_NEAR(expected[1], -2.0357143, 1e-6);
+    EXPECT_NEAR(expected[2], 2.64, 1e-6);
+    for (int c = 0; c < 3; ++c) {
+        EXPECT_NEAR(out[c].min().item<float>(), expected[c], 2e-6) << c;
+        EXPECT_NEAR(out[c].max().item<float>(), expected[c], 2e-6) << c;
+    }
+}
+
+TEST(Transforms, EvalTransformParameters) {
+    EvalTransform t;
+    EXPECT_EQ(t.effective_resize_size(), 256);  // floor(224 / 0.875)
+    t.crop_size = 384;
+    t.crop_pct = 1.0;
+    EXPECT_EQ(t.effective_resize_size(), 384);
+    t.crop_pct = 0.875;
+    EXPECT_EQ(t.effective_resize_size(), 438);  // floor(438.86)
+    t.resize_size = 400;
+    EXPECT_EQ(t.effective_resize_size(), 400);
+
+    EvalTransform small;
+    small.crop_size = 32;
+    small.resize_size = 40;
+    const auto out = small(demo_image(50, 90));  // -> 40 x 72 -> crop 32 x 32 at (4, 20)
+    ASSERT_EQ(out.sizes(), (std::vector<int64_t>{3, 32, 32}));
+    // Same result built from the parts.
+    auto chw = resize(demo_image(50, 90).permute({2, 0, 1}), 40, 72);
+    const auto manual = normalize(chw.narrow(1, 4, 32).narrow(2, 20, 32).to(torch::kFloat32).div(255.0),
+                                  {0.485, 0.456, 0.406}, {0.229, 0.224, 0.225});
+    EXPECT_TRUE(torch::equal(out, manual));
+
+    EvalTransform bad;
+    bad.crop_pct = 1.5;
+    EXPECT_THROW(bad(demo_image(50, 50)), Error);
+    bad = EvalTransform{};
+    bad.std = {0.2, 0.0, 0.2};
+    EXPECT_THROW(bad(demo_image(50, 50)), Error);
+    EXPECT_THROW(EvalTransform{}(torch::zeros({10, 10, 3})), Error);  // float input
+    EXPECT_EQ(parse_interpolation("bilinear"), Interpolation::Bilinear);
+    EXPECT_THROW(parse_interpolation("lanczos"), Error);
+}
+
+TEST(Transforms, BicubicAntialiasMatchesIndependentReference) {
+    torch::manual_seed(3);
+    const auto plane = torch::rand({29, 41}, torch::kFloat64) * 255;
+    for (auto [oh, ow] : std::vector<std::pair<int64_t, int64_t>>{{11, 16}, {29, 20}, {50, 70}, {13, 90}}) {
+        const auto expected = reference_bicubic_aa(plane, oh, ow);
+        const auto got64 = resize(plane.unsqueeze(0), oh, ow).squeeze(0);
+        EXPECT_TRUE(linvis::testing::all_close(got64, expected, 0, 1e-9)) << oh << "x" << ow;
+        const auto got32 = resize(plane.to(torch::kFloat32).unsqueeze(0), oh, ow).squeeze(0);
+        // float32 rounding on a 0..255 scale: measured up to 5.3e-4.
+        EXPECT_TRUE(linvis::testing::all_close(got32, expected, 0, 1e-3)) << oh << "x" << ow;
+    }
+    // Without antialias the kernel is not widened: downscaling gives a different answer.
+    const auto plain = resize(plane.unsqueeze(0), 11, 16, Interpolation::Bicubic, false).squeeze(0);
+    EXPECT_GT((plain - reference_bicubic_aa(plane, 11, 16)).abs().max().item<double>(), 1.0);
+}
+
+TEST(Transforms, BicubicReproducesLinearRamp) {
+    // Input pixel j (centre j + 0.5) holds j. Output pixel i of a resize by factor s has its
+    // centre at (i + 0.5) * s, so an exact linear interpolator gives (i + 0.5) * s - 0.5. The
+    // a = -0.5 cubic reproduces linear functions; check away from the truncated borders.
+    const int64_t n = 40;
+    const auto ramp = torch::arange(n, torch::kFloat64).view({1, 1, n}).expand({1, 3, n}).contiguous();
+    for (int64_t out : {20, 80, 10}) {
+        const double s = double(n) / double(out);
+        const auto got = resize(ramp, 3, out).select(1, 1).squeeze(0);  // middle row
+        const int64_t margin = int64_t(std::ceil(2 * std::max(s, 1.0) / s)) + 1;
+        for (int64_t i = margin; i < out - margin; ++i)
+            EXPECT_NEAR(got[i].item<double>(), (i + 0.5) * s - 0.5, 1e-9) << "out " << out << " i " << i;
+    }
+}
+
+TEST(Transforms, Uint8ResizeRoundsAndClampsLikeTorchvision) {
+    // Black and white halves: bicubic overshoots at the step on both sides.
+    auto image = demo_image(33, 47).permute({2, 0, 1}).contiguous();
+    image.narrow(2, 0, 20).fill_(0);
+    image.narrow(2, 20, 10).fill_(255);
+    const auto as_u8 = resize(image, 20, 29);
+    ASSERT_EQ(as_u8.scalar_type(), torch::kUInt8);
+    const auto as_float = resize(image.to(torch::kFloat32), 20, 29);
+    EXPECT_TRUE(torch::equal(as_u8, as_float.clamp(0, 255).round().to(torch::kUInt8)));
+    // Sharp edges overshoot: the float result leaves [0, 255], the uint8 one is clamped.
+    EXPECT_TRUE(as_float.max().item<float>() > 255.0f || as_float.min().item<float>() < 0.0f);
+    // bfloat16 is computed in float32 and rounded to bfloat16.
+    const auto bf = resize(image.to(torch::kBFloat16), 20, 29);
+    EXPECT_EQ(bf.scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(linvis::testing::all_close(bf.to(torch::kFloat32), as_float, 1e-2, 1e-2));
+    // Same size: unchanged.
+    EXPECT_TRUE(torch::equal(resize(image, 33, 47), image));
+}
+
+TEST(Transforms, LoadImageBatchStacksAndNamesBadFiles) {
+    TempDir dir;
+    write_image(dir.file("a.png"), demo_image(60, 80));
+    write_image(dir.file("b.bmp"), demo_image(90, 50));
+    EvalTransform t;
+    t.crop_size = 48;
+    const auto batch = load_image_batch({dir.file("a.png"), dir.file("b.bmp")}, t);
+    ASSERT_EQ(batch.sizes(), (std::vector<int64_t>{2, 3, 48, 48}));
+    EXPECT_TRUE(torch::equal(batch[1], t(read_image(dir.file("b.bmp")))));
+    expect_error_containing([&] { load_image_batch({dir.file("a.png"), dir.file("c.png")}, t); }, {dir.file("c.png")});
+}
