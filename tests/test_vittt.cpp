@@ -253,3 +253,18 @@ TEST(Vittt, FrozenW0NotTrained) {
     ASSERT_TRUE(g.defined());
     EXPECT_GT(g.abs().max().item<double>(), 0.0);
 }
+
+TEST(Vittt, Bfloat16ForwardCloseToFloat32) {
+    torch::manual_seed(6);
+    auto model = small_model();
+    model->eval();
+    torch::NoGradGuard no_grad;
+    auto images = torch::randn({2, 3, 80, 80});
+    auto f32 = model->forward_features(images);
+    model->to(torch::kBFloat16);
+    auto bf16 = model->forward_features(images.to(torch::kBFloat16));
+    ASSERT_EQ(bf16.scalar_type(), torch::kBFloat16);
+    const double err = linvis::testing::relative_error(bf16, f32);
+    std::printf("[ bf16 ] vittt_tiny depth 2 features: relative L2 error %.3e\n", err);
+    EXPECT_LT(err, 5e-2);
+}
