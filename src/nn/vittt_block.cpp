@@ -1,0 +1,202 @@
+#include "linvis/nn/vittt_block.h"
+
+#include "linvis/core/error.h"
+#include "linvis/core/flops.h"
+#include "linvis/ops/ttt_linear.h"
+
+namespace linvis::nn {
+namespace {
+
+namespace F = torch::nn::functional;
+
+torch::nn::Linear make_linear(int64_t in, int64_t out, bool bias) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+}
+
+// Linear weights N(0, 0.02), bias 0 (spec/vittt.md "Initialisation").
+void init_linear(torch::nn::Linear& linear) {
+    torch::NoGradGuard no_grad;
+    linear->weight.normal_(0.0, 0.02);
+    if (linear->bias.defined()) linear->bias.zero_();
+}
+
+torch::Tensor linear(const torch::nn::Linear& l, const torch::Tensor& x) {
+    return flops::linear(x, l->weight, l->bias);
+}
+
+torch::Tensor layer_norm(torch::nn::LayerNorm& norm, const torch::Tensor& x) { return norm->forward(x); }
+
+}  // namespace
+
+// ------------------------------------------------------------------ TttLinearBranch
+TttLinearBranchImpl::TttLinearBranchImpl(const TttBranchOptions& options) : options_(options) {
+    const int64_t D = options.dim, nh = options.num_heads;
+    LINVIS_CHECK(D > 0 && nh > 0 && D % nh == 0, "vittt: embed_dim ", D, " must be a positive multiple of num_heads ",
+                 nh);
+    LINVIS_CHECK(options.mini_batch_size >= 1, "vittt: mini_batch_size must be >= 1, got ", options.mini_batch_size);
+    const int64_t d = D / nh;
+    learnable_token_idx = register_parameter("learnable_token_idx", torch::zeros({options.mini_batch_size}));
+    learnable_ttt_lr_weight = register_parameter("learnable_ttt_lr_weight", torch::zeros({nh, 1, D}));
+    learnable_ttt_lr_bias = register_parameter("learnable_ttt_lr_bias", torch::zeros({nh, 1}));
+    ttt_norm_weight = register_parameter("ttt_norm_weight", torch::ones({nh, d}));
+    ttt_norm_bias = register_parameter("ttt_norm_bias", torch::zeros({nh, d}));
+    W1 = register_parameter("W1", torch::zeros({nh, d, d}), options.learnable_w0);
+    b1 = register_parameter("b1", torch::zeros({nh, 1, d}), options.learnable_w0);
+    q_proj = register_module("q_proj", make_linear(D, D, false));
+    v_proj = register_module("v_proj", make_linear(D, D, false));
+    auto conv = torch::nn::Conv1dOptions(D, D, options.conv_kernel).groups(D).bias(true);
+    conv_q = register_module("conv_q", torch::nn::Conv1d(conv));
+    conv_k = register_module("conv_k", torch::nn::Conv1d(conv));
+    post_norm = register_module("post_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({D}).eps(1e-6)));
+    reset_parameters();
+}
+
+void TttLinearBranchImpl::reset_parameters() {
+    torch::NoGradGuard no_grad;
+    learnable_token_idx.zero_();
+    learnable_ttt_lr_weight.normal_(0.0, 0.02);
+    learnable_ttt_lr_bias.zero_();
+    ttt_norm_weight.fill_(1.0);
+    ttt_norm_bias.zero_();
+    W1.normal_(0.0, 0.02);
+    b1.zero_();
+    init_linear(q_proj);
+    init_linear(v_proj);
+    conv_q->reset_parameters();  // PyTorch default init
+    conv_k->reset_parameters();
+    post_norm->reset_parameters();
+}
+
+torch::Tensor TttLinearBranchImpl::causal_conv(const torch::nn::Conv1d& conv, const torch::Tensor& u) const {
+    // As the reference: pad k-1 on both sides, keep the first T outputs, i.e.
+    // out[t] = bias + sum_s w[s] u[t-(k-1)+s] with u[<0] = 0. FLOPs: the T kept outputs.
+    const int64_t T = u.size(1), k = options_.conv_kernel;
+    torch::Tensor out = torch::conv1d(u.transpose(1, 2), conv->weight, conv->bias, 1, k - 1, 1, options_.dim);
+    if (flops::counting()) flops::add(u.size(0) * T * options_.dim * k);
+    return out.narrow(2, 0, T).transpose(1, 2);
+}
+
+torch::Tensor TttLinearBranchImpl::forward(const torch::Tensor& x, torch::Tensor* grad_norms) {
+    LINVIS_CHECK(x.dim() == 3 && x.size(2) == options_.dim, "vittt TTT branch: input: expected (B, T, ",
+                 options_.dim, "), got ", shape_string(x.sizes()));
+    const int64_t B = x.size(0), T = x.size(1), nh = options_.num_heads, d = options_.dim / nh;
+    torch::Tensor u = linear(q_proj, x);
+    auto heads = [&](const torch::Tensor& t) { return t.reshape({B, T, nh, d}).permute({0, 2, 1, 3}); };
+    torch::Tensor xq = heads(causal_conv(conv_q, u));
+    torch::Tensor xk = heads(causal_conv(conv_k, u));
+    torch::Tensor xv = heads(linear(v_proj, x));
+    torch::Tensor lr = ops::ttt_learning_rate(x, learnable_ttt_lr_weight, learnable_ttt_lr_bias, options_.eta_base, d);
+    ops::TttLinearOptions opt;
+    opt.mini_batch_size = options_.mini_batch_size;
+    opt.return_grad_norms = grad_norms != nullptr;
+    opt.impl = options_.impl;
+    ops::TttLinearResult r = ops::ttt_linear(xq, xk, xv, lr, learnable_token_idx, W1, b1, ttt_norm_weight,
+                                             ttt_norm_bias, opt);
+    if (grad_norms != nullptr) *grad_norms = r.grad_norms;
+    return layer_norm(post_norm, r.output.permute({0, 2, 1, 3}).reshape({B, T, options_.dim}));
+}
+
+// ------------------------------------------------------------------ SwiGluMlp
+SwiGluMlpImpl::SwiGluMlpImpl(int64_t dim, int64_t hidden) {
+    gate_proj = register_module("gate_proj", make_linear(dim, hidden, false));
+    up_proj = register_module("up_proj", make_linear(dim, hidden, false));
+    down_proj = register_module("down_proj", make_linear(hidden, dim, false));
+    init_linear(gate_proj);
+    init_linear(up_proj);
+    init_linear(down_proj);
+}
+
+torch::Tensor SwiGluMlpImpl::forward(const torch::Tensor& x) {
+    return linear(down_proj, torch::silu(linear(gate_proj, x)) * linear(up_proj, x));
+}
+
+// ------------------------------------------------------------------ VitttBlock
+VitttBlockImpl::VitttBlockImpl(const VitttBlockOptions& options) : options_(options) {
+    const int64_t D = options.branch.dim;
+    dwconv = register_module("dwconv", torch::nn::Conv2d(torch::nn::Conv2dOptions(D, D, 3).padding(1).groups(D)));
+    norm1 = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({D}).eps(options.norm_eps)));
+    g_proj = register_module("g_proj", make_linear(D, D, false));
+    if (options.shared_directions) {
+        ttt = register_module("ttt", TttLinearBranch(options.branch));
+    } else {
+        forth = register_module("forth", TttLinearBranch(options.branch));
+        back = register_module("back", TttLinearBranch(options.branch));
+    }
+    o_proj = register_module("o_proj", make_linear(D, D, false));
+    norm2 = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({D}).eps(options.norm_eps)));
+    mlp = register_module("mlp", SwiGluMlp(D, options.mlp_hidden));
+    init_linear(g_proj);
+    init_linear(o_proj);
+}
+
+void VitttBlockImpl::reset_parameters() {
+    dwconv->reset_parameters();
+    norm1->reset_parameters();
+    init_linear(g_proj);
+    if (options_.shared_directions) {
+        ttt->reset_parameters();
+    } else {
+        forth->reset_parameters();
+        back->reset_parameters();
+    }
+    init_linear(o_proj);
+    norm2->reset_parameters();
+    init_linear(mlp->gate_proj);
+    init_linear(mlp->up_proj);
+    init_linear(mlp->down_proj);
+}
+
+torch::Tensor VitttBlockImpl::drop_path(const torch::Tensor& x) const {
+    const double p = options_.drop_path;
+    if (!is_training() || p <= 0.0) return x;
+    const double keep = 1.0 - p;
+    torch::Tensor mask = torch::empty({x.size(0), 1, 1}, x.options()).bernoulli_(keep);
+    return x * mask / keep;  // timm DropPath with scale_by_keep
+}
+
+std::pair<torch::Tensor, torch::Tensor> VitttBlockImpl::mixer_branches(const torch::Tensor& x,
+                                                                       torch::Tensor* norms_forth,
+                                                                       torch::Tensor* norms_back) {
+    torch::Tensor z_forth = forth_branch()->forward(x, norms_forth);
+    torch::Tensor z_back = torch::flip(back_branch()->forward(torch::flip(x, {1}), norms_back), {1});
+    if (norms_back != nullptr) *norms_back = torch::flip(*norms_back, {2});
+    return {z_forth, z_back};
+}
+
+torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int64_t w) {
+    const int64_t D = options_.branch.dim;
+    LINVIS_CHECK(y_in.dim() == 3 && y_in.size(1) == h * w && y_in.size(2) == D, "vittt block: input: expected (B, ",
+                 h * w, ", ", D, ") for a ", h, "x", w, " grid, got ", shape_string(y_in.sizes()));
+    const int64_t B = y_in.size(0);
+    // Conv2d "dataset preprocessing" on the token grid (row-major tokens).
+    torch::Tensor grid = y_in.transpose(1, 2).reshape({B, D, h, w});
+    torch::Tensor conv = flops::conv2d(grid, dwconv->weight, dwconv->bias, {1, 1}, {1, 1}, {1, 1}, D);
+    torch::Tensor y = y_in + conv.flatten(2).transpose(1, 2);
+
+    torch::Tensor x = layer_norm(norm1, y);
+    torch::Tensor gate = torch::gelu(linear(g_proj, x), "tanh");
+    auto [z_forth, z_back] = mixer_branches(x);
+    y = y + drop_path(linear(o_proj, gate * (z_forth + z_back)));
+    y = y + drop_path(mlp->forward(layer_norm(norm2, y)));
+    return y;
+}
+
+// ------------------------------------------------------------------ position embedding
+torch::Tensor resample_abs_pos_embed(const torch::Tensor& pos_embed, int64_t old_h, int64_t old_w, int64_t new_h,
+                                     int64_t new_w) {
+    LINVIS_CHECK(pos_embed.dim() == 3 && pos_embed.size(0) == 1 && pos_embed.size(1) == old_h * old_w,
+                 "pos_embed: expected shape [1, ", old_h * old_w, ", D] for a ", old_h, "x", old_w, " grid, got ",
+                 shape_string(pos_embed.sizes()));
+    LINVIS_CHECK(new_h > 0 && new_w > 0, "pos_embed: target grid must be positive, got ", new_h, "x", new_w);
+    if (old_h == new_h && old_w == new_w) return pos_embed;
+    const int64_t D = pos_embed.size(2);
+    torch::Tensor grid = pos_embed.to(torch::kFloat32).reshape({1, old_h, old_w, D}).permute({0, 3, 1, 2});
+    grid = F::interpolate(grid, F::InterpolateFuncOptions()
+                                    .size(std::vector<int64_t>{new_h, new_w})
+                                    .mode(torch::kBicubic)
+                                    .align_corners(false)
+                                    .antialias(true));
+    return grid.permute({0, 2, 3, 1}).reshape({1, new_h * new_w, D}).to(pos_embed.scalar_type());
+}
+
+}  // namespace linvis::nn
