@@ -1,0 +1,110 @@
+// Layers of Vision-LSTM (ViL, VisionLSTM2 of NX-AI/vision-lstm). Parameter names equal the
+// official torch.hub state_dict keys (spec vil_official.md 3.1); semantics follow spec section 1.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "linvis/ops/mlstm.h"
+
+namespace linvis::nn {
+
+// F.layer_norm(x, (D,), weight = 1 + weight, bias, eps): the ViL LayerNorm stores its weight as an
+// offset from 1 (1.12). The 1 + w add is done first, then one fused layer_norm call.
+torch::Tensor residual_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                  double eps);
+
+// The custom ViL LayerNorm (1.12): parameters weight (zeros at init, an offset) and bias, both (dim,).
+class ResidualLayerNormImpl : public torch::nn::Module {
+public:
+    ResidualLayerNormImpl(int64_t dim, double eps);
+    torch::Tensor forward(const torch::Tensor& x);
+    torch::Tensor weight, bias;
+    double eps;
+};
+TORCH_MODULE(ResidualLayerNorm);
+
+// MultiHeadLayerNorm (1.9): (B, NH, S, DH) -> group_norm over each head's DH features of every
+// token (biased variance), affine weight 1 + weight and bias of length NH * DH.
+class MultiHeadLayerNormImpl : public torch::nn::Module {
+public:
+    MultiHeadLayerNormImpl(int64_t dim, double eps);
+    torch::Tensor forward(const torch::Tensor& x);
+    torch::Tensor weight, bias;
+    double eps;
+};
+TORCH_MODULE(MultiHeadLayerNorm);
+
+// LinearHeadwiseExpand (1.6 step 6): block-diagonal linear with blocks of `block` x `block`;
+// weight (dim / block, block, block) in (head, out, in) layout, bias (dim,).
+class LinearHeadwiseImpl : public torch::nn::Module {
+public:
+    LinearHeadwiseImpl(int64_t dim, int64_t block);
+    torch::Tensor forward(const torch::Tensor& x);  // (..., dim) -> (..., dim)
+    torch::Tensor weight, bias;
+    int64_t heads, block;
+};
+TORCH_MODULE(LinearHeadwise);
+
+// MatrixLSTMCell (1.7): gates from cat(q, k, v), mLSTM in the chosen form, per-head output norm.
+// q, k, v (B, S, I) -> (B, S, I).
+class MatrixLstmCellImpl : public torch::nn::Module {
+public:
+    MatrixLstmCellImpl(int64_t dim, int64_t num_heads, ops::MlstmMode mode, int64_t chunk_size);
+    torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+    torch::nn::Linear igate{nullptr}, fgate{nullptr};
+    MultiHeadLayerNorm outnorm{nullptr};
+    int64_t num_heads;
+    ops::MlstmMode mode;
+    int64_t chunk_size;
+};
+TORCH_MODULE(MatrixLstmCell);
+
+// ViLLayer (1.6): proj_up -> (x_mlstm, z); depthwise 3x3 conv on the token grid + SiLU -> q, k;
+// v from the pre-conv x_mlstm; mLSTM cell; + learnable_skip * conv act; * SiLU(z); proj_down.
+// A reversed layer flips the sequence before and after. x (B, S, D) with S = grid_h * grid_w.
+class VilLayerImpl : public torch::nn::Module {
+public:
+    VilLayerImpl(int64_t dim, bool reversed, ops::MlstmMode mode, int64_t chunk_size);
+    torch::Tensor forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w);
+    torch::Tensor learnable_skip;
+    torch::nn::Linear proj_up{nullptr}, proj_down{nullptr};
+    LinearHeadwise q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
+    torch::nn::Conv2d conv{nullptr};
+    MatrixLstmCell mlstm_cell{nullptr};
+    bool reversed;
+    int64_t inner_dim;
+};
+TORCH_MODULE(VilLayer);
+
+// ViLBlock (1.5): x + drop_path(layer(norm(x))), norm = ResidualLayerNorm(dim, 1e-5).
+class VilBlockImpl : public torch::nn::Module {
+public:
+    VilBlockImpl(int64_t dim, bool reversed, double drop_path, ops::MlstmMode mode, int64_t chunk_size);
+    torch::Tensor forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w);
+    ResidualLayerNorm norm{nullptr};
+    VilLayer layer{nullptr};
+    double drop_path;
+};
+TORCH_MODULE(VilBlock);
+
+// ViLBlockPair (1.4): rowwise_from_top_left then rowwise_from_bot_right.
+class VilBlockPairImpl : public torch::nn::Module {
+public:
+    VilBlockPairImpl(int64_t dim, double drop_path, ops::MlstmMode mode, int64_t chunk_size);
+    torch::Tensor forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w);
+    VilBlock rowwise_from_top_left{nullptr}, rowwise_from_bot_right{nullptr};
+};
+TORCH_MODULE(VilBlockPair);
+
+// Per-sample stochastic depth on a residual branch (training only): keeps each sample's branch
+// with probability 1 - p and scales kept branches by 1 / (1 - p).
+torch::Tensor drop_path(const torch::Tensor& branch, double p, bool training);
+
+// Bicubic resize of a (1, H, W, D) position embedding to (1, h, w, D), as the official
+// interpolate_sincos (F.interpolate bicubic, align_corners False, no antialias).
+torch::Tensor resize_pos_embed_2d(const torch::Tensor& embed, int64_t h, int64_t w);
+
+}  // namespace linvis::nn

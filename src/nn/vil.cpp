@@ -1,0 +1,183 @@
+// ViL layers; see linvis/nn/vil.h and spec vil_official.md section 1.
+#include "linvis/nn/vil.h"
+
+#include <cmath>
+
+#include "linvis/core/error.h"
+#include "linvis/core/flops.h"
+
+namespace linvis::nn {
+namespace {
+
+constexpr int64_t kQkvBlock = 4;   // qkv_block_size; also the number of mLSTM heads (1.7)
+constexpr int64_t kExpansion = 2;  // inner dim I = 2 D
+
+// "small init" of the official code (1.14): N(0, sqrt(2 / (5 D))).
+void small_init(const torch::Tensor& w, int64_t dim) {
+    torch::NoGradGuard no_grad;
+    w.normal_(0.0, std::sqrt(2.0 / (5.0 * static_cast<double>(dim))));
+}
+
+}  // namespace
+
+torch::Tensor residual_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                  double eps) {
+    return torch::layer_norm(x, {weight.size(0)}, 1.0 + weight, bias, eps);
+}
+
+ResidualLayerNormImpl::ResidualLayerNormImpl(int64_t dim, double eps_) : eps(eps_) {
+    weight = register_parameter("weight", torch::zeros({dim}));
+    bias = register_parameter("bias", torch::zeros({dim}));
+}
+
+torch::Tensor ResidualLayerNormImpl::forward(const torch::Tensor& x) {
+    LINVIS_CHECK(x.size(-1) == weight.size(0), "ViL LayerNorm: input: expected last dim ", weight.size(0), ", got ",
+                 shape_string(x.sizes()));
+    return residual_layer_norm(x, weight, bias, eps);
+}
+
+MultiHeadLayerNormImpl::MultiHeadLayerNormImpl(int64_t dim, double eps_) : eps(eps_) {
+    weight = register_parameter("weight", torch::zeros({dim}));
+    bias = register_parameter("bias", torch::zeros({dim}));
+}
+
+torch::Tensor MultiHeadLayerNormImpl::forward(const torch::Tensor& x) {
+    LINVIS_CHECK(x.dim() == 4 && x.size(1) * x.size(3) == weight.size(0),
+                 "MultiHeadLayerNorm: input: expected (B, NH, S, DH) with NH*DH = ", weight.size(0), ", got ",
+                 shape_string(x.sizes()));
+    const int64_t B = x.size(0), NH = x.size(1), S = x.size(2), DH = x.size(3);
+    torch::Tensor flat = x.transpose(1, 2).reshape({B * S, NH * DH});
+    torch::Tensor out = torch::group_norm(flat, NH, 1.0 + weight, bias, eps);
+    return out.view({B, S, NH, DH}).transpose(1, 2);
+}
+
+LinearHeadwiseImpl::LinearHeadwiseImpl(int64_t dim, int64_t block_) : heads(dim / block_), block(block_) {
+    LINVIS_CHECK(dim % block_ == 0, "LinearHeadwise: dim ", dim, " is not a multiple of the block size ", block_);
+    weight = register_parameter("weight", torch::empty({heads, block, block}));
+    bias = register_parameter("bias", torch::zeros({dim}));
+}
+
+torch::Tensor LinearHeadwiseImpl::forward(const torch::Tensor& x) {
+    const int64_t dim = heads * block;
+    LINVIS_CHECK(x.size(-1) == dim, "LinearHeadwise: input: expected last dim ", dim, ", got ",
+                 shape_string(x.sizes()));
+    std::vector<int64_t> split(x.sizes().begin(), x.sizes().end() - 1);
+    split.push_back(heads);
+    split.push_back(block);
+    torch::Tensor y = torch::einsum("...hd,hod->...ho", {x.reshape(split), weight});
+    flops::add(x.numel() * block);
+    std::vector<int64_t> merged(x.sizes().begin(), x.sizes().end());
+    return y.reshape(merged) + bias;
+}
+
+MatrixLstmCellImpl::MatrixLstmCellImpl(int64_t dim, int64_t num_heads_, ops::MlstmMode mode_, int64_t chunk_size_)
+    : num_heads(num_heads_), mode(mode_), chunk_size(chunk_size_) {
+    igate = register_module("igate", torch::nn::Linear(3 * dim, num_heads));
+    fgate = register_module("fgate", torch::nn::Linear(3 * dim, num_heads));
+    outnorm = register_module("outnorm", MultiHeadLayerNorm(dim, 1e-5));
+    torch::NoGradGuard no_grad;
+    fgate->weight.zero_();
+    fgate->bias.copy_(torch::linspace(3.0, 6.0, num_heads));
+    igate->weight.zero_();
+    igate->bias.normal_(0.0, 0.1);
+}
+
+torch::Tensor MatrixLstmCellImpl::forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+    const int64_t B = q.size(0), S = q.size(1), I = q.size(2), DH = I / num_heads;
+    torch::Tensor qkv = torch::cat({q, k, v}, -1);
+    torch::Tensor ig = flops::linear(qkv, igate->weight, igate->bias).transpose(-1, -2).unsqueeze(-1);  // (B,NH,S,1)
+    torch::Tensor fg = flops::linear(qkv, fgate->weight, fgate->bias).transpose(-1, -2).unsqueeze(-1);
+    auto heads = [&](const torch::Tensor& t) { return t.view({B, S, num_heads, DH}).transpose(1, 2); };
+    torch::Tensor h = ops::mlstm(heads(q), heads(k), heads(v), ig, fg, mode, chunk_size, ops::kMlstmEps);
+    return outnorm->forward(h).transpose(1, 2).reshape({B, S, I});
+}
+
+VilLayerImpl::VilLayerImpl(int64_t dim, bool reversed_, ops::MlstmMode mode, int64_t chunk_size)
+    : reversed(reversed_), inner_dim(kExpansion * dim) {
+    const int64_t I = inner_dim;
+    learnable_skip = register_parameter("learnable_skip", torch::ones({I}));
+    proj_up = register_module("proj_up", torch::nn::Linear(dim, 2 * I));
+    q_proj = register_module("q_proj", LinearHeadwise(I, kQkvBlock));
+    k_proj = register_module("k_proj", LinearHeadwise(I, kQkvBlock));
+    v_proj = register_module("v_proj", LinearHeadwise(I, kQkvBlock));
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(I, I, 3).padding(1).groups(I)));
+    mlstm_cell = register_module("mlstm_cell", MatrixLstmCell(I, kQkvBlock, mode, chunk_size));
+    proj_down = register_module("proj_down", torch::nn::Linear(I, dim));
+    // Official init (1.14; init_weights="original": wang init with num_blocks = 1).
+    small_init(proj_up->weight, dim);
+    for (auto* p : {&q_proj, &k_proj, &v_proj}) small_init((*p)->weight, dim);
+    torch::NoGradGuard no_grad;
+    proj_down->weight.normal_(0.0, 2.0 / std::sqrt(static_cast<double>(dim)));
+    proj_up->bias.zero_();
+    proj_down->bias.zero_();
+}
+
+torch::Tensor VilLayerImpl::forward(const torch::Tensor& input, int64_t grid_h, int64_t grid_w) {
+    const int64_t B = input.size(0), S = input.size(1), I = inner_dim;
+    LINVIS_CHECK(S == grid_h * grid_w, "ViLLayer: input: expected ", grid_h, "x", grid_w, " = ", grid_h * grid_w,
+                 " tokens, got shape ", shape_string(input.sizes()));
+    torch::Tensor x = reversed ? input.flip({1}) : input;
+    torch::Tensor x_inner = flops::linear(x, proj_up->weight, proj_up->bias);
+    auto halves = torch::chunk(x_inner, 2, -1);
+    const torch::Tensor& x_mlstm = halves[0];
+    const torch::Tensor& z = halves[1];
+    // Tokens to the (B, I, h, w) grid as the permuted view einops produces (1.16.5).
+    torch::Tensor grid = x_mlstm.reshape({B, grid_h, grid_w, I}).permute({0, 3, 1, 2});
+    torch::Tensor conv_out = flops::conv2d(grid, conv->weight, conv->bias, {1, 1}, {1, 1}, {1, 1}, I);
+    torch::Tensor x_conv = conv_out.permute({0, 2, 3, 1}).reshape({B, S, I});
+    torch::Tensor x_act = torch::silu(x_conv);
+    torch::Tensor q = q_proj->forward(x_act);
+    torch::Tensor k = k_proj->forward(x_act);
+    torch::Tensor v = v_proj->forward(x_mlstm);
+    torch::Tensor h_tilde = mlstm_cell->forward(q, k, v);
+    torch::Tensor h = (h_tilde + learnable_skip * x_act) * torch::silu(z);
+    torch::Tensor y = flops::linear(h, proj_down->weight, proj_down->bias);
+    return reversed ? y.flip({1}) : y;
+}
+
+VilBlockImpl::VilBlockImpl(int64_t dim, bool reversed, double drop_path_, ops::MlstmMode mode, int64_t chunk_size)
+    : drop_path(drop_path_) {
+    norm = register_module("norm", ResidualLayerNorm(dim, 1e-5));
+    layer = register_module("layer", VilLayer(dim, reversed, mode, chunk_size));
+}
+
+torch::Tensor VilBlockImpl::forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w) {
+    torch::Tensor branch = layer->forward(norm->forward(x), grid_h, grid_w);
+    return x + nn::drop_path(branch, drop_path, is_training());
+}
+
+VilBlockPairImpl::VilBlockPairImpl(int64_t dim, double drop_path, ops::MlstmMode mode, int64_t chunk_size) {
+    rowwise_from_top_left =
+        register_module("rowwise_from_top_left", VilBlock(dim, false, drop_path, mode, chunk_size));
+    rowwise_from_bot_right =
+        register_module("rowwise_from_bot_right", VilBlock(dim, true, drop_path, mode, chunk_size));
+}
+
+torch::Tensor VilBlockPairImpl::forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w) {
+    return rowwise_from_bot_right->forward(rowwise_from_top_left->forward(x, grid_h, grid_w), grid_h, grid_w);
+}
+
+torch::Tensor drop_path(const torch::Tensor& branch, double p, bool training) {
+    if (!training || p <= 0.0) return branch;
+    LINVIS_CHECK(p < 1.0, "drop_path: rate: expected < 1, got ", p);
+    std::vector<int64_t> shape(static_cast<size_t>(branch.dim()), 1);
+    shape[0] = branch.size(0);
+    torch::Tensor keep = torch::empty(shape, branch.options()).bernoulli_(1.0 - p);
+    return branch * keep / (1.0 - p);
+}
+
+torch::Tensor resize_pos_embed_2d(const torch::Tensor& embed, int64_t h, int64_t w) {
+    LINVIS_CHECK(embed.dim() == 4 && embed.size(0) == 1, "pos_embed.embed: expected shape [1, H, W, D], got ",
+                 shape_string(embed.sizes()));
+    LINVIS_CHECK(h > 0 && w > 0, "pos_embed.embed: target grid must be positive, got ", h, "x", w);
+    if (embed.size(1) == h && embed.size(2) == w) return embed;
+    namespace F = torch::nn::functional;
+    torch::Tensor channels_first = embed.permute({0, 3, 1, 2});
+    torch::Tensor resized = F::interpolate(channels_first, F::InterpolateFuncOptions()
+                                                               .size(std::vector<int64_t>{h, w})
+                                                               .mode(torch::kBicubic)
+                                                               .align_corners(false));
+    return resized.permute({0, 2, 3, 1});
+}
+
+}  // namespace linvis::nn
