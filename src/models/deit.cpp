@@ -1,0 +1,61 @@
+// DeiT = timm VisionTransformer with softmax attention (deit_{tiny,small,base}_patch16_224).
+#include <cmath>
+
+#include "deit_t5_parts.h"
+#include "linvis/core/flops.h"
+#include "linvis/models/deit_t5.h"
+#include "linvis/models/registry.h"
+#include "linvis/ops/attention.h"
+
+namespace linvis::models {
+namespace {
+
+using namespace deit_t5_detail;
+
+// timm Attention: qkv (C -> 3C, bias), reshape (B, N, 3, h, d), (q @ k^T) * d^-0.5, softmax, @ v, proj.
+class SoftmaxAttentionImpl : public MixerImpl {
+public:
+    explicit SoftmaxAttentionImpl(const PlainVitOptions& o)
+        : heads_(o.num_heads), scale_(std::pow(static_cast<double>(o.embed_dim / o.num_heads), -0.5)), impl_(o.impl) {
+        qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(o.embed_dim, 3 * o.embed_dim).bias(true)));
+        proj = register_module("proj", torch::nn::Linear(o.embed_dim, o.embed_dim));
+    }
+
+    torch::Tensor forward(const torch::Tensor& x, int64_t, int64_t) override {
+        const int64_t B = x.size(0), N = x.size(1), C = x.size(2);
+        torch::Tensor packed = flops::linear(x, qkv->weight, qkv->bias)
+                                   .reshape({B, N, 3, heads_, C / heads_})
+                                   .permute({2, 0, 3, 1, 4});
+        torch::Tensor out = ops::softmax_attention(packed[0], packed[1], packed[2], scale_, {}, impl_);
+        return flops::linear(out.transpose(1, 2).reshape({B, N, C}), proj->weight, proj->bias);
+    }
+
+    torch::nn::Linear qkv{nullptr}, proj{nullptr};
+
+private:
+    int64_t heads_;
+    double scale_;
+    ops::Impl impl_;
+};
+
+ModelPtr make_deit(const ModelConfig& config, const std::string& name, int64_t dim, int64_t heads) {
+    PlainVitOptions defaults;
+    defaults.name = name;
+    defaults.embed_dim = dim;
+    defaults.num_heads = heads;
+    defaults.class_token = true;
+    PlainVitOptions o = read_options(config, defaults);
+    return std::make_shared<PlainVit>(o, [](const PlainVitOptions& opt) {
+        return std::make_shared<SoftmaxAttentionImpl>(opt);
+    });
+}
+
+const ModelRegistrar deit_tiny("deit_tiny", "deit", "DeiT-Ti (timm deit_tiny_patch16_224): 5.72M params, 1.25 GMACs at 224",
+                               [](const ModelConfig& c) { return make_deit(c, "deit_tiny", 192, 3); });
+const ModelRegistrar deit_small("deit_small", "deit", "DeiT-S (timm deit_small_patch16_224): 22.05M params, 4.60 GMACs at 224",
+                                [](const ModelConfig& c) { return make_deit(c, "deit_small", 384, 6); });
+const ModelRegistrar deit_base("deit_base", "deit", "DeiT-B (timm deit_base_patch16_224): 86.57M params, 17.56 GMACs at 224",
+                               [](const ModelConfig& c) { return make_deit(c, "deit_base", 768, 12); });
+
+}  // namespace
+}  // namespace linvis::models

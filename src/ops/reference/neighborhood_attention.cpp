@@ -1,0 +1,117 @@
+// Reference 2-D neighborhood attention (NATTEN semantics) and DiT5's TTT + NA mix
+// (see include/linvis/ops/neighborhood_attention.h and spec B4).
+#include "linvis/ops/neighborhood_attention.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "linvis/core/error.h"
+#include "linvis/core/flops.h"
+
+namespace linvis::ops {
+namespace {
+
+void require_reference(Impl impl, const char* op) {
+    LINVIS_CHECK(impl == Impl::Reference, op, ": impl '", impl_name(impl),
+                 "' is not available; expected 'reference'");
+}
+
+void check_kernel(const char* op, int64_t kernel_size) {
+    LINVIS_CHECK(kernel_size >= 1 && kernel_size % 2 == 1, op, ": kernel_size must be odd and >= 1, got ",
+                 kernel_size);
+}
+
+void check_grid_tensor(const char* op, const char* name, const torch::Tensor& t) {
+    LINVIS_CHECK(t.defined() && t.dim() == 5, op, ": ", name, ": expected (B, h, H, W, d), got ",
+                 t.defined() ? shape_string(t.sizes()) : std::string("undefined"));
+}
+
+}  // namespace
+
+int64_t natten_window_start(int64_t index, int64_t length, int64_t kernel_size) {
+    check_kernel("natten_window_start", kernel_size);
+    LINVIS_CHECK(index >= 0 && index < length, "natten_window_start: index ", index, " outside [0, ", length, ")");
+    if (kernel_size >= length) return 0;  // window = whole axis (NATTEN would reject K > L)
+    const int64_t half = kernel_size / 2;
+    // NATTEN get_window_start, dilation 1.
+    return std::max<int64_t>(index - half, 0) + (index + half >= length ? length - index - half - 1 : 0);
+}
+
+torch::Tensor neighborhood_indices(int64_t height, int64_t width, int64_t kernel_size) {
+    check_kernel("neighborhood_indices", kernel_size);
+    LINVIS_CHECK(height >= 1 && width >= 1, "neighborhood_indices: grid must be non-empty, got ", height, "x", width);
+    const int64_t ky = std::min(kernel_size, height), kx = std::min(kernel_size, width);
+    torch::Tensor table = torch::empty({height * width, ky * kx}, torch::kInt64);
+    auto acc = table.accessor<int64_t, 2>();
+    for (int64_t y = 0; y < height; ++y) {
+        const int64_t sy = natten_window_start(y, height, kernel_size);
+        for (int64_t x = 0; x < width; ++x) {
+            const int64_t sx = natten_window_start(x, width, kernel_size);
+            for (int64_t a = 0; a < ky; ++a)
+                for (int64_t b = 0; b < kx; ++b) acc[y * width + x][a * kx + b] = (sy + a) * width + (sx + b);
+        }
+    }
+    return table;
+}
+
+torch::Tensor neighborhood_mask(int64_t height, int64_t width, int64_t kernel_size) {
+    torch::Tensor idx = neighborhood_indices(height, width, kernel_size);
+    torch::Tensor mask = torch::zeros({height * width, height * width}, torch::kBool);
+    mask.scatter_(1, idx, true);
+    return mask;
+}
+
+torch::Tensor na2d_qk(const torch::Tensor& q, const torch::Tensor& k, int64_t kernel_size) {
+    check_grid_tensor("na2d_qk", "q", q);
+    LINVIS_CHECK(k.sizes() == q.sizes(), "na2d_qk: k: expected shape ", shape_string(q.sizes()), ", got ",
+                 shape_string(k.sizes()));
+    const int64_t B = q.size(0), h = q.size(1), H = q.size(2), W = q.size(3), d = q.size(4), N = H * W;
+    torch::Tensor idx = neighborhood_indices(H, W, kernel_size).to(q.device());
+    const int64_t kk = idx.size(1);
+    torch::Tensor neighbours = k.reshape({B, h, N, d}).index_select(2, idx.reshape({-1})).view({B, h, N, kk, d});
+    torch::Tensor logits = flops::matmul(q.reshape({B, h, N, 1, d}), neighbours.transpose(-2, -1));
+    return logits.view({B, h, H, W, kk});
+}
+
+torch::Tensor na2d_av(const torch::Tensor& attn, const torch::Tensor& v, int64_t kernel_size) {
+    check_grid_tensor("na2d_av", "v", v);
+    const int64_t B = v.size(0), h = v.size(1), H = v.size(2), W = v.size(3), dv = v.size(4), N = H * W;
+    torch::Tensor idx = neighborhood_indices(H, W, kernel_size).to(v.device());
+    const int64_t kk = idx.size(1);
+    LINVIS_CHECK(attn.dim() == 5 && attn.size(0) == B && attn.size(1) == h && attn.size(2) == H && attn.size(3) == W &&
+                     attn.size(4) == kk,
+                 "na2d_av: attn: expected shape ", shape_string(std::vector<int64_t>{B, h, H, W, kk}), ", got ",
+                 shape_string(attn.sizes()));
+    torch::Tensor neighbours = v.reshape({B, h, N, dv}).index_select(2, idx.reshape({-1})).view({B, h, N, kk, dv});
+    torch::Tensor out = flops::matmul(attn.reshape({B, h, N, 1, kk}), neighbours);
+    return out.view({B, h, H, W, dv});
+}
+
+torch::Tensor neighborhood_attention_2d(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                        int64_t kernel_size, double scale, Impl impl) {
+    require_reference(impl, "neighborhood_attention_2d");
+    check_grid_tensor("neighborhood_attention_2d", "q", q);
+    LINVIS_CHECK(v.dim() == 5 && v.sizes().slice(0, 4) == q.sizes().slice(0, 4),
+                 "neighborhood_attention_2d: v: expected (B, h, H, W, dv) matching q ", shape_string(q.sizes()),
+                 ", got ", shape_string(v.sizes()));
+    // DiT5 order: q * scale first, then the neighbourhood dot products.
+    torch::Tensor attn = na2d_qk(q * scale, k, kernel_size).softmax(-1);
+    return na2d_av(attn, v, kernel_size);
+}
+
+torch::Tensor dit5_mixed_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                   const Dit5TttParams& params, int64_t num_heads, int64_t height, int64_t width,
+                                   int64_t kernel_size, Impl impl) {
+    require_reference(impl, "dit5_mixed_attention");
+    torch::Tensor x_ttt = dit5_ttt_attention(q, k, v, params, num_heads, height, width, impl);
+    const int64_t B = q.size(0), C = q.size(2), d = C / num_heads;
+    auto to_grid = [&](const torch::Tensor& t) {
+        return t.reshape({B, height, width, num_heads, d}).permute({0, 3, 1, 2, 4});
+    };
+    const double scale = std::pow(static_cast<double>(d), -0.5);
+    torch::Tensor x_na = neighborhood_attention_2d(to_grid(q), to_grid(k), to_grid(v), kernel_size, scale, impl);
+    x_na = x_na.permute({0, 2, 3, 1, 4}).reshape({B, height * width, C});
+    return 0.5 * x_na + 0.5 * x_ttt;
+}
+
+}  // namespace linvis::ops
