@@ -324,7 +324,8 @@ Canvas colorize(const float* map, int h, int w, Colormap cm, const ValueRange& r
 // Blends a heat map over an image: out = (1 - alpha) * image + alpha * colormap(norm(map↑)),
 // with map↑ the bilinear upsampling of the (h, w) map to the image size and norm() the
 // linear map of `range` onto [0, 1] (clamped). Each channel is rounded to nearest.
-// `image` is interleaved RGB uint8 of (height, width, 3). NaN map values leave the image as is.
+// `image` is interleaved RGB uint8 of (height, width, 3). Pixels whose interpolation touches a
+// NaN map value are left as they are.
 Canvas heatmap_overlay(const uint8_t* image, int height, int width, const float* map, int h,
                        int w, double alpha = 0.5, Colormap cm = Colormap::Viridis,
                        const ValueRange& range = {});
