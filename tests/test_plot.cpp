@@ -275,6 +275,56 @@ TEST(Plot, LegendHoldsTextAndSamplesInsideItsBox) {
     EXPECT_EQ(c.pixel(int(L.legend.x + L.legend.w / 2), int(L.legend.y)), colors::legend_border);
 }
 
+TEST(Plot, DenseTickLabelsAreThinnedNotOverlapped) {
+    std::vector<double> xs;
+    for (int i = 1; i <= 40; ++i) xs.push_back(i * 32);
+    LineChart chart("dense");
+    chart.add("s", xs, xs).x_ticks(xs).legend(LegendPosition::None);
+    chart.render(360, 240);
+    const auto& L = chart.last_layout();
+    ASSERT_EQ(L.x_ticks.size(), 40u);
+    ASSERT_EQ(L.x_tick_labels.size(), 40u);
+    int shown = 0;
+    double prev_right = -1e9;
+    const double tick_size = 9;  // the smallest automatic tick font size
+    for (size_t i = 0; i < L.x_ticks.size(); ++i) {
+        if (L.x_tick_labels[i].empty()) continue;
+        ++shown;
+        double w = measure_text(L.x_tick_labels[i], tick_size).width;
+        double cx = L.to_px_x(L.x_ticks[i]);
+        EXPECT_GT(cx - w / 2, prev_right) << L.x_tick_labels[i];
+        prev_right = cx + w / 2;
+    }
+    EXPECT_GE(shown, 3);
+    EXPECT_LT(shown, 40);
+    // Automatic linear ticks shrink in number instead.
+    LineChart narrow("narrow");
+    narrow.add("s", {0, 123456}, {0, 1}).legend(LegendPosition::None);
+    narrow.render(220, 200);
+    const auto& N = narrow.last_layout();
+    EXPECT_GE(N.x_ticks.size(), 2u);
+    EXPECT_LE(N.x_ticks.size(), 4u);
+    for (const auto& s : N.x_tick_labels) EXPECT_FALSE(s.empty());
+}
+
+TEST(Plot, ResizeAveragesWhenShrinking) {
+    // A 1-px checkerboard shrunk ~9x must become flat grey (plain bilinear sampling would not).
+    Canvas board(64, 64);
+    for (int y = 0; y < 64; ++y)
+        for (int x = 0; x < 64; ++x) board.set_pixel(x, y, (x + y) % 2 ? colors::white : colors::black);
+    Canvas small = board.resized(7, 7);
+    for (int y = 0; y < 7; ++y)
+        for (int x = 0; x < 7; ++x) EXPECT_NEAR(small.pixel(x, y).r, 128, 2);
+    // Enlarging is plain bilinear: [0, 255] -> [0, 64, 191, 255].
+    Canvas two(2, 1, colors::black);
+    two.set_pixel(1, 0, colors::white);
+    Canvas big = two.resized(4, 1);
+    EXPECT_EQ(big.pixel(0, 0).r, 0);
+    EXPECT_EQ(big.pixel(1, 0).r, 64);
+    EXPECT_EQ(big.pixel(2, 0).r, 191);
+    EXPECT_EQ(big.pixel(3, 0).r, 255);
+}
+
 TEST(Plot, GapsAndSinglePointsAreHandled) {
     LineChart chart("gaps");
     chart.add("gappy", {0, 1, 2, 3, 4}, {1, 1, NaN, 1, 1}).legend(LegendPosition::None).y_range(0, 2).grid(false);

@@ -216,7 +216,8 @@ std::vector<uint32_t> decode_utf8(const std::string& s) {
             if ((cc >> 6) != 2) ok = false;
             cp = (cp << 6) | (cc & 0x3F);
         }
-        out.push_back(ok ? cp : '?');
+        // Single-line text: control characters (newline, tab) become spaces.
+        out.push_back(!ok ? '?' : cp < 32 ? ' ' : cp);
         i += ok ? extra + 1 : 1;
     }
     return out;
@@ -692,10 +693,16 @@ void Canvas::blit(const Canvas& src, int x, int y) {
 Canvas Canvas::resized(int width, int height) const {
     LINVIS_CHECK(!empty(), "plot::Canvas::resized: empty canvas");
     Canvas out(width, height);
+    // Shrinking by more than 2x: average k x k blocks first so that bilinear sampling does not alias.
+    int kx = std::max(1, width_ / (2 * width)), ky = std::max(1, height_ / (2 * height));
+    int sw = width_ / kx, sh = height_ / ky;
     for (int c = 0; c < 3; ++c) {
-        std::vector<float> chan(static_cast<size_t>(width_) * height_);
-        for (size_t i = 0; i < chan.size(); ++i) chan[i] = rgb_[i * 3 + c];
-        std::vector<float> up = upsample_bilinear(chan.data(), height_, width_, height, width);
+        std::vector<float> chan(static_cast<size_t>(sw) * sh, 0.f);
+        for (int y = 0; y < sh * ky; ++y)
+            for (int x = 0; x < sw * kx; ++x)
+                chan[static_cast<size_t>(y / ky) * sw + x / kx] += rgb_[(static_cast<size_t>(y) * width_ + x) * 3 + c];
+        for (auto& v : chan) v /= static_cast<float>(kx * ky);
+        std::vector<float> up = upsample_bilinear(chan.data(), sh, sw, height, width);
         for (size_t i = 0; i < up.size(); ++i) out.rgb_[i * 3 + c] = to_byte(up[i]);
     }
     return out;
@@ -1067,6 +1074,8 @@ void LineChart::draw(Canvas& canvas, const Rect& area) const {
     L.plot = {x0, y0, x1 - x0, y1 - y0};
     L.x_ticks = xt.ticks;
     L.y_ticks = yt.ticks;
+    L.x_tick_labels = xt.labels;
+    L.y_tick_labels = yt.labels;
 
     auto snap = [](double v) { return std::floor(v) + 0.5; };
     // Grid.

@@ -132,9 +132,10 @@ public:
     // A marker of the given diameter-like size (pixels) centred on `centre`.
     void draw_marker(Marker m, Point centre, double size, Color c);
 
-    // Draws UTF-8 text with its anchor at (x, y); size is the font's pixel height (ascent +
-    // descent). rotate_ccw draws it reading bottom-to-top (for vertical axis labels), the
-    // anchor then refers to the rotated box. Returns the box drawn (before clipping).
+    // Draws one line of UTF-8 text (control characters become spaces) with its anchor at
+    // (x, y); size is the font's pixel height (ascent + descent). rotate_ccw draws it reading
+    // bottom-to-top (for vertical axis labels), the anchor then refers to the rotated box.
+    // Returns the box drawn (before clipping).
     Rect draw_text(const std::string& text, double x, double y, double size, Color c,
                    HAlign h = HAlign::Left, VAlign v = VAlign::Baseline, bool rotate_ccw = false);
 
@@ -144,7 +145,8 @@ public:
 
     // Copies `src` with its top-left corner at (x, y), clipped.
     void blit(const Canvas& src, int x, int y);
-    // Bilinear resampling to a new size (pixel-centre aligned, like align_corners=False).
+    // Bilinear resampling to a new size (pixel-centre aligned, like align_corners=False);
+    // shrinking by more than 2x averages pixel blocks first to avoid aliasing.
     Canvas resized(int width, int height) const;
 
     // Writes an 8-bit RGB PNG atomically: to a temporary file in the same directory, then
@@ -251,6 +253,7 @@ public:
         double x_lo = 0, x_hi = 1, y_lo = 0, y_hi = 1;  // axis limits in data units
         Scale x_scale = Scale::Linear, y_scale = Scale::Linear;
         std::vector<double> x_ticks, y_ticks;            // major ticks drawn
+        std::vector<std::string> x_tick_labels, y_tick_labels;  // per tick; "" where thinned out
         double to_px_x(double x) const;
         double to_px_y(double y) const;
     };
