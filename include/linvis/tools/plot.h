@@ -165,8 +165,9 @@ Canvas load_png(const std::string& path);
 // Width / ascent / descent of `text` at pixel height `size` in the current font.
 TextSize measure_text(const std::string& text, double size);
 
-// Where fonts come from. The default TrueType path is DejaVu Sans from fonts-dejavu-core;
-// set_font_path("") or a missing file selects the built-in stb_easy_font fallback.
+// Where fonts come from. The default TrueType path is $LINVIS_FONT when set, else DejaVu Sans
+// from fonts-dejavu-core; set_font_path("") or an unreadable file selects the built-in
+// stb_easy_font fallback. The font is loaded once and shared (thread-safe).
 std::string default_font_path();
 void set_font_path(const std::string& path);
 // "truetype:<path>" or "fallback:stb_easy_font (<reason>)".
