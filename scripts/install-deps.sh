@@ -6,6 +6,7 @@ packages=(
   libtorch-dev libopenblas-dev libopenblas0-pthread   # LibTorch 1.13 and the BLAS it should call
   nlohmann-json3-dev libstb-dev                         # JSON headers; JPEG/PNG/BMP decoding
   zlib1g-dev                                            # gzip IDX files (Fashion-MNIST), PNG CRCs
+  fonts-dejavu-core                                     # DejaVu Sans for text in plots (linvis/tools/plot.h)
   libgtest-dev libgmock-dev                             # unit tests
   clang libclang-rt-14-dev                              # libFuzzer target for the safetensors reader
   dataset-fashion-mnist                                 # training data used by 'linvis train'
