@@ -267,6 +267,11 @@ TEST(Vit3Ttt, BatchIndependence) {
         Tensor alone = vit3_ttt_mix(qkv.narrow(0, b, 1), w1, w2, w3, heads, H, W, rope);
         EXPECT_TRUE(all_close(batched.narrow(0, b, 1), alone, 1e-5, 1e-6)) << "sample " << b;
     }
+    {
+        // Closed-form gradients: inference needs no autograd at all.
+        c10::InferenceMode inference;
+        EXPECT_TRUE(torch::equal(vit3_ttt_mix(qkv, w1, w2, w3, heads, H, W, rope), batched));
+    }
     Vit3TttOptions o;
     o.model = Vit3InnerModel::Conv3x3;
     o.epochs = 2;
