@@ -1,0 +1,262 @@
+// ViT³ / H-ViT³ models (spec vit3_t5_official.md A3, A4, A7).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <map>
+
+#include "linvis/core/error.h"
+#include "linvis/core/flops.h"
+#include "linvis/models/registry.h"
+#include "support/testing.h"
+
+using namespace linvis::models;
+using linvis::testing::all_close;
+using torch::Tensor;
+
+namespace {
+
+using Shape = std::vector<int64_t>;
+using KeyList = std::vector<std::pair<std::string, Shape>>;
+
+KeyList parameter_list(const torch::nn::Module& m) {
+    KeyList out;
+    for (const auto& item : m.named_parameters(true)) out.push_back({item.key(), item.value().sizes().vec()});
+    return out;
+}
+
+std::map<std::string, Shape> state_dict_shapes(const torch::nn::Module& m) {
+    std::map<std::string, Shape> out;
+    for (const auto& item : m.named_parameters(true)) out[item.key()] = item.value().sizes().vec();
+    for (const auto& item : m.named_buffers(true)) out[item.key()] = item.value().sizes().vec();
+    return out;
+}
+
+ModelPtr make(const std::string& name, std::map<std::string, std::string> options = {}) {
+    return create_model(name, ModelConfig(std::move(options)));
+}
+
+// Copies every parameter and buffer of `from` into `to` by name, through adapt_checkpoint_tensor.
+void copy_weights(const VisionModel& from, VisionModel& to) {
+    torch::NoGradGuard no_grad;
+    auto dst = to.named_parameters(true);
+    auto dst_buf = to.named_buffers(true);
+    for (const auto& item : from.named_parameters(true)) dst[item.key()].copy_(to.adapt_checkpoint_tensor(item.key(), item.value()));
+    for (const auto& item : from.named_buffers(true))
+        dst_buf[item.key()].copy_(to.adapt_checkpoint_tensor(item.key(), item.value()));
+}
+
+}  // namespace
+
+TEST(Vit3, ParameterCounts) {
+    const std::vector<std::pair<std::string, int64_t>> expected = {
+        {"vit3_tiny", 6149416},    {"vit3_small", 23799400},  {"vit3_base", 90055912},
+        {"hvit3_tiny", 28703560}, {"hvit3_small", 54362056}, {"hvit3_base", 94369304}};
+    for (const auto& [name, count] : expected) EXPECT_EQ(count_parameters(*make(name)), count) << name;
+}
+
+TEST(Vit3, StateDictNamesMatchOfficial) {
+    // vit3_tiny: the A7 list, in state_dict order (210 entries, all parameters).
+    KeyList expected = {{"patch_embed.proj.weight", {192, 3, 16, 16}}, {"patch_embed.proj.bias", {192}}};
+    for (int i = 0; i < 12; ++i) {
+        const std::string p = "blocks." + std::to_string(i) + ".";
+        KeyList block = {{p + "cpe.weight", {192, 1, 3, 3}}, {p + "cpe.bias", {192}},
+                         {p + "norm1.weight", {192}},        {p + "norm1.bias", {192}},
+                         {p + "attn.w1", {1, 6, 32, 32}},    {p + "attn.w2", {1, 6, 32, 32}},
+                         {p + "attn.w3", {32, 1, 3, 3}},     {p + "attn.qkv.weight", {672, 192}},
+                         {p + "attn.qkv.bias", {672}},       {p + "attn.proj.weight", {192, 224}},
+                         {p + "attn.proj.bias", {192}},      {p + "norm2.weight", {192}},
+                         {p + "norm2.bias", {192}},          {p + "mlp.fc1.weight", {768, 192}},
+                         {p + "mlp.fc1.bias", {768}},        {p + "mlp.fc2.weight", {192, 768}},
+                         {p + "mlp.fc2.bias", {192}}};
+        expected.insert(expected.end(), block.begin(), block.end());
+    }
+    KeyList tail = {{"norm.weight", {192}}, {"norm.bias", {192}}, {"head.weight", {1000, 192}}, {"head.bias", {1000}}};
+    expected.insert(expected.end(), tail.begin(), tail.end());
+    ASSERT_EQ(expected.size(), 210u);
+    auto vit = make("vit3_tiny");
+    EXPECT_EQ(parameter_list(*vit), expected);
+    EXPECT_TRUE(vit->named_buffers(true).is_empty());
+
+    // hvit3_tiny: the structure of A4/A7 (410 entries including BN statistics and RoPE tables).
+    std::map<std::string, Shape> want;
+    auto bn = [&](const std::string& p, int64_t c) {
+        for (const char* n : {"weight", "bias", "running_mean", "running_var"}) want[p + n] = {c};
+        want[p + "num_batches_tracked"] = {};
+    };
+    const std::vector<Shape> stem = {{32, 3, 3, 3}, {32, 32, 3, 3}, {32, 32, 3, 3}, {256, 32, 3, 3}, {64, 256, 1, 1}};
+    for (int i = 0; i < 5; ++i) {
+        const std::string p = "patch_embed.conv." + std::to_string(i) + ".";
+        want[p + "conv.weight"] = stem[i];
+        bn(p + "norm.", stem[i][0]);
+    }
+    const int64_t dims[4] = {64, 128, 320, 512}, depths[4] = {1, 3, 9, 4}, grids[4] = {56, 28, 14, 7};
+    for (int s = 0; s < 4; ++s) {
+        const int64_t c = dims[s], h = c / 32;
+        for (int j = 0; j < depths[s]; ++j) {
+            const std::string p = "layers." + std::to_string(s) + ".blocks." + std::to_string(j) + ".";
+            want[p + "cpe.weight"] = {c, 1, 3, 3};
+            want[p + "cpe.bias"] = {c};
+            want[p + "norm1.weight"] = want[p + "norm1.bias"] = want[p + "norm2.weight"] = want[p + "norm2.bias"] = {c};
+            want[p + "rope.rotations"] = {grids[s], grids[s], c / 2, 2};
+            want[p + "attn.w1"] = want[p + "attn.w2"] = {1, h, 32, 32};
+            want[p + "attn.w3"] = {32, 1, 3, 3};
+            want[p + "attn.qkv.weight"] = {3 * c + 96, c};
+            want[p + "attn.qkv.bias"] = {3 * c + 96};
+            want[p + "attn.proj.weight"] = {c, c + 32};
+            want[p + "attn.proj.bias"] = {c};
+            want[p + "mlp.fc1.weight"] = {4 * c, c};
+            want[p + "mlp.fc1.bias"] = {4 * c};
+            want[p + "mlp.dwc.weight"] = {4 * c, 1, 3, 3};
+            want[p + "mlp.dwc.bias"] = {4 * c};
+            want[p + "mlp.fc2.weight"] = {c, 4 * c};
+            want[p + "mlp.fc2.bias"] = {c};
+        }
+        if (s < 3) {
+            const std::string p = "layers." + std::to_string(s) + ".downsample.conv.";
+            const int64_t r = 4 * dims[s + 1];
+            want[p + "0.conv.weight"] = {r, c, 1, 1};
+            want[p + "0.conv.bias"] = {r};
+            want[p + "1.conv.weight"] = {r, 1, 3, 3};
+            want[p + "1.conv.bias"] = {r};
+            want[p + "2.conv.weight"] = {dims[s + 1], r, 1, 1};
+            want[p + "2.conv.bias"] = {dims[s + 1]};
+            bn(p + "2.norm.", dims[s + 1]);
+        }
+    }
+    bn("norm.", 512);
+    want["head.weight"] = {1000, 512};
+    want["head.bias"] = {1000};
+    ASSERT_EQ(want.size(), 410u);
+    auto hvit = make("hvit3_tiny");
+    EXPECT_EQ(state_dict_shapes(*hvit), want);
+    // Spot checks quoted in A7.
+    auto got = state_dict_shapes(*hvit);
+    EXPECT_EQ(got["layers.0.blocks.0.attn.qkv.weight"], (Shape{288, 64}));
+    EXPECT_EQ(got["layers.0.blocks.0.attn.proj.weight"], (Shape{64, 96}));
+    EXPECT_EQ(got["layers.0.downsample.conv.0.conv.weight"], (Shape{512, 64, 1, 1}));
+    EXPECT_EQ(got["layers.3.blocks.0.rope.rotations"], (Shape{7, 7, 256, 2}));
+    // Official names are used unchanged; a headless model drops the classifier keys.
+    EXPECT_EQ(vit->map_checkpoint_key("blocks.3.attn.w1"), "blocks.3.attn.w1");
+    EXPECT_EQ(make("vit3_tiny", {{"num_classes", "0"}})->map_checkpoint_key("head.weight"), "");
+    EXPECT_EQ(make("hvit3_tiny", {{"num_classes", "0"}, {"depths", "1,1,1,1"}})->map_checkpoint_key("head.bias"), "");
+    EXPECT_EQ(hvit->map_checkpoint_key("norm.running_var"), "norm.running_var");
+}
+
+TEST(Vit3, Gflops224) {
+    // Paper / README figures (fvcore: one FLOP per multiply-add of matmuls and convs).
+    const std::vector<std::pair<std::string, double>> paper = {{"vit3_tiny", 1.2},  {"vit3_small", 4.8},
+                                                               {"vit3_base", 18.0}, {"hvit3_tiny", 4.9},
+                                                               {"hvit3_small", 8.8}, {"hvit3_base", 16.7}};
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, gflops] : paper) {
+        auto model = make(name);
+        model->eval();
+        linvis::flops::Counter counter;
+        model->forward(torch::randn({1, 3, 224, 224}));
+        std::cout << "[ " << name << ": " << counter.macs() << " MACs = " << counter.gflops() << " GFLOPs (paper "
+                  << gflops << ") ]\n";
+        EXPECT_NEAR(counter.gflops(), gflops, 0.05 * gflops) << name;
+    }
+}
+
+TEST(Vit3, ForwardBackwardRuns) {
+    torch::manual_seed(0);
+    for (auto [name, options] : std::vector<std::pair<std::string, std::map<std::string, std::string>>>{
+             {"vit3_tiny", {{"img_size", "64"}, {"depth", "2"}, {"num_classes", "7"}, {"drop_path_rate", "0.1"}}},
+             {"vit3_small", {{"img_size", "32"}, {"depth", "1"}, {"patch_size", "8"}, {"num_classes", "7"}}},
+             {"hvit3_tiny", {{"img_size", "64"}, {"depths", "1,1,1,1"}, {"num_classes", "7"}, {"drop_path_rate", "0.2"}}}}) {
+        auto model = make(name, options);
+        model->train();
+        Tensor x = torch::randn({2, 3, std::stoll(options["img_size"]), std::stoll(options["img_size"])});
+        Tensor logits = model->forward(x);
+        ASSERT_EQ(logits.sizes(), (Shape{2, 7})) << name;
+        logits.pow(2).sum().backward();
+        int64_t with_grad = 0, total = 0;
+        for (const auto& p : model->parameters()) {
+            ++total;
+            if (p.grad().defined() && p.grad().abs().sum().item<double>() > 0) ++with_grad;
+        }
+        EXPECT_EQ(with_grad, total) << name << ": every parameter must receive a gradient";
+        EXPECT_TRUE(torch::isfinite(logits).all().item<bool>());
+    }
+    EXPECT_THROW(make("vit3_tiny", {{"bogus", "1"}}), linvis::Error);
+    EXPECT_THROW(make("vit3_tiny", {{"impl", "fused"}}), linvis::Error);
+    EXPECT_THROW(make("hvit3_tiny", {{"depths", "1,2,3"}}), linvis::Error);
+    EXPECT_THROW(make("vit3_tiny", {{"depth", "1"}})->forward(torch::randn({1, 3, 40, 40})), linvis::Error);
+}
+
+TEST(Vit3, ResolutionChange) {
+    torch::manual_seed(1);
+    torch::NoGradGuard no_grad;
+    // ViT³ has no absolute position embedding: the same weights run at any multiple of 16.
+    auto vit = make("vit3_tiny", {{"depth", "2"}});
+    vit->eval();
+    EXPECT_EQ(vit->forward_features(torch::randn({1, 3, 96, 128})).sizes(), (Shape{1, 48, 192}));
+    EXPECT_EQ(vit->forward(torch::randn({1, 3, 160, 160})).sizes(), (Shape{1, 1000}));
+    // H-ViT³: a checkpoint made at 96 loaded into a model built for 128 gets its RoPE tables
+    // recomputed (adapt_checkpoint_tensor); it must equal the 96-model run at 128, whose tables
+    // are computed on the fly for the new grid.
+    std::map<std::string, std::string> small = {{"depths", "1,1,1,1"}, {"img_size", "96"}};
+    std::map<std::string, std::string> large = {{"depths", "1,1,1,1"}, {"img_size", "128"}};
+    auto a = make("hvit3_tiny", small), b = make("hvit3_tiny", large);
+    a->eval();
+    b->eval();
+    copy_weights(*a, *b);
+    auto buffers = b->named_buffers(true);
+    EXPECT_EQ(buffers["layers.0.blocks.0.rope.rotations"].sizes(), (Shape{32, 32, 32, 2}));
+    Tensor x = torch::randn({2, 3, 128, 128});
+    Tensor out_b = b->forward(x);
+    EXPECT_TRUE(all_close(a->forward(x), out_b, 1e-5, 1e-6));
+    // Different tables give different outputs (the RoPE path is live).
+    EXPECT_GT((make("hvit3_tiny", large)->forward(x) - out_b).abs().max().item<double>(), 1e-4);
+    EXPECT_THROW(b->adapt_checkpoint_tensor("layers.0.blocks.0.rope.rotations", torch::zeros({24, 24, 16, 2})),
+                 linvis::Error);
+}
+
+TEST(Vit3, BatchIndependence) {
+    torch::manual_seed(2);
+    torch::NoGradGuard no_grad;
+    for (auto [name, options] : std::vector<std::pair<std::string, std::map<std::string, std::string>>>{
+             {"vit3_tiny", {{"depth", "2"}}}, {"hvit3_tiny", {{"depths", "1,1,2,1"}}}}) {
+        auto model = make(name, options);
+        model->eval();
+        Tensor x = torch::randn({3, 3, 96, 96});
+        Tensor all = model->forward(x);
+        for (int64_t i = 0; i < 3; ++i)
+            EXPECT_TRUE(all_close(all.narrow(0, i, 1), model->forward(x.narrow(0, i, 1)), 1e-4, 1e-5))
+                << name << " sample " << i;
+    }
+}
+
+TEST(Vit3, IntermediatesAreBlockOutputs) {
+    torch::manual_seed(3);
+    torch::NoGradGuard no_grad;
+    auto model = make("vit3_tiny", {{"depth", "3"}});
+    model->eval();
+    Tensor x = torch::randn({1, 3, 64, 64});
+    auto outs = model->forward_intermediates(x, {0, -1});
+    ASSERT_EQ(outs.size(), 2u);
+    EXPECT_EQ(outs[0].sizes(), (Shape{1, 16, 192}));
+    // The final norm of the last block output is forward_features.
+    auto ln = torch::layer_norm(outs[1], {192}, model->named_parameters()["norm.weight"],
+                                model->named_parameters()["norm.bias"], 1e-6);
+    EXPECT_TRUE(all_close(ln, model->forward_features(x), 1e-5, 1e-6));
+    EXPECT_THROW(model->forward_intermediates(x, {3}), linvis::Error);
+}
+
+TEST(HVit3, IntermediatesAreMultiScale) {
+    torch::manual_seed(4);
+    torch::NoGradGuard no_grad;
+    auto model = make("hvit3_tiny", {{"depths", "1,1,1,1"}});
+    model->eval();
+    Tensor x = torch::randn({2, 3, 224, 224});
+    auto outs = model->forward_intermediates(x, {0, 1, 2, 3});
+    ASSERT_EQ(outs.size(), 4u);
+    const int64_t dims[4] = {64, 128, 320, 512};
+    for (int s = 0; s < 4; ++s) EXPECT_EQ(outs[s].sizes(), (Shape{2, dims[s], 56 >> s, 56 >> s})) << "stage " << s;
+    // forward_features = BatchNorm (eval, fresh statistics: x / sqrt(1 + 1e-5)) of the last stage.
+    EXPECT_TRUE(all_close(model->forward_features(x), outs[3] / std::sqrt(1.0 + 1e-5), 1e-5, 1e-6));
+    EXPECT_EQ(model->forward_head(model->forward_features(x), true).sizes(), (Shape{2, 512}));
+    EXPECT_EQ(model->num_features(), 512);
+}
