@@ -3,6 +3,7 @@
 // pickle_save output, malformed files, state-dict extraction and mapping onto a model.
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <unistd.h>
 #include <fstream>
 #include <random>
@@ -887,4 +888,97 @@ TEST(TorchCheckpoint, MapsRawKeysOntoAModelAndChecksShapes) {
                                                   {"head.weight", torch::randn({2, 4})}};
     EXPECT_NE(expect_error([&] { linvis::io::map_state_dict_to_model(twice, model, false); }).find("both map to"),
               std::string::npos);
+}
+
+// ------------------------------------------------------------------ files pickled by CPython
+
+namespace {
+std::string data_file(const std::string& name) {
+    return std::string(LINVIS_TEST_DATA_DIR) + "/torch_checkpoints/" + name;
+}
+// Storage formulas of tests/data/torch_checkpoints/make_checkpoints.py.
+torch::Tensor formula(int64_t n, double step, double start, torch::ScalarType dtype) {
+    return (torch::arange(n, torch::kFloat64) * step + start).to(dtype);
+}
+}  // namespace
+
+TEST(TorchCheckpoint, CPythonPickledVit3CheckpointWithCfgNodeAndNumpyScalar) {
+    // Protocol 2 stream from CPython's pickler with stand-ins that reduce like torch tensors,
+    // parameters, storages, yacs CfgNode and numpy scalars (see make_checkpoints.py).
+    const std::string path = data_file("vit3_style.pth");
+    const auto contents = linvis::io::read_torch_checkpoint(path);
+    EXPECT_EQ(contents.format_version, 3);
+    EXPECT_EQ(contents.byteorder, "little");
+    EXPECT_EQ(contents.num_storages, 7);
+    const Value& root = *contents.root;
+
+    std::string key;
+    linvis::io::StateDictReport report;
+    const auto sd = linvis::io::extract_state_dict(contents, false, &key, &report);
+    EXPECT_EQ(key, "model");
+    ASSERT_EQ(sd.size(), 7u);
+    const torch::Tensor qkv = formula(24, 0.5, -3, torch::kFloat32).reshape({6, 4});
+    EXPECT_TRUE(same_tensor(sd.at("blocks.0.attn.qkv.weight"), qkv));
+    EXPECT_TRUE(same_tensor(sd.at("blocks.0.attn.w1"), formula(8, 0.5, -2, torch::kFloat64).reshape({1, 2, 2, 2})));
+    EXPECT_TRUE(same_tensor(sd.at("blocks.0.attn.proj.weight"), formula(12, 0.25, -1, torch::kFloat16).reshape({4, 3})));
+    EXPECT_TRUE(same_tensor(sd.at("blocks.0.norm1.weight"), formula(5, 0.5, -2, torch::kBFloat16)));
+    EXPECT_TRUE(same_tensor(sd.at("patch_embed.norm.num_batches_tracked"), torch::tensor(int64_t{1234})));
+    EXPECT_TRUE(same_tensor(sd.at("pos_index"), torch::arange(3, torch::kInt64) + int64_t{10000000000}));
+    EXPECT_TRUE(same_tensor(sd.at("qkv_view"), qkv.t().slice(0, 1, 3).slice(1, 2, 5)));
+    EXPECT_EQ(sd.at("qkv_view").storage_offset(), 9);
+    ASSERT_EQ(report.dropped.size(), 6u);
+    EXPECT_EQ(report.dropped[2], "max_accuracy: object numpy.core.multiarray.scalar");
+    EXPECT_EQ(report.dropped[5], "config: object yacs.config.CfgNode (3 items)");
+
+    // optimizer: exp_avg and exp_avg_sq are one memoized object
+    const Value* s0 = root.find("optimizer")->find("state")->entries.at(0).second.get();
+    EXPECT_EQ(s0->find("exp_avg"), s0->find("exp_avg_sq"));
+    EXPECT_TRUE(same_tensor(s0->find("exp_avg")->tensor, formula(24, 0.5, -1, torch::kFloat32).reshape({6, 4})));
+    EXPECT_EQ(root.find("optimizer")->find("param_groups")->items.at(0)->find("weight_decay")->real, 0.05);
+    EXPECT_EQ(root.find("epoch")->integer, 299);
+    // numpy.float64(76.5): scalar(dtype('f8') with BUILD state, 8 raw bytes)
+    const Value* acc = root.find("max_accuracy");
+    ASSERT_EQ(acc->args->items.size(), 2u);
+    EXPECT_EQ(acc->args->items[0]->class_name, "numpy.dtype");
+    EXPECT_EQ(acc->args->items[0]->args->items.at(0)->text, "f8");
+    ASSERT_TRUE(acc->args->items[0]->state);
+    ASSERT_EQ(acc->args->items[1]->text.size(), 8u);
+    double value = 0;
+    std::memcpy(&value, acc->args->items[1]->text.data(), 8);
+    EXPECT_EQ(value, 76.5);
+    // -84.9 has bytes >= 0x80: protocol 2 stores them as latin-1 text inside _codecs.encode
+    const Value* acc_e = root.find("max_accuracy_e");
+    ASSERT_EQ(acc_e->args->items.at(1)->text.size(), 8u);
+    std::memcpy(&value, acc_e->args->items[1]->text.data(), 8);
+    EXPECT_EQ(value, -84.9);
+    // yacs config
+    const Value* cfg = root.find("config");
+    EXPECT_EQ(cfg->find("MODEL")->find("NAME")->text, "vittt_tiny");
+    EXPECT_EQ(cfg->find("TRAIN")->find("BASE_LR")->real, 5e-4);
+    EXPECT_TRUE(cfg->attribute("__immutable__")->boolean);
+    EXPECT_FALSE(cfg->find("DATA")->attribute("__immutable__")->boolean);
+}
+
+TEST(TorchCheckpoint, CPythonPickledDit3CheckpointProtocols4And5) {
+    for (const char* name : {"dit3_style.pt", "dit3_style_p5.pt"}) {
+        SCOPED_TRACE(name);
+        const auto contents = linvis::io::read_torch_checkpoint(data_file(name));
+        std::string key;
+        linvis::io::StateDictReport report;
+        const auto sd = linvis::io::extract_state_dict(contents, false, &key, &report);
+        EXPECT_EQ(key, "model");
+        EXPECT_EQ(report.prefix_stripped, 2);
+        EXPECT_TRUE(same_tensor(sd.at("x_embedder.proj.weight"), formula(6, 0.5, 0, torch::kFloat32).reshape({3, 2})));
+        EXPECT_TRUE(same_tensor(sd.at("pos_embed"), formula(8, 0.5, 1, torch::kFloat32).reshape({1, 4, 2})));
+        const auto ema = linvis::io::extract_state_dict(contents, true, &key, nullptr);
+        EXPECT_EQ(key, "ema");
+        EXPECT_TRUE(same_tensor(ema.at("pos_embed"), formula(8, 0.5, 3, torch::kFloat32).reshape({1, 4, 2})));
+        const Value* args = contents.root->find("args");
+        EXPECT_EQ(args->class_name, "argparse.Namespace");
+        EXPECT_EQ(args->attribute("model")->text, "DiT-B/2");
+        EXPECT_EQ(args->attribute("image_size")->integer, 256);
+        EXPECT_EQ(args->attribute("ckpt")->kind, Value::Kind::None);
+        EXPECT_TRUE(args->attribute("use_layer_lr")->boolean);
+        EXPECT_EQ(args->attribute("lr")->real, 1e-4);
+    }
 }

@@ -501,6 +501,22 @@ private:
             if (!a.empty()) s->items = a[0]->items;
             return s;
         }
+        // Protocol < 3 pickles bytes as _codecs.encode(latin-1 text, 'latin1') (and b'' as bytes()).
+        if (name == "_codecs.encode" || name == "builtins.bytes" || name == "__builtin__.bytes" ||
+            name == "builtins.bytearray" || name == "__builtin__.bytearray") {
+            auto b = make(Value::Kind::Bytes);
+            if (a.empty()) return b;
+            if (a[0]->kind == Value::Kind::Bytes) {
+                b->text = a[0]->text;
+                return b;
+            }
+            if (a[0]->kind != Value::Kind::String) fail_op(op, str_cat(name, ": expected a str argument"));
+            const std::string encoding = a.size() > 1 && a[1]->kind == Value::Kind::String ? a[1]->text : "";
+            if (encoding != "latin1" && encoding != "latin-1")
+                fail_op(op, str_cat(name, ": unsupported encoding ", quoted(encoding)));
+            b->text = utf8_to_latin1(a[0]->text, op);
+            return b;
+        }
         if (name == "copyreg._reconstructor" || name == "copy_reg._reconstructor") {
             // (cls, base, state): protocol 0/1 object creation
             auto obj = make(Value::Kind::Object);
@@ -512,6 +528,24 @@ private:
         obj->class_name = name.empty() ? str_cat("<result of calling ", describe(*callable), ">") : name;
         obj->args = args;
         return obj;
+    }
+
+    // Code points of a UTF-8 string, each < 256, as bytes.
+    std::string utf8_to_latin1(const std::string& text, uint8_t op) const {
+        std::string out;
+        for (size_t i = 0; i < text.size(); ++i) {
+            const uint8_t c = static_cast<uint8_t>(text[i]);
+            if (c < 0x80) {
+                out.push_back(static_cast<char>(c));
+            } else if ((c == 0xc2 || c == 0xc3) && i + 1 < text.size() &&
+                       (static_cast<uint8_t>(text[i + 1]) & 0xc0) == 0x80) {
+                out.push_back(static_cast<char>(((c & 0x1f) << 6) | (static_cast<uint8_t>(text[i + 1]) & 0x3f)));
+                ++i;
+            } else {
+                fail_op(op, "latin-1 text holds a character above U+00FF or invalid UTF-8");
+            }
+        }
+        return out;
     }
 
     ValuePtr new_object(const ValuePtr& cls, const ValuePtr& args, uint8_t op) const {
