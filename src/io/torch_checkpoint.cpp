@@ -923,8 +923,22 @@ CheckpointContents read_torch_checkpoint(const std::string& path) {
     } catch (const std::exception& e) {
         fail(path, ": cannot list the zip archive: ", c10_message(e));
     }
+    // Some LibTorch versions list records with the archive folder ("archive/data.pkl"): strip it.
+    for (const auto& name : contents.records) {
+        const size_t at = name.rfind("/data.pkl");
+        if (at != std::string::npos && at + 9 == name.size() && name.find('/') == at) {
+            const std::string prefix = name.substr(0, at + 1);
+            for (auto& record : contents.records)
+                if (record.rfind(prefix, 0) == 0) record = record.substr(prefix.size());
+            break;
+        }
+    }
     auto has = [&](const std::string& name) {
-        return std::find(contents.records.begin(), contents.records.end(), name) != contents.records.end();
+        try {
+            return reader->hasRecord(name);
+        } catch (const std::exception& e) {
+            fail(path, ": cannot look up record '", name, "': ", c10_message(e));
+        }
     };
     if (has("byteorder")) {
         auto [ptr, size] = read_record("byteorder");
@@ -932,8 +946,8 @@ CheckpointContents read_torch_checkpoint(const std::string& path) {
         LINVIS_CHECK(contents.byteorder == "little", path, ": byteorder record says '", contents.byteorder,
                      "'; only little-endian checkpoints are supported");
     }
-    LINVIS_CHECK(has("data.pkl"), path, ": no data.pkl record in the archive (records: ",
-                 contents.records.size(), "); not a torch.save checkpoint");
+    LINVIS_CHECK(has("data.pkl"), path, ": no data.pkl record in the archive (", contents.records.size(),
+                 " records); not a torch.save checkpoint");
     std::string pickle;
     {
         auto [ptr, size] = read_record("data.pkl");
