@@ -986,3 +986,18 @@ TEST(TorchCheckpoint, CPythonPickledDit3CheckpointProtocols4And5) {
         EXPECT_EQ(args->attribute("lr")->real, 1e-4);
     }
 }
+
+TEST(TorchCheckpoint, CliDryRunPrintsTheReport) {
+    const std::string command = std::string(LINVIS_CLI_PATH) + " convert-checkpoint " +
+                                data_file("vit3_style.pth") + " /nonexistent/out.safetensors --dry-run 2>&1";
+    FILE* pipe = popen(command.c_str(), "r");
+    ASSERT_NE(pipe, nullptr);
+    std::string output;
+    char buffer[256];
+    while (fgets(buffer, sizeof buffer, pipe)) output += buffer;
+    const int status = pclose(pipe);
+    EXPECT_EQ(status, 0) << output;
+    EXPECT_NE(output.find("state dict  'model': 7 tensors"), std::string::npos) << output;
+    EXPECT_NE(output.find("config: object yacs.config.CfgNode (3 items)"), std::string::npos) << output;
+    EXPECT_NE(output.find("dry run: nothing written"), std::string::npos) << output;
+}
