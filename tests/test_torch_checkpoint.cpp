@@ -785,6 +785,24 @@ TEST(TorchCheckpoint, CorruptedPicklesNeverCrash) {
     EXPECT_GE(errors, static_cast<int>(good.size()));  // at least every truncation fails
 }
 
+TEST(TorchCheckpoint, DeeplyNestedPickleDoesNotOverflowTheStack) {
+    // 300k nested lists (each appended into the one before): parsing, describing and freeing
+    // the tree must not recurse per level.
+    const int depth = 300000;
+    linvis::testing::PickleWriter p;
+    p.proto(2);
+    for (int i = 0; i < depth; ++i) p.empty_list();
+    for (int i = 1; i < depth; ++i) p.append();
+    p.stop();
+    auto root = linvis::io::unpickle(p.bytes, [](const std::string&) { return torch::Tensor(); }, "deep");
+    int levels = 1;
+    for (const Value* v = root.get(); !v->items.empty(); v = v->items[0].get()) ++levels;
+    EXPECT_EQ(levels, depth);
+    EXPECT_EQ(linvis::io::describe(*root), "list(1)");
+    EXPECT_FALSE(linvis::io::dump(*root).empty());
+    root.reset();
+}
+
 TEST(TorchCheckpoint, NoStateDictOrNoEmaIsAnErrorListingTheKeys) {
     CheckpointWriter w;
     auto& p = w.p;

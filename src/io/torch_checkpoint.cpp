@@ -20,6 +20,28 @@ namespace linvis::io {
 
 // ------------------------------------------------------------------ Value helpers
 
+Value::~Value() {
+    std::vector<ValuePtr> pending;
+    auto detach_children = [&pending](Value& v) {
+        for (auto& item : v.items) pending.push_back(std::move(item));
+        for (auto& entry : v.entries) {
+            pending.push_back(std::move(entry.first));
+            pending.push_back(std::move(entry.second));
+        }
+        if (v.args) pending.push_back(std::move(v.args));
+        if (v.state) pending.push_back(std::move(v.state));
+        v.items.clear();
+        v.entries.clear();
+    };
+    detach_children(*this);
+    while (!pending.empty()) {
+        ValuePtr node = std::move(pending.back());
+        pending.pop_back();
+        // Last owner: empty it first so its own destructor has nothing to recurse into.
+        if (node && node.use_count() == 1) detach_children(*node);
+    }
+}
+
 const Value* Value::find(const std::string& key) const {
     for (const auto& [k, v] : entries)
         if (k && k->kind == Kind::String && k->text == key) return v.get();

@@ -61,6 +61,12 @@ struct Value {
     ValuePtr args;                                    // Object: constructor arguments (REDUCE/NEWOBJ), a Tuple
     ValuePtr state;                                   // Object/Dict: the BUILD state (e.g. Namespace's __dict__)
 
+    Value() = default;
+    Value(const Value&) = default;
+    Value& operator=(const Value&) = default;
+    // Releases children iteratively, so a deeply nested (hostile) pickle cannot overflow the stack.
+    ~Value();
+
     bool is_dict_like() const { return kind == Kind::Dict || (kind == Kind::Object && !entries.empty()); }
     // Entry of a Dict (or dict-subclass Object) whose key is the string `key`; nullptr if none.
     const Value* find(const std::string& key) const;
