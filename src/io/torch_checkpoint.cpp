@@ -602,6 +602,8 @@ private:
             raw = cached->second;
         } else {
             raw = load_storage_(key);
+            if (!raw.defined() || raw.scalar_type() != torch::kUInt8 || raw.dim() != 1 || !raw.is_contiguous())
+                fail_op(op, str_cat("storage '", key, "': the loader must return a contiguous 1-D uint8 tensor"));
             storages_[key] = raw;
         }
         if (it.size() >= 5 && it[4]->kind == Value::Kind::Int) {
