@@ -326,6 +326,7 @@ TEST(Transforms, EvalTransformParameters) {
     EvalTransform small;
     small.crop_size = 32;
     small.resize_size = 40;
+    small.kernel = ResizeKernel::Torch;
     const auto out = small(demo_image(50, 90));  // -> 40 x 72 -> crop 32 x 32 at (4, 20)
     ASSERT_EQ(out.sizes(), (std::vector<int64_t>{3, 32, 32}));
     // Same result built from the parts.
@@ -374,6 +375,99 @@ TEST(Transforms, BicubicReproducesLinearRamp) {
         for (int64_t i = margin; i < out - margin; ++i)
             EXPECT_NEAR(got[i].item<double>(), (i + 0.5) * s - 0.5, 1e-9) << "out " << out << " i " << i;
     }
+}
+
+// Pillow's Image.resize on a 13x17 "L" image with pixel (y, x) = (37x + 91y + 29((xy) mod 7)) mod 256.
+// Expected values produced by Pillow 10.4, 11.3 and 12.0 (identical); see docs/data.md.
+struct PilGolden {
+    const char* name;
+    int64_t height, width;
+    Interpolation interpolation;
+    std::vector<int> pixels;
+};
+
+const std::vector<PilGolden>& pil_goldens() {
+    static const std::vector<PilGolden> goldens = {
+    {"bicubic_down", 6, 8, Interpolation::Bicubic,
+     {
+        89, 114, 163, 116, 113, 144, 148, 112, 84, 122, 150, 94, 115, 149, 120, 91, 136, 96, 118, 143, 96, 86,
+        158, 121, 147, 156, 55, 118, 144, 79, 94, 143, 104, 137, 141, 123, 127, 150, 134, 128, 155, 175, 117,
+        134, 174, 148, 108, 115}},
+    {"bicubic_mixed", 20, 11, Interpolation::Bicubic,
+     {
+        4, 58, 129, 196, 116, 19, 95, 160, 207, 30, 55, 57, 124, 91, 183, 143, 92, 108, 127, 212, 78, 134, 120,
+        184, 68, 164, 164, 162, 131, 99, 198, 133, 202, 122, 115, 152, 145, 124, 91, 164, 144, 129, 124, 108,
+        97, 77, 158, 152, 85, 72, 139, 150, 123, 95, 64, 64, 76, 117, 171, 69, 84, 102, 129, 157, 65, 71, 54,
+        126, 101, 168, 115, 66, 147, 109, 181, 66, 122, 103, 128, 75, 181, 182, 89, 140, 93, 223, 119, 134, 174,
+        110, 43, 182, 221, 139, 84, 76, 242, 185, 114, 133, 202, 10, 65, 86, 160, 8, 30, 83, 134, 99, 116, 242,
+        46, 11, 40, 170, 63, 20, 20, 113, 133, 136, 205, 143, 37, 106, 166, 222, 56, 74, 138, 194, 146, 104,
+        185, 66, 144, 103, 171, 136, 78, 156, 104, 130, 91, 187, 98, 142, 91, 135, 179, 87, 143, 95, 87, 194,
+        154, 127, 102, 150, 167, 164, 114, 97, 212, 76, 132, 119, 144, 153, 94, 122, 144, 165, 100, 146, 109,
+        74, 128, 134, 182, 67, 102, 144, 161, 134, 81, 189, 97, 206, 90, 135, 134, 155, 175, 65, 191, 99, 168,
+        185, 200, 97, 96, 190, 203, 160, 76, 112, 127, 132, 253, 177, 114, 74, 221, 230, 140, 107, 34, 148}},
+    {"bilinear", 7, 30, Interpolation::Bilinear,
+     {
+        56, 67, 85, 114, 139, 108, 94, 114, 140, 171, 192, 206, 121, 64, 81, 105, 136, 122, 91, 109, 132, 163,
+        188, 206, 154, 70, 78, 97, 129, 148, 109, 100, 85, 92, 106, 143, 153, 105, 122, 190, 155, 95, 105, 108,
+        93, 92, 102, 133, 170, 125, 101, 169, 180, 118, 105, 114, 102, 91, 102, 108, 116, 99, 73, 102, 137, 125,
+        103, 62, 100, 204, 198, 165, 139, 112, 85, 91, 130, 132, 120, 79, 67, 171, 213, 180, 151, 124, 97, 80,
+        119, 144, 95, 131, 188, 200, 198, 127, 67, 30, 35, 74, 86, 91, 95, 114, 171, 164, 93, 77, 82, 46, 24,
+        63, 87, 92, 96, 101, 154, 192, 121, 77, 155, 133, 96, 121, 155, 161, 164, 165, 127, 60, 76, 111, 138,
+        148, 112, 112, 148, 162, 167, 167, 154, 87, 66, 102, 132, 159, 128, 102, 138, 160, 130, 111, 81, 116,
+        156, 121, 116, 173, 161, 96, 120, 165, 147, 125, 94, 102, 149, 136, 101, 155, 187, 122, 107, 154, 156,
+        138, 108, 89, 136, 165, 146, 156, 173, 166, 159, 186, 196, 171, 139, 105, 89, 79, 119, 153, 170, 173,
+        162, 179, 206, 183, 155, 120, 96, 85, 108, 148, 104, 69, 126, 162}},
+    {"nearest", 5, 40, Interpolation::Nearest,
+     {
+        91, 91, 157, 157, 157, 223, 223, 33, 33, 99, 99, 99, 165, 165, 231, 231, 94, 94, 94, 160, 160, 226, 226,
+        226, 36, 36, 102, 102, 168, 168, 168, 234, 234, 97, 97, 163, 163, 163, 229, 229, 17, 17, 141, 141, 141,
+        9, 9, 186, 186, 54, 54, 54, 231, 231, 99, 99, 20, 20, 20, 144, 144, 12, 12, 12, 189, 189, 57, 57, 234,
+        234, 234, 102, 102, 23, 23, 147, 147, 147, 15, 15, 34, 34, 245, 245, 245, 253, 253, 5, 5, 13, 13, 13,
+        21, 21, 29, 29, 37, 37, 37, 248, 248, 0, 0, 0, 8, 8, 16, 16, 24, 24, 24, 32, 32, 40, 40, 251, 251, 251,
+        3, 3, 51, 51, 146, 146, 146, 241, 241, 80, 80, 228, 228, 228, 67, 67, 162, 162, 54, 54, 54, 149, 149,
+        244, 244, 244, 83, 83, 231, 231, 70, 70, 70, 165, 165, 57, 57, 152, 152, 152, 247, 247, 233, 233, 130,
+        130, 130, 80, 80, 233, 233, 183, 183, 183, 80, 80, 30, 30, 236, 236, 236, 133, 133, 83, 83, 83, 236,
+        236, 186, 186, 83, 83, 83, 33, 33, 239, 239, 136, 136, 136, 86, 86}},
+    };
+    return goldens;
+}
+
+TEST(Transforms, PilResizeMatchesPillowBitForBit) {
+    auto source = torch::empty({13, 17, 1}, torch::kUInt8);
+    for (int y = 0; y < 13; ++y)
+        for (int x = 0; x < 17; ++x) source[y][x][0] = (x * 37 + y * 91 + (x * y) % 7 * 29) % 256;
+    for (const auto& golden : pil_goldens()) {
+        const auto got = resize_pil(source, golden.height, golden.width, golden.interpolation);
+        ASSERT_EQ(got.sizes(), (std::vector<int64_t>{golden.height, golden.width, 1})) << golden.name;
+        const auto expected = torch::tensor(golden.pixels, torch::kInt32).view({golden.height, golden.width, 1});
+        EXPECT_TRUE(torch::equal(got.to(torch::kInt32), expected)) << golden.name << "\n" << got.squeeze(2);
+    }
+    // Channels are independent: three copies give three identical planes.
+    const auto rgb = resize_pil(source.expand({13, 17, 3}), 6, 8);
+    for (int c = 0; c < 3; ++c) EXPECT_TRUE(torch::equal(rgb.select(2, c), resize_pil(source, 6, 8).select(2, 0)));
+    EXPECT_THROW(resize_pil(source.to(torch::kFloat32), 6, 8), Error);
+}
+
+TEST(Transforms, PilAndTorchKernelsAgreeClosely) {
+    // Same filter, different arithmetic: PIL's fixed point and uint8 intermediate against float.
+    const auto image = demo_image(120, 160);
+    const auto pil = resize_pil(image, 96, 128);
+    const auto torch_kernel = resize(image.permute({2, 0, 1}), 96, 128).permute({1, 2, 0});
+    const auto diff = (pil.to(torch::kInt32) - torch_kernel.to(torch::kInt32)).abs();
+    EXPECT_LE(diff.max().item<int>(), 3);
+    EXPECT_LT(diff.to(torch::kFloat32).mean().item<float>(), 0.1f);
+    // EvalTransform: the Pil kernel (default) is resize_pil + crop + ToTensor + Normalize.
+    EvalTransform t;
+    t.crop_size = 64;
+    t.resize_size = 80;
+    const auto out = t(image);  // 120x160 -> 80x106 -> crop at (8, 21)
+    const auto manual = normalize(resize_pil(image, 80, 106).permute({2, 0, 1}).narrow(1, 8, 64).narrow(2, 21, 64)
+                                      .to(torch::kFloat32).div(255.0),
+                                  t.mean, t.std);
+    EXPECT_TRUE(torch::equal(out, manual));
+    t.kernel = ResizeKernel::Torch;
+    EXPECT_FALSE(torch::equal(t(image), out));
+    EXPECT_LT((t(image) - out).abs().max().item<float>(), 3.5f / 255.0f / 0.224f);
 }
 
 TEST(Transforms, Uint8ResizeRoundsAndClampsLikeTorchvision) {

@@ -403,6 +403,24 @@ TEST(Safetensors, AtomicOverwriteKeepsOpenMappingValidAndLeavesNoTempFiles) {
     EXPECT_EQ(files, 1);
 }
 
+TEST(Safetensors, ErrorsStayShortForHugeHostileTokens) {
+    // An unterminated 100 kB string and a 100 kB tensor name with control bytes.
+    const std::string unterminated = file_with("{\"" + std::string(100000, 'a'), 0);
+    std::string msg = expect_error([&] {
+        parse_safetensors_header(reinterpret_cast<const uint8_t*>(unterminated.data()), unterminated.size(), "f");
+    });
+    EXPECT_NE(msg.find("f: header is not valid JSON"), std::string::npos) << msg.substr(0, 300);
+    EXPECT_LT(msg.size(), 400u);
+    const std::string name = std::string(100000, 'n') + "\\u000a";  // JSON escape of a newline
+    const std::string bad_dtype = file_with("{" + entry(name, "F99", "[1]", 0, 4) + "}", 4);
+    msg = expect_error([&] {
+        parse_safetensors_header(reinterpret_cast<const uint8_t*>(bad_dtype.data()), bad_dtype.size(), "f");
+    });
+    EXPECT_NE(msg.find("unknown dtype 'F99'"), std::string::npos) << msg.substr(0, 300);
+    EXPECT_LT(msg.size(), 400u);
+    EXPECT_EQ(msg.find('\n'), std::string::npos);
+}
+
 TEST(Safetensors, OpenReportsMissingFileAndDirectory) {
     TempDir dir;
     const auto missing = (dir.path / "nope.safetensors").string();

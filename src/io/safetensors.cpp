@@ -124,7 +124,9 @@ struct SafetensorsFile::Mapping {
 };
 
 SafetensorsFile::SafetensorsFile(std::string path, std::unique_ptr<Mapping> mapping, SafetensorsHeader header)
-    : path_(std::move(path)), mapping_(std::move(mapping)), header_(std::move(header)) {}
+    : path_(std::move(path)), mapping_(std::move(mapping)), header_(std::move(header)) {
+    for (size_t i = 0; i < header_.tensors.size(); ++i) index_.emplace(header_.tensors[i].name, i);
+}
 SafetensorsFile::SafetensorsFile(SafetensorsFile&&) noexcept = default;
 SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&&) noexcept = default;
 SafetensorsFile::~SafetensorsFile() = default;
@@ -161,9 +163,10 @@ std::vector<std::string> SafetensorsFile::names() const {
 }
 
 torch::Tensor SafetensorsFile::tensor(const std::string& name) const {
-    const TensorInfo* info = header_.find(name);
-    LINVIS_CHECK(info != nullptr, path_, ": no tensor named '", name, "' (the file holds ", header_.tensors.size(),
+    const auto found = index_.find(name);
+    LINVIS_CHECK(found != index_.end(), path_, ": no tensor named '", name, "' (the file holds ", header_.tensors.size(),
                  " tensors)");
+    const TensorInfo* info = &header_.tensors[found->second];
     const std::string what = path_ + ": tensor '" + name + "'";
     const torch::Dtype dtype = dtype_to_torch(info->dtype, what);
     // Only zero-size tensors can reach here with huge dimensions (the bytes are in the file).

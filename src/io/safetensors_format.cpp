@@ -67,10 +67,14 @@ std::string quote_name(const std::string& text, size_t max_chars = 120) {
     return out + "'";
 }
 
-// nlohmann's messages may echo raw header bytes; keep printable ASCII only.
-std::string printable(const std::string& text) {
+// nlohmann's messages may echo raw header bytes (a whole unterminated string token, up to
+// the 100 MB header limit): keep printable ASCII only, and at most `max_chars` of it.
+std::string printable(const std::string& text, size_t max_chars = 240) {
     std::string out;
-    for (unsigned char c : text) out += (c >= 0x20 && c < 0x7f) ? static_cast<char>(c) : '?';
+    for (unsigned char c : text) {
+        if (out.size() == max_chars) return out + "...";
+        out += (c >= 0x20 && c < 0x7f) ? static_cast<char>(c) : '?';
+    }
     return out;
 }
 

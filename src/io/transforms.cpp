@@ -1,7 +1,10 @@
 // Evaluation transforms (timm/torchvision semantics, see the header).
 #include "linvis/io/transforms.h"
 
+#include <algorithm>
 #include <cmath>
+
+#include <ATen/Parallel.h>
 
 #include "linvis/core/error.h"
 #include "linvis/io/image.h"
@@ -70,6 +73,135 @@ torch::Tensor resize(const torch::Tensor& image, int64_t height, int64_t width, 
         y = y.to(dtype);
     }
     return image.dim() == 3 ? y.squeeze(0) : y;
+}
+
+namespace {
+
+double pil_filter(Interpolation interpolation, double x) {
+    x = std::abs(x);
+    if (interpolation == Interpolation::Bilinear) return x < 1.0 ? 1.0 - x : 0.0;
+    constexpr double a = -0.5;
+    if (x < 1.0) return ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0;
+    if (x < 2.0) return (((x - 5.0) * x + 8.0) * x - 4.0) * a;
+    return 0.0;
+}
+
+// Fixed-point taps of one output pixel along one axis.
+struct PilTaps {
+    int64_t first = 0;
+    std::vector<int32_t> weights;
+};
+
+constexpr int kPilPrecisionBits = 32 - 8 - 2;
+
+std::vector<PilTaps> pil_taps(int64_t in_size, int64_t out_size, Interpolation interpolation) {
+    const double support_base = interpolation == Interpolation::Bilinear ? 1.0 : 2.0;
+    const double scale = double(in_size) / double(out_size);
+    const double filter_scale = std::max(scale, 1.0);
+    const double support = support_base * filter_scale;
+    std::vector<PilTaps> taps(static_cast<size_t>(out_size));
+    std::vector<double> k;
+    for (int64_t i = 0; i < out_size; ++i) {
+        const double center = (double(i) + 0.5) * scale;
+        const double inverse = 1.0 / filter_scale;
+        int64_t lo = int64_t(center - support + 0.5);  // truncation toward zero, as C's (int)
+        if (lo < 0) lo = 0;
+        int64_t hi = int64_t(center + support + 0.5);
+        if (hi > in_size) hi = in_size;
+        k.assign(size_t(std::max<int64_t>(hi - lo, 0)), 0.0);
+        double total = 0.0;
+        for (size_t j = 0; j < k.size(); ++j) {
+            k[j] = pil_filter(interpolation, (double(j) + double(lo) - center + 0.5) * inverse);
+            total += k[j];
+        }
+        auto& t = taps[size_t(i)];
+        t.first = lo;
+        for (double w : k) {
+            const double normalised = total != 0.0 ? w / total : w;
+            const double fixed = normalised * double(1 << kPilPrecisionBits);
+            t.weights.push_back(int32_t(normalised < 0 ? -0.5 + fixed : 0.5 + fixed));
+        }
+    }
+    return taps;
+}
+
+uint8_t pil_clip(int64_t sum) {
+    const int64_t v = sum >> kPilPrecisionBits;  // arithmetic shift: floor, as PIL's int >> on gcc
+    return uint8_t(v < 0 ? 0 : (v > 255 ? 255 : v));
+}
+
+// One separable pass along `axis` (0: rows / height, 1: columns / width) of a (H, W, C) uint8 image.
+torch::Tensor pil_pass(const torch::Tensor& in, int axis, int64_t out_size, Interpolation interpolation) {
+    const int64_t h = in.size(0), w = in.size(1), c = in.size(2);
+    const int64_t in_size = axis == 0 ? h : w;
+    const auto taps = pil_taps(in_size, out_size, interpolation);
+    torch::Tensor out = torch::empty(axis == 0 ? std::vector<int64_t>{out_size, w, c} : std::vector<int64_t>{h, out_size, c},
+                                     torch::kUInt8);
+    const uint8_t* src = in.data_ptr<uint8_t>();
+    uint8_t* dst = out.data_ptr<uint8_t>();
+    const int64_t rounding = int64_t(1) << (kPilPrecisionBits - 1);
+    if (axis == 1) {
+        at::parallel_for(0, h, 16, [&](int64_t begin, int64_t end) {
+            for (int64_t y = begin; y < end; ++y)
+                for (int64_t x = 0; x < out_size; ++x) {
+                    const auto& t = taps[size_t(x)];
+                    for (int64_t ch = 0; ch < c; ++ch) {
+                        int64_t sum = rounding;
+                        for (size_t j = 0; j < t.weights.size(); ++j)
+                            sum += int64_t(src[(y * w + t.first + int64_t(j)) * c + ch]) * t.weights[j];
+                        dst[(y * out_size + x) * c + ch] = pil_clip(sum);
+                    }
+                }
+        });
+    } else {
+        at::parallel_for(0, out_size, 16, [&](int64_t begin, int64_t end) {
+            for (int64_t y = begin; y < end; ++y) {
+                const auto& t = taps[size_t(y)];
+                for (int64_t x = 0; x < w; ++x)
+                    for (int64_t ch = 0; ch < c; ++ch) {
+                        int64_t sum = rounding;
+                        for (size_t j = 0; j < t.weights.size(); ++j)
+                            sum += int64_t(src[((t.first + int64_t(j)) * w + x) * c + ch]) * t.weights[j];
+                        dst[(y * w + x) * c + ch] = pil_clip(sum);
+                    }
+            }
+        });
+    }
+    return out;
+}
+
+torch::Tensor pil_nearest(const torch::Tensor& in, int64_t height, int64_t width) {
+    const int64_t h = in.size(0), w = in.size(1);
+    const auto source_indices = [](int64_t in_size, int64_t out_size) {
+        // PIL walks the source coordinate by repeated addition (its affine transform loop), and the
+        // accumulated rounding decides exact .0 boundaries: (i + 0.5) * scale computed directly
+        // picks a different pixel there (e.g. 400 -> 298, i = 74).
+        const double scale = double(in_size) / double(out_size);
+        std::vector<int64_t> idx(static_cast<size_t>(out_size));
+        double coordinate = 0.5 * scale;
+        for (int64_t i = 0; i < out_size; ++i, coordinate += scale)
+            idx[size_t(i)] = std::min<int64_t>(int64_t(coordinate), in_size - 1);
+        return idx;
+    };
+    const auto rows = torch::tensor(source_indices(h, height), torch::kInt64);
+    const auto cols = torch::tensor(source_indices(w, width), torch::kInt64);
+    return in.index_select(0, rows).index_select(1, cols).contiguous();
+}
+
+}  // namespace
+
+torch::Tensor resize_pil(const torch::Tensor& image_hwc, int64_t height, int64_t width, Interpolation interpolation) {
+    LINVIS_CHECK(image_hwc.scalar_type() == torch::kUInt8 && image_hwc.dim() == 3, "resize_pil: expected uint8 (H, W, C), got ",
+                 image_hwc.scalar_type(), " ", shape_string(image_hwc.sizes()));
+    LINVIS_CHECK(height > 0 && width > 0, "resize_pil: output size must be positive, got ", height, "x", width);
+    LINVIS_CHECK(image_hwc.size(0) > 0 && image_hwc.size(1) > 0 && image_hwc.size(2) > 0, "resize_pil: empty input ",
+                 shape_string(image_hwc.sizes()));
+    if (image_hwc.size(0) == height && image_hwc.size(1) == width) return image_hwc;
+    torch::Tensor x = image_hwc.to(torch::kCPU).contiguous();
+    if (interpolation == Interpolation::Nearest) return pil_nearest(x, height, width);
+    if (x.size(1) != width) x = pil_pass(x, 1, width, interpolation);
+    if (x.size(0) != height) x = pil_pass(x, 0, height, interpolation);
+    return x;
 }
 
 torch::Tensor resize_shorter_side(const torch::Tensor& image, int64_t size, Interpolation interpolation,
@@ -141,9 +273,15 @@ torch::Tensor EvalTransform::operator()(const torch::Tensor& image_hwc) const {
     LINVIS_CHECK(image_hwc.scalar_type() == torch::kUInt8 && image_hwc.dim() == 3 && image_hwc.size(2) == 3,
                  "EvalTransform: expected uint8 (H, W, 3), got ", image_hwc.scalar_type(), " ",
                  shape_string(image_hwc.sizes()));
-    torch::Tensor chw = image_hwc.permute({2, 0, 1});
-    if (!quantize_after_resize) chw = chw.to(torch::kFloat32);
-    chw = resize_shorter_side(chw, effective_resize_size(), interpolation, antialias);
+    torch::Tensor chw;
+    if (kernel == ResizeKernel::Pil) {
+        const auto [height, width] = shorter_side_size(image_hwc.size(0), image_hwc.size(1), effective_resize_size());
+        chw = resize_pil(image_hwc, height, width, interpolation).permute({2, 0, 1});
+    } else {
+        chw = image_hwc.permute({2, 0, 1});
+        if (!quantize_after_resize) chw = chw.to(torch::kFloat32);
+        chw = resize_shorter_side(chw, effective_resize_size(), interpolation, antialias);
+    }
     chw = center_crop(chw, crop_size, crop_size);
     // ToTensor: float32 / 255, then Normalize.
     return normalize(chw.to(torch::kFloat32).div(255.0), mean, std);

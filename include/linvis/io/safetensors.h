@@ -47,7 +47,7 @@ public:
     // Entries in file (data offset) order.
     const std::vector<TensorInfo>& entries() const { return header_.tensors; }
     const std::map<std::string, std::string>& metadata() const { return header_.metadata; }
-    bool contains(const std::string& name) const { return header_.find(name) != nullptr; }
+    bool contains(const std::string& name) const { return index_.count(name) != 0; }
     std::vector<std::string> names() const;  // sorted
 
     // A CPU tensor with the entry's dtype and shape holding a copy of its bytes (a BOOL byte
@@ -63,6 +63,7 @@ private:
     std::string path_;
     std::unique_ptr<Mapping> mapping_;
     SafetensorsHeader header_;
+    std::map<std::string, size_t> index_;  // name -> position in header_.tensors
 };
 
 // Writes `tensors` (any device; non-contiguous ones are made contiguous, so views and tied

@@ -3,7 +3,14 @@
 //   -> Normalize(mean, std)
 // with resize_size = floor(crop_size / crop_pct), crop_pct = 0.875 (224 -> 256).
 //
-// How the resize relates to the Python pipelines (details in docs/data.md):
+// Two resize implementations are offered (ResizeKernel); details and measurements in docs/data.md:
+//  * ResizeKernel::Pil (default for EvalTransform): Pillow's Image.resize reproduced bit for bit
+//    (same filter, same 22-bit fixed-point coefficients, horizontal pass first with a uint8
+//    intermediate), i.e. exactly what timm's PIL-based evaluation pipeline feeds the model.
+//  * ResizeKernel::Torch: torch interpolate(antialias=True) in float, i.e. torchvision's Resize on
+//    uint8 tensors.
+//
+// How the resize relates to the Python pipelines:
 //  * timm resizes PIL images: PIL's separable bicubic (Keys cubic, a = -0.5) whose support is
 //    widened by the downscale factor (antialiasing), computed in 22-bit fixed point with the
 //    intermediate (after the horizontal pass) and the result rounded to uint8.
@@ -13,8 +20,10 @@
 //  * LibTorch 1.13 has the same operator: torch::nn::functional::interpolate with
 //    InterpolateFuncOptions().mode(torch::kBicubic).align_corners(false).antialias(true),
 //    dispatching to ATen's _upsample_bicubic2d_aa (the PIL filter, a = -0.5, in float). It exists
-//    unchanged in LibTorch 2.x. linvis uses it, so it reproduces torchvision's tensor Resize, and
-//    matches PIL up to PIL's fixed-point and intermediate rounding (a few uint8 levels at edges).
+//    unchanged in LibTorch 2.x. ResizeKernel::Torch uses it, so it reproduces torchvision's tensor
+//    Resize; it differs from PIL by PIL's fixed-point arithmetic and its uint8 intermediate, which
+//    clips the overshoot of the horizontal pass (measured: <= 2 levels on smooth/synthetic
+//    pictures, up to 21 levels on uniform noise).
 //  * Plain bicubic (antialias=false) is the a = -0.75 interpolating cubic without widening:
 //    it aliases when downscaling and is not what either pipeline uses for evaluation.
 #pragma once
@@ -35,6 +44,11 @@ enum class Interpolation {
     Bicubic,   // Keys cubic; with antialias it is PIL's BICUBIC (a = -0.5)
 };
 
+enum class ResizeKernel {
+    Pil,    // Pillow's Image.resize on uint8, bit-exact (timm's evaluation pipeline)
+    Torch,  // torch::nn::functional::interpolate (torchvision's Resize on tensors)
+};
+
 const char* interpolation_name(Interpolation interpolation);
 // Parses "nearest", "bilinear", "bicubic" (throws linvis::Error otherwise).
 Interpolation parse_interpolation(const std::string& name);
@@ -49,6 +63,18 @@ std::pair<int64_t, int64_t> shorter_side_size(int64_t height, int64_t width, int
 // `antialias` is ignored for Nearest. Same size in and out returns the input unchanged.
 torch::Tensor resize(const torch::Tensor& image, int64_t height, int64_t width,
                      Interpolation interpolation = Interpolation::Bicubic, bool antialias = true);
+
+// Pillow's Image.resize(size, resample) for uint8 (H, W, C) images (any C, channels independent),
+// bit for bit: for each output pixel i along an axis of scale s = in / out, the filter (triangle
+// for Bilinear, Keys cubic a = -0.5 for Bicubic) is widened by max(s, 1), centred at (i + 0.5) * s,
+// sampled at the input pixel centres within its support (clipped to the image), normalised to sum
+// 1 and converted to 22-bit fixed point (rounded away from zero); the sum starts at 2^21 and is
+// shifted right by 22 and clamped to [0, 255]. Width is resized first into a uint8 image, then
+// height; an axis whose size does not change is not filtered. Nearest takes input pixel
+// floor(x_i) with x_0 = s / 2, x_{i+1} = x_i + s summed in double, as PIL's NEAREST does. Same size
+// returns the input. Verified identical to Pillow 13.0 (docs/data.md).
+torch::Tensor resize_pil(const torch::Tensor& image_hwc, int64_t height, int64_t width,
+                         Interpolation interpolation = Interpolation::Bicubic);
 
 // resize() to shorter_side_size(H, W, size).
 torch::Tensor resize_shorter_side(const torch::Tensor& image, int64_t size,
@@ -76,9 +102,11 @@ struct EvalTransform {
     int64_t resize_size = 0;
     double crop_pct = 0.875;
     Interpolation interpolation = Interpolation::Bicubic;
+    ResizeKernel kernel = ResizeKernel::Pil;
+    // ResizeKernel::Torch only: antialiased filter (as torchvision) or plain interpolation.
     bool antialias = true;
-    // Round the resized image to uint8 before scaling to [0, 1], as PIL and torchvision's uint8
-    // path do. false keeps the float result (no quantisation, values may overshoot [0, 1]).
+    // ResizeKernel::Torch only: round the resized image to uint8 before scaling to [0, 1], as
+    // torchvision's uint8 path does. false keeps the float result (values may overshoot [0, 1]).
     bool quantize_after_resize = true;
     std::vector<double> mean = {0.485, 0.456, 0.406};  // ImageNet (timm IMAGENET_DEFAULT_MEAN)
     std::vector<double> std = {0.229, 0.224, 0.225};   // ImageNet (timm IMAGENET_DEFAULT_STD)
