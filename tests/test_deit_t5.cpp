@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "linvis/nn/common.h"
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/models/deit_t5.h"
@@ -224,21 +225,21 @@ TEST(Deit, ResolutionChange) {
     // Upsampling 3x3 -> 5x5 and downsampling 6x6 -> 4x4 against the hand-written kernels.
     auto pos = torch::randn({1, 1 + 9, 4}, kF64);
     for (bool aa : {true, false}) {
-        auto got = resample_abs_pos_embed(pos, {5, 5}, {0, 0}, 1, aa);
+        auto got = linvis::nn::resample_abs_pos_embed(pos, {5, 5}, {0, 0}, 1, aa);
         ASSERT_EQ(got.sizes(), torch::IntArrayRef({1, 26, 4}));
         EXPECT_TRUE(all_close(got, hand_resample(pos, 1, 3, 3, 5, 5, aa), 1e-12, 1e-12)) << "antialias " << aa;
         EXPECT_TRUE(got.narrow(1, 0, 1).equal(pos.narrow(1, 0, 1)));  // class-token position kept
     }
-    EXPECT_GT((resample_abs_pos_embed(pos, {5, 5}, {0, 0}, 1, true) - resample_abs_pos_embed(pos, {5, 5}, {0, 0}, 1, false))
+    EXPECT_GT((linvis::nn::resample_abs_pos_embed(pos, {5, 5}, {0, 0}, 1, true) - linvis::nn::resample_abs_pos_embed(pos, {5, 5}, {0, 0}, 1, false))
                   .abs().max().item<double>(), 1e-3);
     auto big = torch::randn({1, 36, 3}, kF64);
     for (bool aa : {true, false})
-        EXPECT_TRUE(all_close(resample_abs_pos_embed(big, {4, 4}, {0, 0}, 0, aa), hand_resample(big, 0, 6, 6, 4, 4, aa),
+        EXPECT_TRUE(all_close(linvis::nn::resample_abs_pos_embed(big, {4, 4}, {0, 0}, 0, aa), hand_resample(big, 0, 6, 6, 4, 4, aa),
                               1e-12, 1e-12)) << "antialias " << aa;
-    EXPECT_TRUE(all_close(resample_abs_pos_embed(big, {3, 5}, {6, 6}, 0), hand_resample(big, 0, 6, 6, 3, 5, true), 1e-12,
+    EXPECT_TRUE(all_close(linvis::nn::resample_abs_pos_embed(big, {3, 5}, {6, 6}, 0), hand_resample(big, 0, 6, 6, 3, 5, true), 1e-12,
                           1e-12));
-    EXPECT_TRUE(resample_abs_pos_embed(pos, {3, 3}, {0, 0}, 1).equal(pos));
-    EXPECT_THROW(resample_abs_pos_embed(torch::randn({1, 11, 4}), {5, 5}, {0, 0}, 1), linvis::Error);
+    EXPECT_TRUE(linvis::nn::resample_abs_pos_embed(pos, {3, 3}, {0, 0}, 1).equal(pos));
+    EXPECT_THROW(linvis::nn::resample_abs_pos_embed(torch::randn({1, 11, 4}), {5, 5}, {0, 0}, 1), linvis::Error);
 
     // Models: a checkpoint at 32 px (4x4 grid) loaded into models built for 48 px (6x6 grid).
     for (const std::string name : {"deit_tiny", "t5_tiny"}) {

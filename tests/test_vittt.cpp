@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "linvis/nn/common.h"
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/models/registry.h"
@@ -170,9 +171,9 @@ TEST(Vittt, ResolutionChange) {
     EXPECT_TRUE(all_close(m256->forward(images), out224, 1e-5, 1e-6));
     // Bicubic resampling: same size is the identity; a constant embedding stays constant.
     auto src = m224->named_parameters()["pos_embed"];
-    EXPECT_TRUE(linvis::nn::resample_abs_pos_embed(src, 14, 14, 14, 14).equal(src));
+    EXPECT_TRUE(linvis::nn::resample_abs_pos_embed(src, {14, 14}, {14, 14}).equal(src));
     auto flat = torch::full({1, 196, 4}, 0.7);
-    EXPECT_TRUE(all_close(linvis::nn::resample_abs_pos_embed(flat, 14, 14, 16, 16), torch::full({1, 256, 4}, 0.7), 1e-5,
+    EXPECT_TRUE(all_close(linvis::nn::resample_abs_pos_embed(flat, {16, 16}, {14, 14}), torch::full({1, 256, 4}, 0.7), 1e-5,
                           1e-6));
     // Downsampling (antialiased) back to 224 also loads.
     auto m224b = create_model("vittt_tiny", ModelConfig().set("depth", int64_t{1}).set("num_classes", int64_t{5}));

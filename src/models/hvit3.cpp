@@ -3,6 +3,7 @@
 // on q1/k1 and a conv MLP, conv patch merging between stages, BatchNorm1d + GAP head.
 #include <sstream>
 
+#include "linvis/nn/common.h"
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/models/registry.h"

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "deit_t5_parts.h"
+#include "linvis/nn/common.h"
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/models/deit_t5.h"

@@ -4,6 +4,7 @@
 // multiples of the patch size works without adapting weights.
 #include <cmath>
 
+#include "linvis/nn/common.h"
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/models/registry.h"

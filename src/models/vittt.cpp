@@ -3,6 +3,7 @@
 // linear head. Registers vittt_tiny / vittt_small / vittt_base. Details: docs/vittt.md.
 #include <cmath>
 
+#include "linvis/nn/common.h"
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/models/registry.h"
@@ -101,7 +102,7 @@ public:
         const auto old = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(value.size(1)))));
         LINVIS_CHECK(old * old == value.size(1), "vittt: checkpoint tensor 'pos_embed': ", value.size(1),
                      " tokens is not a square grid");
-        return nn::resample_abs_pos_embed(value, old, old, grid_, grid_);
+        return nn::resample_abs_pos_embed(value, {grid_, grid_}, {old, old});
     }
 
     PatchEmbed patch_embed{nullptr};
@@ -132,7 +133,7 @@ private:
                                         {1, 1}, 1);
         const int64_t h = x.size(2), w = x.size(3);
         x = x.flatten(2).transpose(1, 2);  // (B, T, D), t = y * w + x
-        x = x + nn::resample_abs_pos_embed(pos_embed, grid_, grid_, h, w);
+        x = x + nn::resample_abs_pos_embed(pos_embed, {h, w}, {grid_, grid_});
         if (collected) collected->assign(wanted.size(), torch::Tensor());
         for (int64_t i = 0; i < depth; ++i) {
             x = blocks[i]->as<nn::VitttBlock>()->forward(x, h, w);

@@ -1,4 +1,5 @@
 // ViL layers; see linvis/nn/vil.h and spec vil_official.md section 1.
+#include "linvis/nn/common.h"
 #include "linvis/nn/vil.h"
 
 #include <cmath>
@@ -155,15 +156,6 @@ VilBlockPairImpl::VilBlockPairImpl(int64_t dim, double drop_path, ops::MlstmMode
 
 torch::Tensor VilBlockPairImpl::forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w) {
     return rowwise_from_bot_right->forward(rowwise_from_top_left->forward(x, grid_h, grid_w), grid_h, grid_w);
-}
-
-torch::Tensor drop_path(const torch::Tensor& branch, double p, bool training) {
-    if (!training || p <= 0.0) return branch;
-    LINVIS_CHECK(p < 1.0, "drop_path: rate: expected < 1, got ", p);
-    std::vector<int64_t> shape(static_cast<size_t>(branch.dim()), 1);
-    shape[0] = branch.size(0);
-    torch::Tensor keep = torch::empty(shape, branch.options()).bernoulli_(1.0 - p);
-    return branch * keep / (1.0 - p);
 }
 
 torch::Tensor resize_pos_embed_2d(const torch::Tensor& embed, int64_t h, int64_t w) {

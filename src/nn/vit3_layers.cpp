@@ -1,3 +1,4 @@
+#include "linvis/nn/common.h"
 #include "linvis/nn/vit3_layers.h"
 
 #include "linvis/core/error.h"
@@ -25,15 +26,6 @@ torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& 
     const auto& w = layer->weight;
     flops::add(out.numel() * w.size(1) * w.size(2) * w.size(3));
     return out;
-}
-
-torch::Tensor drop_path(const torch::Tensor& x, double rate, bool training) {
-    if (rate <= 0.0 || !training) return x;
-    const double keep = 1.0 - rate;
-    std::vector<int64_t> shape(x.dim(), 1);
-    shape[0] = x.size(0);
-    torch::Tensor mask = torch::empty(shape, x.options()).bernoulli_(keep);
-    return x.div(keep) * mask;
 }
 
 void trunc_normal_(torch::Tensor& t, double std_dev) {

@@ -1,3 +1,4 @@
+#include "linvis/nn/common.h"
 #include "linvis/nn/vittt_block.h"
 
 #include "linvis/core/error.h"
@@ -147,11 +148,7 @@ void VitttBlockImpl::reset_parameters() {
 }
 
 torch::Tensor VitttBlockImpl::drop_path(const torch::Tensor& x) const {
-    const double p = options_.drop_path;
-    if (!is_training() || p <= 0.0) return x;
-    const double keep = 1.0 - p;
-    torch::Tensor mask = torch::empty({x.size(0), 1, 1}, x.options()).bernoulli_(keep);
-    return x * mask / keep;  // timm DropPath with scale_by_keep
+    return nn::drop_path(x, options_.drop_path, is_training());
 }
 
 std::pair<torch::Tensor, torch::Tensor> VitttBlockImpl::mixer_branches(const torch::Tensor& x,
@@ -182,21 +179,4 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
 }
 
 // ------------------------------------------------------------------ position embedding
-torch::Tensor resample_abs_pos_embed(const torch::Tensor& pos_embed, int64_t old_h, int64_t old_w, int64_t new_h,
-                                     int64_t new_w) {
-    LINVIS_CHECK(pos_embed.dim() == 3 && pos_embed.size(0) == 1 && pos_embed.size(1) == old_h * old_w,
-                 "pos_embed: expected shape [1, ", old_h * old_w, ", D] for a ", old_h, "x", old_w, " grid, got ",
-                 shape_string(pos_embed.sizes()));
-    LINVIS_CHECK(new_h > 0 && new_w > 0, "pos_embed: target grid must be positive, got ", new_h, "x", new_w);
-    if (old_h == new_h && old_w == new_w) return pos_embed;
-    const int64_t D = pos_embed.size(2);
-    torch::Tensor grid = pos_embed.to(torch::kFloat32).reshape({1, old_h, old_w, D}).permute({0, 3, 1, 2});
-    grid = F::interpolate(grid, F::InterpolateFuncOptions()
-                                    .size(std::vector<int64_t>{new_h, new_w})
-                                    .mode(torch::kBicubic)
-                                    .align_corners(false)
-                                    .antialias(true));
-    return grid.permute({0, 2, 3, 1}).reshape({1, new_h * new_w, D}).to(pos_embed.scalar_type());
-}
-
 }  // namespace linvis::nn

@@ -39,17 +39,5 @@ inline constexpr double kT5NewParamsLrMultiplier = 20.0;
 // and trains it at the base LR). Throws linvis::Error if `model` has no such parameters.
 std::vector<std::string> t5_new_parameter_names(const VisionModel& model);
 
-// timm's resample_abs_pos_embed: pos_embed (1, P + Ho*Wo, D) with P prefix (class) tokens ->
-// (1, P + Hn*Wn, D). The prefix positions are kept unchanged; the grid part is reshaped to
-// (1, D, Ho, Wo), resized with bicubic interpolation (align_corners false) in float32 (float64
-// stays float64) and cast back. `antialias` true is timm's default (PIL-style bicubic, a = -0.5,
-// support widened when downsampling, taps outside the grid dropped and the weights renormalised);
-// false is plain bicubic (a = -0.75, border pixels replicated) as the DeiT repository's
-// fine-tuning script and timm 0.4.12's resize_pos_embed do. LibTorch 1.13 and 2.x both provide
-// the antialiased kernel, so there is no difference from timm. old_grid {0, 0}: square from the
-// token count. Returns pos_embed itself when the grids are equal.
-torch::Tensor resample_abs_pos_embed(const torch::Tensor& pos_embed, std::array<int64_t, 2> new_grid,
-                                     std::array<int64_t, 2> old_grid, int64_t num_prefix_tokens,
-                                     bool antialias = true);
 
 }  // namespace linvis::models

@@ -101,7 +101,6 @@ TORCH_MODULE(VilBlockPair);
 
 // Per-sample stochastic depth on a residual branch (training only): keeps each sample's branch
 // with probability 1 - p and scales kept branches by 1 / (1 - p).
-torch::Tensor drop_path(const torch::Tensor& branch, double p, bool training);
 
 // Bicubic resize of a (1, H, W, D) position embedding to (1, h, w, D), as the official
 // interpolate_sincos (F.interpolate bicubic, align_corners False, no antialias).

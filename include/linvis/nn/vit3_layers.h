@@ -20,7 +20,6 @@ torch::Tensor linear_forward(const torch::nn::Linear& layer, const torch::Tensor
 torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& x);
 
 // timm DropPath: in training, zeroes whole samples with probability `rate` and rescales the rest.
-torch::Tensor drop_path(const torch::Tensor& x, double rate, bool training);
 
 // Linear(in, out) with the ViT init (trunc_normal std .02, bias 0).
 torch::nn::Linear vit_linear(int64_t in, int64_t out, bool bias = true);

@@ -97,10 +97,5 @@ private:
 };
 TORCH_MODULE(VitttBlock);
 
-// timm resample_abs_pos_embed without prefix tokens: (1, h0*w0, D) -> (1, h*w, D) by bicubic
-// interpolation (align_corners=false, antialias=true) in float32, cast back to the input dtype.
-// Returns the input unchanged when the grids are equal.
-torch::Tensor resample_abs_pos_embed(const torch::Tensor& pos_embed, int64_t old_h, int64_t old_w, int64_t new_h,
-                                     int64_t new_w);
 
 }  // namespace linvis::nn

@@ -1,0 +1,29 @@
+// Layer helpers shared by every model family.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+#include <torch/torch.h>
+
+namespace linvis::nn {
+
+// Stochastic depth (timm DropPath, scale_by_keep): in training, zeroes the whole residual
+// branch of each sample with probability `rate` and scales the kept ones by 1 / (1 - rate).
+// Identity in evaluation or when rate <= 0. Uses the LibTorch generator (checkpointed by the trainer).
+torch::Tensor drop_path(const torch::Tensor& x, double rate, bool training);
+
+// timm's resample_abs_pos_embed: pos_embed (1, P + Ho*Wo, D) with P prefix (class) tokens ->
+// (1, P + Hn*Wn, D). The prefix positions are kept unchanged; the grid part is reshaped to
+// (1, D, Ho, Wo), resized with bicubic interpolation (align_corners false) in float32 (float64
+// stays float64) and cast back. `antialias` true is timm's default (PIL-style bicubic, a = -0.5,
+// support widened when downsampling, taps outside the grid dropped and the weights renormalised);
+// false is plain bicubic (a = -0.75, border pixels replicated) as the DeiT repository's
+// fine-tuning script and timm 0.4.12's resize_pos_embed do. LibTorch 1.13 and 2.x both provide
+// the antialiased kernel, so there is no difference from timm. old_grid {0, 0}: square from the
+// token count. Returns pos_embed itself when the grids are equal.
+torch::Tensor resample_abs_pos_embed(const torch::Tensor& pos_embed, std::array<int64_t, 2> new_grid,
+                                     std::array<int64_t, 2> old_grid, int64_t num_prefix_tokens = 0,
+                                     bool antialias = true);
+
+}  // namespace linvis::nn

@@ -1,0 +1,58 @@
+#include "linvis/nn/common.h"
+
+#include <cmath>
+
+#include "linvis/core/error.h"
+
+namespace linvis::nn {
+
+torch::Tensor drop_path(const torch::Tensor& x, double rate, bool training) {
+    if (!training || rate <= 0.0) return x;
+    LINVIS_CHECK(rate < 1.0, "drop_path: rate: expected < 1, got ", rate);
+    const double keep = 1.0 - rate;
+    std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);
+    shape[0] = x.size(0);
+    torch::Tensor mask = torch::empty(shape, x.options()).bernoulli_(keep);
+    return x * mask / keep;
+}
+
+torch::Tensor resample_abs_pos_embed(const torch::Tensor& pos_embed, std::array<int64_t, 2> new_grid,
+                                     std::array<int64_t, 2> old_grid, int64_t num_prefix_tokens, bool antialias) {
+    LINVIS_CHECK(pos_embed.defined() && pos_embed.dim() == 3 && pos_embed.size(0) == 1,
+                 "resample_abs_pos_embed: pos_embed: expected shape [1, tokens, dim], got ",
+                 pos_embed.defined() ? shape_string(pos_embed.sizes()) : std::string("undefined"));
+    LINVIS_CHECK(num_prefix_tokens >= 0 && num_prefix_tokens < pos_embed.size(1),
+                 "resample_abs_pos_embed: num_prefix_tokens ", num_prefix_tokens, " invalid for ",
+                 pos_embed.size(1), " positions");
+    const int64_t dim = pos_embed.size(2);
+    const int64_t tokens = pos_embed.size(1) - num_prefix_tokens;
+    if (old_grid[0] <= 0 || old_grid[1] <= 0) {
+        const auto side = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(tokens))));
+        LINVIS_CHECK(side * side == tokens, "resample_abs_pos_embed: pos_embed: ", tokens,
+                     " grid positions are not a square grid; give old_grid");
+        old_grid = {side, side};
+    }
+    LINVIS_CHECK(old_grid[0] * old_grid[1] == tokens, "resample_abs_pos_embed: pos_embed: expected ",
+                 old_grid[0], "x", old_grid[1], " = ", old_grid[0] * old_grid[1], " grid positions, got ", tokens);
+    LINVIS_CHECK(new_grid[0] >= 1 && new_grid[1] >= 1, "resample_abs_pos_embed: new grid ", new_grid[0], "x",
+                 new_grid[1], " is empty");
+    if (new_grid == old_grid) return pos_embed;
+
+    const auto original = pos_embed.scalar_type();
+    const auto compute = original == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+    torch::Tensor grid = pos_embed.narrow(1, num_prefix_tokens, tokens)
+                             .reshape({1, old_grid[0], old_grid[1], dim})
+                             .permute({0, 3, 1, 2})
+                             .to(compute);
+    namespace F = torch::nn::functional;
+    grid = F::interpolate(grid, F::InterpolateFuncOptions()
+                                    .size(std::vector<int64_t>{new_grid[0], new_grid[1]})
+                                    .mode(torch::kBicubic)
+                                    .align_corners(false)
+                                    .antialias(antialias));
+    grid = grid.permute({0, 2, 3, 1}).reshape({1, new_grid[0] * new_grid[1], dim}).to(original);
+    if (num_prefix_tokens == 0) return grid;
+    return torch::cat({pos_embed.narrow(1, 0, num_prefix_tokens), grid}, 1);
+}
+
+}  // namespace linvis::nn
