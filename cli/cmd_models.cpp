@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "command.h"
+#include "common.h"
 #include "linvis/core/error.h"
 #include "linvis/core/runtime.h"
 #include "linvis/models/profile.h"
@@ -13,15 +14,6 @@
 
 namespace linvis::cli {
 namespace {
-
-std::string with_commas(int64_t n) {
-    std::string digits = std::to_string(n), out;
-    for (size_t i = 0; i < digits.size(); ++i) {
-        if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-        out += digits[i];
-    }
-    return out;
-}
 
 int run_models(int argc, const char* const* argv) {
     tools::ArgParser args("models", "List every model in the registry with its parameter count (1000 classes) "
