@@ -75,8 +75,11 @@ BenchResult run_isolated(const BenchCase& c, double timeout_s) {
         failed.message = str_cat("timed out after ", timeout_s, " s");
         return failed;
     }
-    const auto last_line_start = output.rfind('{');
-    if (last_line_start == std::string::npos) {
+    // The result is the last line the child printed; anything before it is the model's own output.
+    while (!output.empty() && output.back() == '\n') output.pop_back();
+    const auto newline = output.rfind('\n');
+    const size_t last_line_start = newline == std::string::npos ? 0 : newline + 1;
+    if (output.empty() || output[last_line_start] != '{') {
         failed.message = WIFSIGNALED(status) ? str_cat("child killed by signal ", WTERMSIG(status),
                                                        WTERMSIG(status) == SIGKILL ? " (out of memory?)" : "")
                                              : str_cat("child exited with status ", WEXITSTATUS(status));

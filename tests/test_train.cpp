@@ -76,6 +76,7 @@ train::TrainConfig quiet_config(const std::string& dir, int64_t epochs) {
     config.ema_decay = 0.9;
     config.output_dir = dir;
     config.progress = false;
+    config.log_epochs = false;
     config.config_json = "{\"test\":1}";
     return config;
 }

@@ -292,7 +292,7 @@ bool Trainer::fit(BatchSource& train_data, BatchSource* eval_data) {
         }
         history_.push_back(record);
         append_metrics(metrics_path, record);
-        if (config_.progress) {
+        if (config_.log_epochs) {
             std::fprintf(stderr, "epoch %lld: train loss %.4f acc %.2f%%", static_cast<long long>(epoch + 1),
                          record.train_loss, record.train_acc);
             if (record.has_eval)

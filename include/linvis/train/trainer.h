@@ -33,6 +33,7 @@ struct TrainConfig {
     std::string output_dir;           // checkpoint.pt, metrics.jsonl, best/last weights
     bool resume = false;
     bool progress = true;             // progress bar on stderr
+    bool log_epochs = true;           // one summary line per epoch on stderr
     std::string config_json;          // stored in checkpoints; resuming a different run is refused
 };
 

@@ -1,0 +1,166 @@
+// The linvis command line end to end: exit codes, JSON outputs, file round trips.
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "linvis/io/image.h"
+#include "linvis/io/safetensors.h"
+#include "linvis/io/state_dict.h"
+#include "linvis/models/registry.h"
+#include "support/testing.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct CommandResult {
+    int status = -1;
+    std::string output;  // stdout and stderr
+};
+
+CommandResult run_cli(const std::string& arguments) {
+    const std::string command = std::string(LINVIS_CLI_PATH) + " " + arguments + " 2>&1";
+    CommandResult result;
+    FILE* pipe = popen(command.c_str(), "r");
+    if (pipe == nullptr) return result;
+    std::array<char, 4096> buffer{};
+    size_t n;
+    while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
+    const int status = pclose(pipe);
+    result.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return result;
+}
+
+std::string last_line(const std::string& text) {
+    std::string trimmed = text;
+    while (!trimmed.empty() && trimmed.back() == '\n') trimmed.pop_back();
+    const auto pos = trimmed.rfind('\n');
+    return pos == std::string::npos ? trimmed : trimmed.substr(pos + 1);
+}
+
+fs::path temp_dir(const std::string& name) {
+    fs::path dir = fs::temp_directory_path() / ("linvis_test_cli_" + name + "_" + std::to_string(::getpid()));
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    return dir;
+}
+
+}  // namespace
+
+TEST(Cli, HelpVersionAndErrorsExitCodes) {
+    EXPECT_EQ(run_cli("--help").status, 0);
+    auto version = run_cli("version --format json");
+    ASSERT_EQ(version.status, 0) << version.output;
+    auto info = nlohmann::json::parse(last_line(version.output));
+    EXPECT_TRUE(info.contains("libtorch") && info.contains("blas") && info.contains("simd"));
+    auto unknown = run_cli("frobnicate");
+    EXPECT_NE(unknown.status, 0);
+    EXPECT_NE(unknown.output.find("unknown command 'frobnicate'"), std::string::npos);
+    auto bad_flag = run_cli("models --bogus");
+    EXPECT_NE(bad_flag.status, 0);
+    EXPECT_NE(bad_flag.output.find("unknown option '--bogus'"), std::string::npos);
+    // Every command answers --help.
+    for (const char* command : {"version", "models", "run", "predict", "demo", "bench", "train", "eval", "inspect",
+                                "convert-checkpoint"}) {
+        auto help = run_cli(std::string(command) + " --help");
+        EXPECT_EQ(help.status, 0) << command << ": " << help.output;
+        EXPECT_NE(help.output.find("usage: linvis"), std::string::npos) << command;
+    }
+}
+
+TEST(Cli, ModelsJsonListsCountsAndFlops) {
+    auto result = run_cli("models --format json --filter _tiny --threads 1");
+    ASSERT_EQ(result.status, 0) << result.output;
+    auto rows = nlohmann::json::parse(result.output.substr(result.output.find('[')));
+    std::map<std::string, nlohmann::json> by_name;
+    for (const auto& row : rows) by_name[row["name"]] = row;
+    ASSERT_TRUE(by_name.count("vittt_tiny") && by_name.count("deit_tiny") && by_name.count("vil_tiny"));
+    EXPECT_EQ(by_name["vittt_tiny"]["params"], 6982384);
+    EXPECT_EQ(by_name["deit_tiny"]["params"], 5717416);
+    EXPECT_NEAR(by_name["deit_tiny"]["gflops_224"].get<double>(), 1.2537, 0.001);
+}
+
+TEST(Cli, RunWritesLogitsAndFeaturesFromWeights) {
+    const fs::path dir = temp_dir("run");
+    torch::manual_seed(3);
+    auto model = linvis::models::create_model("vit3_tiny", linvis::models::ModelConfig()
+                                                                 .set("img_size", int64_t{64})
+                                                                 .set("depth", int64_t{2})
+                                                                 .set("num_classes", int64_t{7}));
+    model->eval();
+    linvis::io::save_weights(*model, (dir / "w.safetensors").string());
+    torch::Tensor input = torch::randn({2, 3, 64, 64});
+    linvis::io::save_safetensors((dir / "x.safetensors").string(), {{"input", input}});
+    auto result = run_cli("run --model vit3_tiny --model-kwargs depth=2 num_classes=7 --weights " +
+                          (dir / "w.safetensors").string() + " --input " + (dir / "x.safetensors").string() +
+                          " --output " + (dir / "y.safetensors").string() + " --features --threads 1");
+    ASSERT_EQ(result.status, 0) << result.output;
+    auto out = linvis::io::SafetensorsFile::open((dir / "y.safetensors").string());
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(linvis::testing::all_close(out.tensor("logits"), model->forward(input), 1e-5, 1e-5));
+    EXPECT_EQ(out.tensor("features").sizes(), model->forward_features(input).sizes());
+    // A wrong key in the input file names the file and the keys it has.
+    linvis::io::save_safetensors((dir / "bad.safetensors").string(), {{"images", input}});
+    auto bad = run_cli("run --model vit3_tiny --random-weights --input " + (dir / "bad.safetensors").string() +
+                       " --output " + (dir / "z.safetensors").string());
+    EXPECT_EQ(bad.status, 1);
+    EXPECT_NE(bad.output.find("no tensor named 'input' (has: images)"), std::string::npos) << bad.output;
+    // Weights of another shape are refused, naming the mismatched key.
+    auto mismatch = run_cli("run --model vit3_tiny --model-kwargs depth=2 --weights " +
+                            (dir / "w.safetensors").string() + " --input " + (dir / "x.safetensors").string() +
+                            " --output " + (dir / "z.safetensors").string());
+    EXPECT_EQ(mismatch.status, 1);
+    EXPECT_NE(mismatch.output.find("head.weight"), std::string::npos) << mismatch.output;
+}
+
+TEST(Cli, TrainThenEvalOnAnImageFolderWithACorruptImage) {
+    const fs::path root = temp_dir("folder");
+    for (const char* split : {"train", "val"}) {
+        for (int c = 0; c < 2; ++c) {
+            fs::create_directories(root / split / ("class" + std::to_string(c)));
+            for (int i = 0; i < 6; ++i) {
+                torch::Tensor image = torch::full({20, 24, 3}, c == 0 ? 40 : 210, torch::kUInt8);
+                linvis::io::write_png((root / split / ("class" + std::to_string(c)) / (std::to_string(i) + ".png")).string(),
+                                      image);
+            }
+        }
+    }
+    std::ofstream(root / "train" / "class0" / "broken.png") << "not a png";
+    const fs::path out = temp_dir("train_out");
+    auto train = run_cli("train --model deit_tiny --model-kwargs depth=1 embed_dim=32 num_heads=2 patch_size=8 "
+                         "--dataset folder:" + root.string() + " --img-size 32 --epochs 2 --batch-size 4 "
+                         "--workers 1 --threads 1 --no-progress --output " + out.string());
+    ASSERT_EQ(train.status, 0) << train.output;
+    EXPECT_NE(train.output.find("unreadable images skipped"), std::string::npos) << train.output;
+    for (const char* file : {"best.safetensors", "last.safetensors", "checkpoint.pt", "metrics.jsonl", "curves.png"})
+        EXPECT_TRUE(fs::exists(out / file)) << file;
+    auto eval = run_cli("eval --model deit_tiny --model-kwargs depth=1 embed_dim=32 num_heads=2 patch_size=8 "
+                        "num_classes=2 --weights " + (out / "last.safetensors").string() + " --dataset folder:" +
+                        root.string() + " --img-size 32 --threads 1 --format json");
+    ASSERT_EQ(eval.status, 0) << eval.output;
+    auto metrics = nlohmann::json::parse(last_line(eval.output));
+    EXPECT_EQ(metrics["images"], 12);
+    for (const char* key : {"top1", "top5", "loss"}) EXPECT_TRUE(metrics.contains(key)) << key;
+}
+
+TEST(Cli, BenchJsonHasTheRequiredFieldsPerCase) {
+    auto result = run_cli("bench --models deit_tiny,vittt_tiny --model-kwargs depth=1 --res 64 --warmup 1 --iters 2 "
+                          "--threads 1 --no-gemm --format json");
+    ASSERT_EQ(result.status, 0) << result.output;
+    auto rows = nlohmann::json::parse(result.output.substr(result.output.find('[')));
+    ASSERT_EQ(rows.size(), 2u);
+    for (const auto& row : rows) {
+        EXPECT_EQ(row["status"], "ok") << row.dump();
+        for (const char* key : {"model", "res", "batch", "impl", "images_per_s", "peak_mem_bytes", "gflops"})
+            EXPECT_TRUE(row.contains(key)) << key;
+        EXPECT_GT(row["images_per_s"].get<double>(), 0.0);
+        EXPECT_GT(row["peak_mem_bytes"].get<int64_t>(), 0);
+    }
+}
