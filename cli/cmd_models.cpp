@@ -21,6 +21,7 @@ int run_models(int argc, const char* const* argv) {
     args.option("--format", "text|json", "output format", "text")
         .option("--filter", "TEXT", "only models whose name contains TEXT", "")
         .flag("--no-flops", "skip the FLOP count (faster)")
+        .option("--res", "R1,R2,...", "also count GFLOPs at these resolutions (models built at each size)", "")
         .option("--threads", "N", "threads (0: all cores)", "0");
     if (!args.parse(argc, argv, 1)) return 0;
     const std::string format = args.get("--format");
@@ -28,19 +29,26 @@ int run_models(int argc, const char* const* argv) {
     runtime::configure_threads(static_cast<int>(args.get_int("--threads")));
     const std::string filter = args.get("--filter");
 
+    const std::vector<int64_t> extra = args.get("--res").empty() ? std::vector<int64_t>{} : args.get_int_list("--res");
     nlohmann::json rows = nlohmann::json::array();
-    if (format == "text") std::printf("%-16s %-8s %14s %11s  %s\n", "name", "family", "params", "GFLOPs@224", "description");
+    if (format == "text") {
+        std::printf("%-16s %-8s %14s %11s", "name", "family", "params", "GFLOPs@224");
+        for (const int64_t r : extra) std::printf(" %11s", ("GFLOPs@" + std::to_string(r)).c_str());
+        std::printf("  %s\n", "description");
+    }
     for (const auto& info : models::list_models()) {
         if (!filter.empty() && info.name.find(filter) == std::string::npos) continue;
-        const models::ModelSummary s = models::summarize_model(info.name, !args.get_flag("--no-flops"));
+        const models::ModelSummary s = models::summarize_model(info.name, !args.get_flag("--no-flops"), extra);
         if (format == "json") {
             rows.push_back({{"name", s.name}, {"family", s.family}, {"description", s.description},
                             {"params", s.params},
                             {"gflops_224", s.gflops_224 < 0 ? nlohmann::json(nullptr) : nlohmann::json(s.gflops_224)}});
+            for (const auto& [res, gflops] : s.gflops_at) rows.back()["gflops_" + std::to_string(res)] = gflops;
         } else {
-            std::printf("%-16s %-8s %14s %11s  %s\n", s.name.c_str(), s.family.c_str(), with_commas(s.params).c_str(),
-                        s.gflops_224 < 0 ? "-" : (std::to_string(s.gflops_224).substr(0, 6)).c_str(),
-                        s.description.c_str());
+            std::printf("%-16s %-8s %14s %11s", s.name.c_str(), s.family.c_str(), with_commas(s.params).c_str(),
+                        s.gflops_224 < 0 ? "-" : (std::to_string(s.gflops_224).substr(0, 6)).c_str());
+            for (const auto& [res, gflops] : s.gflops_at) std::printf(" %11.2f", gflops);
+            std::printf("  %s\n", s.description.c_str());
             std::fflush(stdout);
         }
     }

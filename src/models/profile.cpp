@@ -18,7 +18,7 @@ double measure_gflops(VisionModel& model, int64_t img_size, int64_t in_chans) {
     return counter.gflops();
 }
 
-ModelSummary summarize_model(const std::string& name, bool with_flops) {
+ModelSummary summarize_model(const std::string& name, bool with_flops, const std::vector<int64_t>& extra_resolutions) {
     ModelSummary summary;
     for (const auto& info : list_models()) {
         if (info.name != name) continue;
@@ -29,6 +29,15 @@ ModelSummary summarize_model(const std::string& name, bool with_flops) {
     summary.name = name;
     summary.params = count_parameters(*model);
     summary.gflops_224 = with_flops ? measure_gflops(*model, 224) : -1.0;
+    model.reset();
+    for (const int64_t res : extra_resolutions) {
+        if (res == 224 && with_flops) {
+            summary.gflops_at[res] = summary.gflops_224;
+            continue;
+        }
+        ModelPtr sized = create_model(name, ModelConfig().set("img_size", res));
+        summary.gflops_at[res] = measure_gflops(*sized, res);
+    }
     return summary;
 }
 

@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "linvis/models/model.h"
 
@@ -18,9 +20,12 @@ struct ModelSummary {
     std::string description;
     int64_t params = 0;
     double gflops_224 = 0.0;  // < 0 when not measured
+    std::map<int64_t, double> gflops_at;  // extra resolutions asked for (model built at that size)
 };
 
 // Builds `name` with default options and measures it (FLOPs skipped when with_flops is false).
-ModelSummary summarize_model(const std::string& name, bool with_flops = true);
+// Also measures GFLOPs at each resolution in `extra_resolutions` (a model built with img_size = r).
+ModelSummary summarize_model(const std::string& name, bool with_flops = true,
+                             const std::vector<int64_t>& extra_resolutions = {});
 
 }  // namespace linvis::models
