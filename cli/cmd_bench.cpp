@@ -8,7 +8,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -22,6 +24,7 @@
 #include "linvis/models/registry.h"
 #include "linvis/tools/args.h"
 #include "linvis/tools/bench.h"
+#include "linvis/tools/plot.h"
 
 namespace linvis::cli {
 namespace {
@@ -155,6 +158,32 @@ void write_csv(const std::string& path, const std::vector<BenchResult>& results,
     }
 }
 
+// Throughput and peak memory against resolution, one line per model (the papers' figures).
+void draw_figure(const std::string& path, const std::vector<BenchResult>& results, const std::string& subtitle) {
+    namespace plot = tools::plot;
+    std::vector<std::string> order;
+    for (const auto& r : results)
+        if (std::find(order.begin(), order.end(), r.config.model) == order.end()) order.push_back(r.config.model);
+    plot::Figure figure(1, 2);
+    figure.title("linvis bench: " + subtitle);
+    auto& speed = figure.set(0, 0, plot::LineChart());
+    speed.title("throughput").x_label("resolution (pixels per side)").y_label("images/s").y_scale(plot::Scale::Log10);
+    auto& memory = figure.set(0, 1, plot::LineChart());
+    memory.title("peak memory").x_label("resolution (pixels per side)").y_label("MiB").y_scale(plot::Scale::Log10);
+    for (const auto& model : order) {
+        std::vector<double> xs, images, mem;
+        for (const auto& r : results) {
+            if (r.config.model != model) continue;
+            xs.push_back(static_cast<double>(r.config.res));
+            images.push_back(r.status == "ok" ? r.images_per_s : std::nan(""));
+            mem.push_back(r.status == "ok" ? static_cast<double>(r.peak_mem_bytes) / (1024.0 * 1024.0) : std::nan(""));
+        }
+        speed.add(model, xs, images, plot::Marker::Circle);
+        memory.add(model, xs, mem, plot::Marker::Circle);
+    }
+    figure.save_png(path, 1400, 520);
+}
+
 int run_bench(int argc, const char* const* argv) {
     tools::ArgParser args("bench",
                           "Measure throughput (images/s, median and spread), latency, peak memory and GFLOPs of "
@@ -175,6 +204,7 @@ int run_bench(int argc, const char* const* argv) {
         .option("--baseline", "MODEL", "model the ratios are computed against", "deit_tiny")
         .option("--format", "table|json", "output on stdout", "table")
         .option("--csv", "FILE", "also write the results as CSV", "")
+        .option("--plot", "FILE.png", "also draw images/s and peak memory against resolution", "")
         .flag("--no-gemm", "skip measuring the machine's SGEMM rate");
     if (!args.parse(argc, argv, 1)) return 0;
     const std::string format = args.get("--format");
@@ -233,6 +263,13 @@ int run_bench(int argc, const char* const* argv) {
         print_table(results, args.get("--baseline"));
     }
     if (!args.get("--csv").empty()) write_csv(args.get("--csv"), results, sgemm);
+    if (!args.get("--plot").empty()) {
+        char subtitle[160];
+        std::snprintf(subtitle, sizeof(subtitle), "batch %lld, %s, %s, %s, %d threads",
+                      static_cast<long long>(args.get_int("--batch")), dtype.c_str(), impl.c_str(),
+                      args.get_flag("--train") ? "forward+backward" : "inference", info.torch_threads);
+        draw_figure(args.get("--plot"), results, subtitle);
+    }
     return 0;
 }
 

@@ -151,8 +151,10 @@ TEST(Cli, TrainThenEvalOnAnImageFolderWithACorruptImage) {
 }
 
 TEST(Cli, BenchJsonHasTheRequiredFieldsPerCase) {
+    const fs::path dir = temp_dir("bench");
     auto result = run_cli("bench --models deit_tiny,vittt_tiny --model-kwargs depth=1 --res 64 --warmup 1 --iters 2 "
-                          "--threads 1 --no-gemm --format json");
+                          "--threads 1 --no-gemm --format json --plot " + (dir / "bench.png").string() + " --csv " +
+                          (dir / "bench.csv").string());
     ASSERT_EQ(result.status, 0) << result.output;
     auto rows = nlohmann::json::parse(result.output.substr(result.output.find('[')));
     ASSERT_EQ(rows.size(), 2u);
@@ -163,4 +165,12 @@ TEST(Cli, BenchJsonHasTheRequiredFieldsPerCase) {
         EXPECT_GT(row["images_per_s"].get<double>(), 0.0);
         EXPECT_GT(row["peak_mem_bytes"].get<int64_t>(), 0);
     }
+    EXPECT_GT(fs::file_size(dir / "bench.png"), 1000u);
+    std::ifstream csv(dir / "bench.csv");
+    std::string header, line;
+    std::getline(csv, header);
+    int lines = 0;
+    while (std::getline(csv, line)) ++lines;
+    EXPECT_EQ(lines, 2);
+    EXPECT_EQ(header.rfind("model,res,batch,impl", 0), 0u) << header;
 }
