@@ -129,11 +129,13 @@ int run_child(const std::string& name, const Options& o, const std::string& out_
         reset_peak_rss();
         base_kb = status_kb("VmRSS:");
         torch::Tensor logits;
-        for (int r = 0; r < o.model_reps + 1; ++r) {
+        // One warm-up pass only when several are timed (the reference pass takes minutes here).
+        const int warmup = o.model_reps > 1 ? 1 : 0;
+        for (int r = 0; r < o.model_reps + warmup; ++r) {
             torch::NoGradGuard no_grad;
             const auto t0 = Clock::now();
             logits = model->forward(x);
-            if (r > 0 || o.model_reps == 0) ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+            if (r >= warmup) ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
         }
         if (!out_path.empty()) {
             std::ofstream f(out_path, std::ios::binary);
@@ -176,27 +178,36 @@ double rel_err(const torch::Tensor& a, const torch::Tensor& e) {
     return ((a.to(torch::kFloat64) - e.to(torch::kFloat64)).norm() / e.to(torch::kFloat64).norm()).item<double>();
 }
 
-// fused vs reference parallel on the benchmark inputs: output and the five gradients.
-double check_op(const Options& o) {
+// fused vs reference on the benchmark inputs: output and the five gradients. The truth is the
+// reference chunkwise form in float64 (equal to the parallel form to rounding, tests/test_mlstm.cpp);
+// the float32 reference parallel form is measured against the same truth. Pass: the fused error is
+// below 1e-4 or at most 2x the float32 reference's own error.
+bool check_op(const Options& o) {
     OpInputs in = op_inputs(o.tokens, true);
     torch::Tensor probe = torch::randn({1, kHeads, o.tokens, kDim});
-    std::vector<torch::Tensor> leaves{in.q, in.k, in.v, in.i, in.f};
-    auto grads_of = [&](const std::string& form) {
-        torch::Tensor h = run_op(in, form);
-        auto g = torch::autograd::grad({(h * probe).sum()}, leaves);
+    auto grads_of = [&](const OpInputs& x, const std::string& form) {
+        torch::Tensor h = run_op(x, form);
+        auto g = torch::autograd::grad({(h * probe.to(h.scalar_type())).sum()}, {x.q, x.k, x.v, x.i, x.f});
         g.insert(g.begin(), h.detach());
         return g;
     };
-    auto ref = grads_of("parallel");
-    auto fused = grads_of("fused");
-    double worst = 0;
+    OpInputs in64;
+    for (auto [src, dst] : std::vector<std::pair<torch::Tensor*, torch::Tensor*>>{
+             {&in.q, &in64.q}, {&in.k, &in64.k}, {&in.v, &in64.v}, {&in.i, &in64.i}, {&in.f, &in64.f}})
+        *dst = src->detach().to(torch::kFloat64).set_requires_grad(true);
+    auto truth = grads_of(in64, "chunkwise");
+    auto ref = grads_of(in, "parallel");
+    auto fused = grads_of(in, "fused");
+    bool ok = true;
     const char* names[] = {"h", "dq", "dk", "dv", "digate", "dfgate"};
     for (size_t t = 0; t < ref.size(); ++t) {
-        const double e = rel_err(fused[t], ref[t]);
-        std::printf("  check %-7s rel L2 err fused vs reference parallel: %.2e\n", names[t], e);
-        worst = std::max(worst, e);
+        const double e = rel_err(fused[t], truth[t]), r = rel_err(ref[t], truth[t]);
+        const bool pass = e < 1e-4 || e <= 2 * r;
+        std::printf("  check %-7s rel L2 err vs float64 truth: fused %.2e, reference parallel f32 %.2e, "
+                    "fused vs reference %.2e %s\n", names[t], e, r, rel_err(fused[t], ref[t]), pass ? "ok" : "FAIL");
+        ok = ok && pass;
     }
-    return worst;
+    return ok;
 }
 
 }  // namespace
@@ -237,10 +248,18 @@ int main(int argc, char** argv) {
                 linvis::runtime::openmp_is_passive() ? "yes" : "NO");
     const double sgemm = linvis::tools::measure_sgemm_gflops(1024, 5);
     std::printf("SGEMM rate (1024^3, LibTorch BLAS, %d threads): %.1f GFLOP/s\n", o.threads, sgemm);
+    // The matmul parts alone: the kernel's own tiles on the forward's chunk shapes, one thread,
+    // next to a one-thread SGEMM measured right after.
+    linvis::runtime::configure_threads(1);
+    const double tiles = ops::cpu::mlstm_fused_gemm_gflops(kChunk, kDim, kDim, 1.0);
+    const double sgemm1 = linvis::tools::measure_sgemm_gflops(1024, 5);
+    linvis::runtime::configure_threads(o.threads);
+    std::printf("fused GEMM tiles (chunk shapes %lldx%lldx%lld, 1 thread): %.1f GFLOP/s = %.0f%% of 1-thread SGEMM "
+                "(%.1f GFLOP/s)\n", static_cast<long long>(kChunk), static_cast<long long>(kDim),
+                static_cast<long long>(kDim), tiles, 100.0 * tiles / sgemm1, sgemm1);
 
-    const double worst = check_op(o);
-    const bool op_ok = worst < 1e-4;
-    std::printf("op check: %s (worst %.2e, bound 1e-4)\n", op_ok ? "PASS" : "FAIL: fused numbers withheld", worst);
+    const bool op_ok = check_op(o);
+    std::printf("op check: %s\n", op_ok ? "PASS" : "FAIL: fused numbers withheld");
 
     std::printf("\n%-28s %12s %14s\n", "op case (S tokens)", "median ms", "peak MiB");
     std::vector<std::string> cases = {"op_fwd_parallel", "op_fwd_chunkwise", "op_fwd_fused",

@@ -5,6 +5,7 @@
 #include "mlstm_fused.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -238,14 +239,20 @@ struct ChunkWork {
     }
 };
 
+constexpr int64_t kRowBlock = 16;  // row blocks of the causal (lower-triangular) chunk products
+
 template <typename T>
 void chunk_outputs(const Head<T>& P, const ChunkGates<T>& G, int64_t t0, int64_t Lc, const StateRef<T>& st,
                    ChunkWork<T>& w) {
     const int64_t DH = P.DH, DV = P.DV, L = P.L;  // L: leading dimension of the chunk matrices
     const T* q = P.q + t0 * DH;
     transpose(w.Ks.data(), Lc, DH, DH, w.Kt.data(), L);
-    // S = Q Ks^T (Lc x Lc), into Sm; masked and weighted below.
-    P.gemm(Lc, Lc, DH, q, DH, 1, w.Kt.data(), L, w.Sm.data(), L, false);
+    // S = Q Ks^T (Lc x Lc), into Sm; masked and weighted below. Causal: a block of rows
+    // [r0, r0 + kRowBlock) needs only the columns j < r0 + kRowBlock.
+    for (int64_t r0 = 0; r0 < Lc; r0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, Lc - r0);
+        P.gemm(rows, r0 + rows, DH, q + r0 * DH, DH, 1, w.Kt.data(), L, w.Sm.data() + r0 * L, L, false);
+    }
     const T* ig = P.ig + t0;
     for (int64_t i = 0; i < Lc; ++i) {
         T* Drow = w.D.data() + i * L;
@@ -285,7 +292,10 @@ void chunk_outputs(const Head<T>& P, const ChunkGates<T>& G, int64_t t0, int64_t
     }
     // num = Qbar C + Sm V.
     P.gemm(Lc, DV, DH, w.Qbar.data(), DH, 1, st.C, DV, w.num.data(), DV, false);
-    P.gemm(Lc, DV, Lc, w.Sm.data(), L, 1, P.v + t0 * DV, DV, w.num.data(), DV, true);
+    for (int64_t r0 = 0; r0 < Lc; r0 += kRowBlock) {  // Sm is zero right of the diagonal
+        const int64_t rows = std::min(kRowBlock, Lc - r0);
+        P.gemm(rows, DV, r0 + rows, w.Sm.data() + r0 * L, L, 1, P.v + t0 * DV, DV, w.num.data() + r0 * DV, DV, true);
+    }
 }
 
 template <typename T>
@@ -378,7 +388,11 @@ void backward_head(const Head<T>& P, const T* dh, T* dq, T* dk, T* dv, T* dig, T
 
         // dSm = G_hat V^T + delta 1^T; P = dSm * Sm (d log D); dS = dSm * D.
         transpose(v, Lc, DV, DV, w.Vt.data(), L);
-        P.gemm(Lc, Lc, DV, G_hat.data(), DV, 1, w.Vt.data(), L, w.dSm.data(), L, false);
+        for (int64_t r0 = 0; r0 < Lc; r0 += kRowBlock) {  // only j <= i is used
+            const int64_t rows = std::min(kRowBlock, Lc - r0);
+            P.gemm(rows, r0 + rows, DV, G_hat.data() + r0 * DV, DV, 1, w.Vt.data(), L, w.dSm.data() + r0 * L, L,
+                   false);
+        }
         for (int64_t i = 0; i < Lc; ++i) {
             for (int64_t j = 0; j < Lc; ++j) {
                 const int64_t x = i * L + j;
@@ -396,7 +410,10 @@ void backward_head(const Head<T>& P, const T* dh, T* dq, T* dk, T* dv, T* dig, T
         T* dkc = dk + t0 * DH;  // holds d(scaled k) until the end of this chunk
         T* dvc = dv + t0 * DV;
         // Intra: dQ = dS Ks, dKs = dS^T Q, dV = Sm^T G_hat.
-        P.gemm(Lc, DH, Lc, w.dSm.data(), L, 1, Ks, DH, dqc, DH, false);
+        for (int64_t r0 = 0; r0 < Lc; r0 += kRowBlock) {  // dS is zero right of the diagonal
+            const int64_t rows = std::min(kRowBlock, Lc - r0);
+            P.gemm(rows, DH, r0 + rows, w.dSm.data() + r0 * L, L, 1, Ks, DH, dqc + r0 * DH, DH, false);
+        }
         P.gemm(Lc, DH, Lc, w.dSm.data(), 1, L, q, DH, dkc, DH, false);
         P.gemm(Lc, DV, Lc, w.Sm.data(), 1, L, G_hat.data(), DV, dvc, DV, false);
         // Inter read-out: tmp = G_hat C^T + delta n^T; dq += beta tmp; R_i = Qbar_i . tmp_i (d log beta).
@@ -583,6 +600,26 @@ torch::Tensor gate_vector(const torch::Tensor& gate, const torch::Tensor& q, con
 }  // namespace
 
 bool mlstm_fused_uses_avx512() { return simd_enabled(); }
+
+double mlstm_fused_gemm_gflops(int64_t L, int64_t DH, int64_t DV, double seconds) {
+    const Gemm gemm{simd_enabled()};
+    const int64_t D = std::max(DH, DV);
+    std::vector<float> A(L * D, 0.5f), B(D * D, 0.25f), Bt(D * L, 0.25f), C(std::max(L, D) * D, 0.f);
+    double macs = 0;
+    const auto start = std::chrono::steady_clock::now();
+    double elapsed = 0;
+    while (elapsed < seconds) {
+        for (int rep = 0; rep < 20; ++rep) {
+            gemm(L, L, DH, A.data(), DH, 1, Bt.data(), L, C.data(), L, false);          // Q K^T
+            gemm(L, DV, DH, A.data(), DH, 1, B.data(), DV, C.data(), DV, false);        // Qbar C
+            gemm(L, DV, L, A.data(), L, 1, B.data(), DV, C.data(), DV, true);           // Sm V
+            gemm(DH, DV, L, A.data(), 1, DH, B.data(), DV, C.data(), DV, true);         // W^T V
+            macs += static_cast<double>(L) * L * DH + 2.0 * L * DH * DV + static_cast<double>(L) * L * DV;
+        }
+        elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+    return 2.0 * macs / elapsed * 1e-9;
+}
 
 torch::Tensor mlstm_chunkwise_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                     const torch::Tensor& igate_preact, const torch::Tensor& fgate_preact,

@@ -22,4 +22,9 @@ torch::Tensor mlstm_chunkwise_fused(const torch::Tensor& q, const torch::Tensor&
 // True when the next call would take the AVX-512 path (CPU support and no LINVIS_FORCE_SCALAR).
 bool mlstm_fused_uses_avx512();
 
+// Rate (GFLOP/s, 2 per multiply-add) of this kernel's own small products on the chunk shapes of
+// the forward (L x L x DHQK, L x DHQK x DHV, L x L x DHV, DHQK x L x DHV), on the calling thread,
+// measured for about `seconds`. For the benchmark's GEMM-rate comparison.
+double mlstm_fused_gemm_gflops(int64_t L, int64_t DH, int64_t DV, double seconds = 0.5);
+
 }  // namespace linvis::ops::cpu
