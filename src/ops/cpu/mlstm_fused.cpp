@@ -522,10 +522,10 @@ Head<T> make_head(const Prepared& in, int64_t bh, int64_t L, double eps, bool si
 
 bool simd_enabled() { return cpu_has_avx512() && !force_scalar(); }
 
-void count_flops(int64_t B, int64_t NH, int64_t S, int64_t DH, int64_t DV, int64_t L, bool backward) {
-    // Multiply-adds of the chunk products (intra S L (DH + DV), read-out and state update 2 S DH DV).
-    const int64_t fwd = B * NH * (S * std::min(L, S) * (DH + DV) + 2 * S * DH * DV);
-    flops::add(backward ? 3 * fwd : fwd);
+// Forward multiply-adds of the chunk products (intra S L (DH + DV), read-out and state update
+// 2 S DH DV), counted like the reference counts its forward products (backward is not counted).
+void count_flops(int64_t B, int64_t NH, int64_t S, int64_t DH, int64_t DV, int64_t L) {
+    flops::add(B * NH * (S * std::min(L, S) * (DH + DV) + 2 * S * DH * DV));
 }
 
 torch::Tensor forward_impl(const Prepared& in, int64_t L, double eps) {
@@ -540,7 +540,7 @@ torch::Tensor forward_impl(const Prepared& in, int64_t L, double eps) {
                 forward_head(make_head<scalar_t>(in, bh, L, eps, simd), out + bh * S * DV);
         });
     });
-    count_flops(B, NH, S, in.q.size(3), DV, L, false);
+    count_flops(B, NH, S, in.q.size(3), DV, L);
     return h;
 }
 
@@ -560,7 +560,6 @@ std::vector<torch::Tensor> backward_impl(const Prepared& in, const torch::Tensor
                               dfg.data_ptr<scalar_t>() + bh * S);
         });
     });
-    count_flops(B, NH, S, DH, DV, L, true);
     return {dq, dk, dv, dig, dfg};
 }
 
