@@ -44,30 +44,38 @@ void gemm_scalar(int64_t M, int64_t N, int64_t K, const T* A, int64_t ars, int64
 
 #define LINVIS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
-// R rows x 32 columns register tile (2R accumulators); masks handle a narrower column tail.
-template <int R>
+// R rows x 16 NV columns register tile (R NV accumulators); masks handle a narrower column tail.
+template <int R, int NV>
 LINVIS_AVX512 inline void tile_avx512(int64_t K, const float* A, int64_t ars, int64_t acs, const float* B,
                                       int64_t ldb, float* C, int64_t ldc, bool accumulate, __mmask16 m0,
                                       __mmask16 m1) {
-    __m512 c0[R], c1[R];
-    for (int r = 0; r < R; ++r) {
-        c0[r] = accumulate ? _mm512_maskz_loadu_ps(m0, C + r * ldc) : _mm512_setzero_ps();
-        c1[r] = accumulate ? _mm512_maskz_loadu_ps(m1, C + r * ldc + 16) : _mm512_setzero_ps();
-    }
+    const __mmask16 mask[2] = {m0, m1};
+    __m512 acc[R][NV];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NV; ++c)
+            acc[r][c] = accumulate ? _mm512_maskz_loadu_ps(mask[c], C + r * ldc + 16 * c) : _mm512_setzero_ps();
     for (int64_t p = 0; p < K; ++p) {
-        const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + p * ldb);
-        const __m512 b1 = _mm512_maskz_loadu_ps(m1, B + p * ldb + 16);
+        __m512 b[NV];
+        for (int c = 0; c < NV; ++c) b[c] = _mm512_maskz_loadu_ps(mask[c], B + p * ldb + 16 * c);
         const float* a = A + p * acs;
         for (int r = 0; r < R; ++r) {
             const __m512 ar = _mm512_set1_ps(a[r * ars]);
-            c0[r] = _mm512_fmadd_ps(ar, b0, c0[r]);
-            c1[r] = _mm512_fmadd_ps(ar, b1, c1[r]);
+            for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(ar, b[c], acc[r][c]);
         }
     }
-    for (int r = 0; r < R; ++r) {
-        _mm512_mask_storeu_ps(C + r * ldc, m0, c0[r]);
-        _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);
-    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NV; ++c) _mm512_mask_storeu_ps(C + r * ldc + 16 * c, mask[c], acc[r][c]);
+}
+
+template <int NV>
+LINVIS_AVX512 void rows_avx512(int64_t M, int64_t K, const float* A, int64_t ars, int64_t acs, const float* B,
+                               int64_t ldb, float* C, int64_t ldc, bool accumulate, __mmask16 m0, __mmask16 m1) {
+    int64_t i = 0;
+    for (; i + 8 <= M; i += 8)
+        tile_avx512<8, NV>(K, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, accumulate, m0, m1);
+    for (; i + 4 <= M; i += 4)
+        tile_avx512<4, NV>(K, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, accumulate, m0, m1);
+    for (; i < M; ++i) tile_avx512<1, NV>(K, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, accumulate, m0, m1);
 }
 
 LINVIS_AVX512 void gemm_avx512(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int64_t acs,
@@ -76,13 +84,10 @@ LINVIS_AVX512 void gemm_avx512(int64_t M, int64_t N, int64_t K, const float* A, 
         const int64_t nj = std::min<int64_t>(32, N - j0);
         const __mmask16 m0 = nj >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nj) - 1u);
         const __mmask16 m1 = nj >= 32 ? __mmask16(0xFFFF) : nj > 16 ? __mmask16((1u << (nj - 16)) - 1u) : __mmask16(0);
-        int64_t i = 0;
-        for (; i + 8 <= M; i += 8)
-            tile_avx512<8>(K, A + i * ars, ars, acs, B + j0, ldb, C + i * ldc + j0, ldc, accumulate, m0, m1);
-        for (; i + 4 <= M; i += 4)
-            tile_avx512<4>(K, A + i * ars, ars, acs, B + j0, ldb, C + i * ldc + j0, ldc, accumulate, m0, m1);
-        for (; i < M; ++i)
-            tile_avx512<1>(K, A + i * ars, ars, acs, B + j0, ldb, C + i * ldc + j0, ldc, accumulate, m0, m1);
+        if (nj > 16)
+            rows_avx512<2>(M, K, A, ars, acs, B + j0, ldb, C + j0, ldc, accumulate, m0, m1);
+        else
+            rows_avx512<1>(M, K, A, ars, acs, B + j0, ldb, C + j0, ldc, accumulate, m0, m1);
     }
 }
 
