@@ -114,6 +114,24 @@ TEST(MlstmFused, Float64MatchesReference) {
     }
 }
 
+TEST(MlstmFused, OtherEps) {
+    // eps enters the normaliser and (through the stabiliser) the gate gradients: a large eps and eps = 0.
+    auto in = make_inputs(2, 2, 45, 8, 6, torch::kFloat64, 77, 2.0);
+    auto probe = torch::randn({2, 2, 45, 6}, torch::kFloat64);
+    for (double eps : {0.0, 1e-2}) {
+        auto run = [&](ops::Impl impl) {
+            auto h = ops::mlstm_chunkwise(in.q, in.k, in.v, in.i, in.f, 16, eps, impl);
+            auto g = torch::autograd::grad({(h * probe).sum()}, in.list());
+            g.insert(g.begin(), h.detach());
+            return g;
+        };
+        auto ref = run(ops::Impl::Reference);
+        auto got = run(ops::Impl::Fused);
+        for (size_t t = 0; t < ref.size(); ++t)
+            EXPECT_TRUE(all_close(got[t], ref[t], 1e-9, 1e-11)) << "eps " << eps << " " << kNames[t];
+    }
+}
+
 TEST(MlstmFused, FiniteDifferences) {
     // The backward checked independently of LibTorch's autograd of the reference.
     auto in = make_inputs(1, 2, 11, 3, 2, torch::kFloat64, 5, 2.0);
