@@ -4,7 +4,8 @@
 // Model options: num_classes (1000), img_size (224), in_chans (3), patch_size (16),
 // embed_dim (192/384/768), depth (12: number of block *pairs*, i.e. 24 mLSTM sub-blocks),
 // drop_path_rate (0), mlstm_mode (parallel|chunkwise|recurrent, default parallel = the official
-// form), chunk_size (64), impl (reference).
+// form), chunk_size (64), impl (reference | fused: the fused chunkwise kernel; with impl=fused the
+// mode defaults to chunkwise and mode parallel or recurrent is rejected).
 #include <cmath>
 #include <regex>
 
@@ -28,6 +29,7 @@ struct VilOptions {
     double drop_path_rate = 0.0;
     ops::MlstmMode mode = ops::MlstmMode::Parallel;
     int64_t chunk_size = ops::kMlstmDefaultChunkSize;
+    ops::Impl impl = ops::Impl::Reference;
 };
 
 // VitPatchEmbed: a patch_size x patch_size stride conv, key patch_embed.proj.*.
@@ -78,7 +80,7 @@ public:
         blocks = register_module("blocks", torch::nn::ModuleList());
         for (int64_t i = 0; i < o.depth; ++i)
         {
-            nn::VilBlockPair pair(D, o.drop_path_rate, o.mode, o.chunk_size);
+            nn::VilBlockPair pair(D, o.drop_path_rate, o.mode, o.chunk_size, o.impl);
             blocks->push_back(pair);
             pairs_.push_back(pair);
         }
@@ -202,12 +204,15 @@ ModelPtr create_vil(const ModelConfig& cfg, int64_t embed_dim) {
     o.embed_dim = cfg.get_int("embed_dim", embed_dim);
     o.depth = cfg.get_int("depth", o.depth);
     o.drop_path_rate = cfg.get_double("drop_path_rate", o.drop_path_rate);
-    o.mode = ops::parse_mlstm_mode(cfg.get_string("mlstm_mode", "parallel"));
+    o.impl = ops::parse_impl(cfg.get_string("impl", "reference"));
+    // The fused kernel is the chunkwise form, so impl=fused selects it unless a mode is named.
+    o.mode = ops::parse_mlstm_mode(
+        cfg.get_string("mlstm_mode", o.impl == ops::Impl::Fused ? "chunkwise" : "parallel"));
+    LINVIS_CHECK(o.impl == ops::Impl::Reference || o.mode == ops::MlstmMode::Chunkwise,
+                 "vil: impl 'fused' needs mlstm_mode 'chunkwise', got mlstm_mode '", ops::mlstm_mode_name(o.mode),
+                 "'");
     o.chunk_size = cfg.get_int("chunk_size", o.chunk_size);
     LINVIS_CHECK(o.chunk_size > 0, "vil: chunk_size: expected > 0, got ", o.chunk_size);
-    const ops::Impl impl = ops::parse_impl(cfg.get_string("impl", "reference"));
-    LINVIS_CHECK(impl == ops::Impl::Reference, "vil: impl: only 'reference' is implemented for ViL, got '",
-                 ops::impl_name(impl), "'");
     return std::make_shared<VisionLstm2>(o);
 }
 

@@ -71,8 +71,9 @@ torch::Tensor LinearHeadwiseImpl::forward(const torch::Tensor& x) {
     return y.reshape(merged) + bias;
 }
 
-MatrixLstmCellImpl::MatrixLstmCellImpl(int64_t dim, int64_t num_heads_, ops::MlstmMode mode_, int64_t chunk_size_)
-    : num_heads(num_heads_), mode(mode_), chunk_size(chunk_size_) {
+MatrixLstmCellImpl::MatrixLstmCellImpl(int64_t dim, int64_t num_heads_, ops::MlstmMode mode_, int64_t chunk_size_,
+                                       ops::Impl impl_)
+    : num_heads(num_heads_), mode(mode_), chunk_size(chunk_size_), impl(impl_) {
     igate = register_module("igate", torch::nn::Linear(3 * dim, num_heads));
     fgate = register_module("fgate", torch::nn::Linear(3 * dim, num_heads));
     outnorm = register_module("outnorm", MultiHeadLayerNorm(dim, 1e-5));
@@ -89,11 +90,11 @@ torch::Tensor MatrixLstmCellImpl::forward(const torch::Tensor& q, const torch::T
     torch::Tensor ig = flops::linear(qkv, igate->weight, igate->bias).transpose(-1, -2).unsqueeze(-1);  // (B,NH,S,1)
     torch::Tensor fg = flops::linear(qkv, fgate->weight, fgate->bias).transpose(-1, -2).unsqueeze(-1);
     auto heads = [&](const torch::Tensor& t) { return t.view({B, S, num_heads, DH}).transpose(1, 2); };
-    torch::Tensor h = ops::mlstm(heads(q), heads(k), heads(v), ig, fg, mode, chunk_size, ops::kMlstmEps);
+    torch::Tensor h = ops::mlstm(heads(q), heads(k), heads(v), ig, fg, mode, chunk_size, ops::kMlstmEps, impl);
     return outnorm->forward(h).transpose(1, 2).reshape({B, S, I});
 }
 
-VilLayerImpl::VilLayerImpl(int64_t dim, bool reversed_, ops::MlstmMode mode, int64_t chunk_size)
+VilLayerImpl::VilLayerImpl(int64_t dim, bool reversed_, ops::MlstmMode mode, int64_t chunk_size, ops::Impl impl)
     : reversed(reversed_), inner_dim(kExpansion * dim) {
     const int64_t I = inner_dim;
     learnable_skip = register_parameter("learnable_skip", torch::ones({I}));
@@ -102,7 +103,7 @@ VilLayerImpl::VilLayerImpl(int64_t dim, bool reversed_, ops::MlstmMode mode, int
     k_proj = register_module("k_proj", LinearHeadwise(I, kQkvBlock));
     v_proj = register_module("v_proj", LinearHeadwise(I, kQkvBlock));
     conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(I, I, 3).padding(1).groups(I)));
-    mlstm_cell = register_module("mlstm_cell", MatrixLstmCell(I, kQkvBlock, mode, chunk_size));
+    mlstm_cell = register_module("mlstm_cell", MatrixLstmCell(I, kQkvBlock, mode, chunk_size, impl));
     proj_down = register_module("proj_down", torch::nn::Linear(I, dim));
     // Official init (1.14; init_weights="original": wang init with num_blocks = 1).
     small_init(proj_up->weight, dim);
@@ -136,10 +137,11 @@ torch::Tensor VilLayerImpl::forward(const torch::Tensor& input, int64_t grid_h, 
     return reversed ? y.flip({1}) : y;
 }
 
-VilBlockImpl::VilBlockImpl(int64_t dim, bool reversed, double drop_path_, ops::MlstmMode mode, int64_t chunk_size)
+VilBlockImpl::VilBlockImpl(int64_t dim, bool reversed, double drop_path_, ops::MlstmMode mode, int64_t chunk_size,
+                           ops::Impl impl)
     : drop_path(drop_path_) {
     norm = register_module("norm", ResidualLayerNorm(dim, 1e-5));
-    layer = register_module("layer", VilLayer(dim, reversed, mode, chunk_size));
+    layer = register_module("layer", VilLayer(dim, reversed, mode, chunk_size, impl));
 }
 
 torch::Tensor VilBlockImpl::forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w) {
@@ -147,11 +149,12 @@ torch::Tensor VilBlockImpl::forward(const torch::Tensor& x, int64_t grid_h, int6
     return x + nn::drop_path(branch, drop_path, is_training());
 }
 
-VilBlockPairImpl::VilBlockPairImpl(int64_t dim, double drop_path, ops::MlstmMode mode, int64_t chunk_size) {
+VilBlockPairImpl::VilBlockPairImpl(int64_t dim, double drop_path, ops::MlstmMode mode, int64_t chunk_size,
+                                   ops::Impl impl) {
     rowwise_from_top_left =
-        register_module("rowwise_from_top_left", VilBlock(dim, false, drop_path, mode, chunk_size));
+        register_module("rowwise_from_top_left", VilBlock(dim, false, drop_path, mode, chunk_size, impl));
     rowwise_from_bot_right =
-        register_module("rowwise_from_bot_right", VilBlock(dim, true, drop_path, mode, chunk_size));
+        register_module("rowwise_from_bot_right", VilBlock(dim, true, drop_path, mode, chunk_size, impl));
 }
 
 torch::Tensor VilBlockPairImpl::forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w) {

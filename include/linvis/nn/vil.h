@@ -52,13 +52,15 @@ TORCH_MODULE(LinearHeadwise);
 // q, k, v (B, S, I) -> (B, S, I).
 class MatrixLstmCellImpl : public torch::nn::Module {
 public:
-    MatrixLstmCellImpl(int64_t dim, int64_t num_heads, ops::MlstmMode mode, int64_t chunk_size);
+    MatrixLstmCellImpl(int64_t dim, int64_t num_heads, ops::MlstmMode mode, int64_t chunk_size,
+                       ops::Impl impl = ops::Impl::Reference);
     torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
     torch::nn::Linear igate{nullptr}, fgate{nullptr};
     MultiHeadLayerNorm outnorm{nullptr};
     int64_t num_heads;
     ops::MlstmMode mode;
     int64_t chunk_size;
+    ops::Impl impl;  // Fused: the fused chunkwise kernel (mode must be chunkwise)
 };
 TORCH_MODULE(MatrixLstmCell);
 
@@ -67,7 +69,8 @@ TORCH_MODULE(MatrixLstmCell);
 // A reversed layer flips the sequence before and after. x (B, S, D) with S = grid_h * grid_w.
 class VilLayerImpl : public torch::nn::Module {
 public:
-    VilLayerImpl(int64_t dim, bool reversed, ops::MlstmMode mode, int64_t chunk_size);
+    VilLayerImpl(int64_t dim, bool reversed, ops::MlstmMode mode, int64_t chunk_size,
+                 ops::Impl impl = ops::Impl::Reference);
     torch::Tensor forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w);
     torch::Tensor learnable_skip;
     torch::nn::Linear proj_up{nullptr}, proj_down{nullptr};
@@ -82,7 +85,8 @@ TORCH_MODULE(VilLayer);
 // ViLBlock (1.5): x + drop_path(layer(norm(x))), norm = ResidualLayerNorm(dim, 1e-5).
 class VilBlockImpl : public torch::nn::Module {
 public:
-    VilBlockImpl(int64_t dim, bool reversed, double drop_path, ops::MlstmMode mode, int64_t chunk_size);
+    VilBlockImpl(int64_t dim, bool reversed, double drop_path, ops::MlstmMode mode, int64_t chunk_size,
+                 ops::Impl impl = ops::Impl::Reference);
     torch::Tensor forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w);
     ResidualLayerNorm norm{nullptr};
     VilLayer layer{nullptr};
@@ -93,7 +97,8 @@ TORCH_MODULE(VilBlock);
 // ViLBlockPair (1.4): rowwise_from_top_left then rowwise_from_bot_right.
 class VilBlockPairImpl : public torch::nn::Module {
 public:
-    VilBlockPairImpl(int64_t dim, double drop_path, ops::MlstmMode mode, int64_t chunk_size);
+    VilBlockPairImpl(int64_t dim, double drop_path, ops::MlstmMode mode, int64_t chunk_size,
+                     ops::Impl impl = ops::Impl::Reference);
     torch::Tensor forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w);
     VilBlock rowwise_from_top_left{nullptr}, rowwise_from_bot_right{nullptr};
 };

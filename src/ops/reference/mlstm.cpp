@@ -7,6 +7,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "../cpu/mlstm_fused.h"
 
 namespace linvis::ops {
 namespace {
@@ -158,7 +159,8 @@ torch::Tensor mlstm_recurrent(const torch::Tensor& q, const torch::Tensor& k, co
 
 torch::Tensor mlstm_chunkwise(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const torch::Tensor& igate_preact, const torch::Tensor& fgate_preact,
-                              int64_t chunk_size, double eps) {
+                              int64_t chunk_size, double eps, Impl impl) {
+    if (impl == Impl::Fused) return cpu::mlstm_chunkwise_fused(q, k, v, igate_preact, fgate_preact, chunk_size, eps);
     check_qkv(q, k, v);
     if (is_reduced(q)) {
         // bf16/fp16: computed in float32 (states and gates as in mlstm_kernels), output in the input dtype.
@@ -240,10 +242,13 @@ torch::Tensor mlstm_chunkwise(const torch::Tensor& q, const torch::Tensor& k, co
 
 torch::Tensor mlstm(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                     const torch::Tensor& igate_preact, const torch::Tensor& fgate_preact, MlstmMode mode,
-                    int64_t chunk_size, double eps) {
+                    int64_t chunk_size, double eps, Impl impl) {
+    LINVIS_CHECK(impl == Impl::Reference || mode == MlstmMode::Chunkwise, "mlstm: impl 'fused' exists for mode ",
+                 "'chunkwise' only, got mode '", mlstm_mode_name(mode), "'");
     switch (mode) {
         case MlstmMode::Parallel: return mlstm_parallel(q, k, v, igate_preact, fgate_preact, eps);
-        case MlstmMode::Chunkwise: return mlstm_chunkwise(q, k, v, igate_preact, fgate_preact, chunk_size, eps);
+        case MlstmMode::Chunkwise:
+            return mlstm_chunkwise(q, k, v, igate_preact, fgate_preact, chunk_size, eps, impl);
         case MlstmMode::Recurrent: return mlstm_recurrent(q, k, v, igate_preact, fgate_preact, eps);
     }
     fail("mlstm: unknown mode");

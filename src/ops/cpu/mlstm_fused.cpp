@@ -1,0 +1,693 @@
+// Fused CPU chunkwise mLSTM: forward and backward per (batch, head), chunk by chunk, with the
+// chunk-local products done by small register-blocked GEMMs. Math: spec vil_official.md 4.3 with the
+// stabiliser start m = -inf of the reference (src/ops/reference/mlstm.cpp), so the result equals the
+// parallel form to rounding. Derivation of the backward and the memory formula: docs/perf_mlstm.md.
+#include "mlstm_fused.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "linvis/core/error.h"
+#include "linvis/core/flops.h"
+#include "linvis/core/runtime.h"
+
+namespace linvis::ops::cpu {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Small dense products. C (M x N, row stride ldc) = [C +] A (M x K) * B (K x N).
+// A's element (i, p) is A[i * ars + p * acs] (so a transposed A is just other strides); B is
+// row-major with row stride ldb. Shapes here are chunk-sized (<= ~128), so no packing.
+
+template <typename T>
+void gemm_scalar(int64_t M, int64_t N, int64_t K, const T* A, int64_t ars, int64_t acs, const T* B, int64_t ldb,
+                 T* C, int64_t ldc, bool accumulate) {
+    for (int64_t i = 0; i < M; ++i) {
+        T* c = C + i * ldc;
+        if (!accumulate) std::fill(c, c + N, T(0));
+        for (int64_t p = 0; p < K; ++p) {
+            const T a = A[i * ars + p * acs];
+            const T* b = B + p * ldb;
+            for (int64_t j = 0; j < N; ++j) c[j] += a * b[j];
+        }
+    }
+}
+
+#define LINVIS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+
+// R rows x 16 NV columns register tile (R NV accumulators); masks handle a narrower column tail.
+template <int R, int NV>
+LINVIS_AVX512 inline void tile_avx512(int64_t K, const float* A, int64_t ars, int64_t acs, const float* B,
+                                      int64_t ldb, float* C, int64_t ldc, bool accumulate, __mmask16 m0,
+                                      __mmask16 m1) {
+    const __mmask16 mask[2] = {m0, m1};
+    __m512 acc[R][NV];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NV; ++c)
+            acc[r][c] = accumulate ? _mm512_maskz_loadu_ps(mask[c], C + r * ldc + 16 * c) : _mm512_setzero_ps();
+    for (int64_t p = 0; p < K; ++p) {
+        __m512 b[NV];
+        for (int c = 0; c < NV; ++c) b[c] = _mm512_maskz_loadu_ps(mask[c], B + p * ldb + 16 * c);
+        const float* a = A + p * acs;
+        for (int r = 0; r < R; ++r) {
+            const __m512 ar = _mm512_set1_ps(a[r * ars]);
+            for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(ar, b[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NV; ++c) _mm512_mask_storeu_ps(C + r * ldc + 16 * c, mask[c], acc[r][c]);
+}
+
+// The 8-row tiles written out with named accumulators: with an array GCC 12 keeps the
+// accumulators in memory and stores all of them every iteration (seen in the disassembly).
+#define LINVIS_ACC_INIT(r)                                                                            \
+    __m512 c##r##0 = accumulate ? _mm512_maskz_loadu_ps(m0, C + r * ldc) : _mm512_setzero_ps();       \
+    __m512 c##r##1 = NV == 2 && accumulate ? _mm512_maskz_loadu_ps(m1, C + r * ldc + 16) : _mm512_setzero_ps();
+#define LINVIS_ACC_FMA(r)                                                                             \
+    {                                                                                                 \
+        const __m512 ar = _mm512_set1_ps(a[r * ars]);                                                 \
+        c##r##0 = _mm512_fmadd_ps(ar, b0, c##r##0);                                                   \
+        if (NV == 2) c##r##1 = _mm512_fmadd_ps(ar, b1, c##r##1);                                      \
+    }
+#define LINVIS_ACC_STORE(r)                                                                           \
+    _mm512_mask_storeu_ps(C + r * ldc, m0, c##r##0);                                                  \
+    if (NV == 2) _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c##r##1);
+
+template <int NV>
+LINVIS_AVX512 inline void tile8_avx512(int64_t K, const float* A, int64_t ars, int64_t acs, const float* B,
+                                       int64_t ldb, float* C, int64_t ldc, bool accumulate, __mmask16 m0,
+                                       __mmask16 m1) {
+    LINVIS_ACC_INIT(0) LINVIS_ACC_INIT(1) LINVIS_ACC_INIT(2) LINVIS_ACC_INIT(3)
+    LINVIS_ACC_INIT(4) LINVIS_ACC_INIT(5) LINVIS_ACC_INIT(6) LINVIS_ACC_INIT(7)
+    for (int64_t p = 0; p < K; ++p) {
+        const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + p * ldb);
+        const __m512 b1 = NV == 2 ? _mm512_maskz_loadu_ps(m1, B + p * ldb + 16) : _mm512_setzero_ps();
+        const float* a = A + p * acs;
+        LINVIS_ACC_FMA(0) LINVIS_ACC_FMA(1) LINVIS_ACC_FMA(2) LINVIS_ACC_FMA(3)
+        LINVIS_ACC_FMA(4) LINVIS_ACC_FMA(5) LINVIS_ACC_FMA(6) LINVIS_ACC_FMA(7)
+    }
+    LINVIS_ACC_STORE(0) LINVIS_ACC_STORE(1) LINVIS_ACC_STORE(2) LINVIS_ACC_STORE(3)
+    LINVIS_ACC_STORE(4) LINVIS_ACC_STORE(5) LINVIS_ACC_STORE(6) LINVIS_ACC_STORE(7)
+}
+#undef LINVIS_ACC_INIT
+#undef LINVIS_ACC_FMA
+#undef LINVIS_ACC_STORE
+
+template <int NV>
+LINVIS_AVX512 void rows_avx512(int64_t M, int64_t K, const float* A, int64_t ars, int64_t acs, const float* B,
+                               int64_t ldb, float* C, int64_t ldc, bool accumulate, __mmask16 m0, __mmask16 m1) {
+    int64_t i = 0;
+    for (; i + 8 <= M; i += 8)
+        tile8_avx512<NV>(K, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, accumulate, m0, m1);
+    for (; i + 4 <= M; i += 4)
+        tile_avx512<4, NV>(K, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, accumulate, m0, m1);
+    for (; i < M; ++i) tile_avx512<1, NV>(K, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, accumulate, m0, m1);
+}
+
+LINVIS_AVX512 void gemm_avx512(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int64_t acs,
+                               const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+    for (int64_t j0 = 0; j0 < N; j0 += 32) {
+        const int64_t nj = std::min<int64_t>(32, N - j0);
+        const __mmask16 m0 = nj >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nj) - 1u);
+        const __mmask16 m1 = nj >= 32 ? __mmask16(0xFFFF) : nj > 16 ? __mmask16((1u << (nj - 16)) - 1u) : __mmask16(0);
+        if (nj > 16)
+            rows_avx512<2>(M, K, A, ars, acs, B + j0, ldb, C + j0, ldc, accumulate, m0, m1);
+        else
+            rows_avx512<1>(M, K, A, ars, acs, B + j0, ldb, C + j0, ldc, accumulate, m0, m1);
+    }
+}
+
+// Dispatch: float on an AVX-512 CPU uses the tiles, everything else the portable loops.
+struct Gemm {
+    bool simd = false;
+    void operator()(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int64_t acs, const float* B,
+                    int64_t ldb, float* C, int64_t ldc, bool accumulate) const {
+        if (M <= 0 || N <= 0) return;
+        if (simd)
+            gemm_avx512(M, N, K, A, ars, acs, B, ldb, C, ldc, accumulate);
+        else
+            gemm_scalar(M, N, K, A, ars, acs, B, ldb, C, ldc, accumulate);
+    }
+    void operator()(int64_t M, int64_t N, int64_t K, const double* A, int64_t ars, int64_t acs, const double* B,
+                    int64_t ldb, double* C, int64_t ldc, bool accumulate) const {
+        if (M <= 0 || N <= 0) return;
+        gemm_scalar(M, N, K, A, ars, acs, B, ldb, C, ldc, accumulate);
+    }
+};
+
+bool cpu_has_avx512() {
+    static const bool has = [] {
+        const auto level = runtime::detect_simd();
+        return level == runtime::SimdLevel::Avx512 || level == runtime::SimdLevel::Avx512Bf16;
+    }();
+    return has;
+}
+
+bool force_scalar() {
+    const char* env = std::getenv("LINVIS_FORCE_SCALAR");
+    return env != nullptr && env[0] != '\0' && std::strcmp(env, "0") != 0;
+}
+
+template <typename T>
+void transpose(const T* src, int64_t rows, int64_t cols, int64_t lds, T* dst, int64_t ldd) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
+}
+
+template <typename T>
+T log_sigmoid(T x) {
+    // min(x, 0) - log1p(exp(-|x|)): finite for every finite x.
+    return std::min(x, T(0)) - std::log1p(std::exp(-std::abs(x)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per (batch, head) problem.
+
+template <typename T>
+struct Head {
+    const T* q;   // S x DH
+    const T* k;   // S x DH (unscaled)
+    const T* v;   // S x DV
+    const T* ig;  // S
+    const T* fg;  // S
+    int64_t S, DH, DV, L;
+    T eps;
+    Gemm gemm;
+};
+
+// Gate quantities of one chunk (4.3): b inclusive cumsum of log sigmoid(f), g = b[last],
+// a_j = g - b_j + i_j.
+template <typename T>
+struct ChunkGates {
+    std::vector<T> lf, b, a;
+    T g = 0;
+    void compute(const Head<T>& P, int64_t t0, int64_t Lc) {
+        lf.resize(Lc);
+        b.resize(Lc);
+        a.resize(Lc);
+        T acc = 0;
+        for (int64_t j = 0; j < Lc; ++j) {
+            lf[j] = log_sigmoid(P.fg[t0 + j]);
+            acc += lf[j];
+            b[j] = acc;
+        }
+        g = b[Lc - 1];
+        for (int64_t j = 0; j < Lc; ++j) a[j] = g - b[j] + P.ig[t0 + j];
+    }
+};
+
+// Recurrent state before a chunk: C (DH x DV), n (DH), stabiliser m and the global position whose
+// log-weight attains m (where d m flows in the backward).
+template <typename T>
+struct StateRef {
+    T* C;
+    T* n;
+    T m;
+    int64_t argm;
+};
+
+// Scaled keys of a chunk: Ks = k / sqrt(DH) (Lc x DH), as the reference divides.
+template <typename T>
+void scaled_keys(const Head<T>& P, int64_t t0, int64_t Lc, T* Ks) {
+    const T sq = static_cast<T>(std::sqrt(static_cast<double>(P.DH)));
+    const T* k = P.k + t0 * P.DH;
+    for (int64_t x = 0; x < Lc * P.DH; ++x) Ks[x] = k[x] / sq;
+}
+
+// State after the chunk from the state before it (in place): m' = max(g + m, max_j a_j),
+// C' = exp(g + m - m') C + sum_j exp(a_j - m') k_j v_j^T, n' likewise. W is Lc x DH scratch.
+template <typename T>
+void advance_state(const Head<T>& P, const ChunkGates<T>& G, int64_t t0, int64_t Lc, const T* Ks, T* C, T* n,
+                   T& m, int64_t& argm, T* W) {
+    const int64_t DH = P.DH, DV = P.DV;
+    int64_t jmax = 0;
+    for (int64_t j = 1; j < Lc; ++j)
+        if (G.a[j] > G.a[jmax]) jmax = j;
+    const T decayed = G.g + m;
+    const T m_next = std::max(decayed, G.a[jmax]);
+    const int64_t arg_next = decayed >= G.a[jmax] ? argm : t0 + jmax;
+    const T gbar = std::exp(decayed - m_next);  // 0 for the first chunk (m = -inf)
+    for (int64_t x = 0; x < DH * DV; ++x) C[x] *= gbar;
+    for (int64_t d = 0; d < DH; ++d) n[d] *= gbar;
+    for (int64_t j = 0; j < Lc; ++j) {
+        const T abar = std::exp(G.a[j] - m_next);
+        for (int64_t d = 0; d < DH; ++d) {
+            W[j * DH + d] = abar * Ks[j * DH + d];
+            n[d] += W[j * DH + d];
+        }
+    }
+    // C += W^T V: A(i = d, p = j) = W[j * DH + d].
+    P.gemm(DH, DV, Lc, W, 1, DH, P.v + t0 * DV, DV, C, DV, true);
+    m = m_next;
+    argm = arg_next;
+}
+
+// Intra-chunk part plus the state read-out for query rows of one chunk. Fills Sm (masked
+// S * D), D, the row stabilisers and normalisers, Qbar = q * exp(m_inter - m) and num (= h * nrm).
+template <typename T>
+struct ChunkWork {
+    std::vector<T> Ks, Kt, Sm, D, Qbar, num, W, tmp, Vt, dSm, Ct;
+    std::vector<T> m_row, beta, den, nrm;
+    std::vector<int64_t> arg_row;
+    void reserve(int64_t L, int64_t DH, int64_t DV) {
+        const int64_t Dm = std::max(DH, DV);
+        Ks.resize(L * DH);
+        Kt.resize(DH * L);
+        Sm.resize(L * L);
+        D.resize(L * L);
+        Qbar.resize(L * DH);
+        num.resize(L * DV);
+        W.resize(L * Dm);
+        tmp.resize(L * Dm);
+        Vt.resize(DV * L);
+        dSm.resize(L * L);
+        Ct.resize(DH * DV);
+        m_row.resize(L);
+        beta.resize(L);
+        den.resize(L);
+        nrm.resize(L);
+        arg_row.resize(L);
+    }
+};
+
+constexpr int64_t kRowBlock = 16;  // row blocks of the causal (lower-triangular) chunk products
+
+template <typename T>
+void chunk_outputs(const Head<T>& P, const ChunkGates<T>& G, int64_t t0, int64_t Lc, const StateRef<T>& st,
+                   ChunkWork<T>& w) {
+    const int64_t DH = P.DH, DV = P.DV, L = P.L;  // L: leading dimension of the chunk matrices
+    const T* q = P.q + t0 * DH;
+    transpose(w.Ks.data(), Lc, DH, DH, w.Kt.data(), L);
+    // S = Q Ks^T (Lc x Lc), into Sm; masked and weighted below. Causal: a block of rows
+    // [r0, r0 + kRowBlock) needs only the columns j < r0 + kRowBlock.
+    for (int64_t r0 = 0; r0 < Lc; r0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, Lc - r0);
+        P.gemm(rows, r0 + rows, DH, q + r0 * DH, DH, 1, w.Kt.data(), L, w.Sm.data() + r0 * L, L, false);
+    }
+    const T* ig = P.ig + t0;
+    for (int64_t i = 0; i < Lc; ++i) {
+        T* Drow = w.D.data() + i * L;
+        T* Srow = w.Sm.data() + i * L;
+        T m_intra = -std::numeric_limits<T>::infinity();
+        int64_t jmax = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+            Drow[j] = (G.b[i] - G.b[j]) + ig[j];  // log D_ij, as the reference: (b_i - b_j) + i_j
+            if (Drow[j] > m_intra) {
+                m_intra = Drow[j];
+                jmax = j;
+            }
+        }
+        const T m_inter = G.b[i] + st.m;
+        const T m = std::max(m_inter, m_intra);
+        w.m_row[i] = m;
+        w.arg_row[i] = m_intra >= m_inter ? t0 + jmax : st.argm;
+        w.beta[i] = std::exp(m_inter - m);
+        T rowsum = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+            Drow[j] = std::exp(Drow[j] - m);
+            Srow[j] *= Drow[j];
+            rowsum += Srow[j];
+        }
+        for (int64_t j = i + 1; j < Lc; ++j) {
+            Drow[j] = 0;
+            Srow[j] = 0;
+        }
+        T* qb = w.Qbar.data() + i * DH;
+        T qn = 0;
+        for (int64_t d = 0; d < DH; ++d) {
+            qb[d] = q[i * DH + d] * w.beta[i];
+            qn += qb[d] * st.n[d];
+        }
+        w.den[i] = qn + rowsum;
+        w.nrm[i] = std::max(std::abs(w.den[i]), std::exp(-m)) + P.eps;
+    }
+    // num = Qbar C + Sm V.
+    P.gemm(Lc, DV, DH, w.Qbar.data(), DH, 1, st.C, DV, w.num.data(), DV, false);
+    for (int64_t r0 = 0; r0 < Lc; r0 += kRowBlock) {  // Sm is zero right of the diagonal
+        const int64_t rows = std::min(kRowBlock, Lc - r0);
+        P.gemm(rows, DV, r0 + rows, w.Sm.data() + r0 * L, L, 1, P.v + t0 * DV, DV, w.num.data() + r0 * DV, DV, true);
+    }
+}
+
+template <typename T>
+void forward_head(const Head<T>& P, T* h) {
+    const int64_t DH = P.DH, DV = P.DV, L = P.L;
+    ChunkWork<T> w;
+    w.reserve(L, DH, DV);
+    ChunkGates<T> G;
+    std::vector<T> C(DH * DV, T(0)), n(DH, T(0));
+    StateRef<T> st{C.data(), n.data(), -std::numeric_limits<T>::infinity(), 0};
+    for (int64_t t0 = 0; t0 < P.S; t0 += L) {
+        const int64_t Lc = std::min(L, P.S - t0);
+        G.compute(P, t0, Lc);
+        scaled_keys(P, t0, Lc, w.Ks.data());
+        chunk_outputs(P, G, t0, Lc, st, w);
+        for (int64_t i = 0; i < Lc; ++i) {
+            const T inv = w.nrm[i];
+            for (int64_t e = 0; e < DV; ++e) h[(t0 + i) * DV + e] = w.num[i * DV + e] / inv;
+        }
+        if (t0 + L < P.S) advance_state(P, G, t0, Lc, w.Ks.data(), st.C, st.n, st.m, st.argm, w.W.data());
+    }
+}
+
+// Gradients of one (batch, head). dh (S x DV) in; dq, dk, dv (S x D*), dig, dfg (S) out (overwritten).
+template <typename T>
+void backward_head(const Head<T>& P, const T* dh, T* dq, T* dk, T* dv, T* dig, T* dfg) {
+    const int64_t S = P.S, DH = P.DH, DV = P.DV, L = P.L;
+    const int64_t NC = (S + L - 1) / L;
+    const T sq = static_cast<T>(std::sqrt(static_cast<double>(DH)));
+    ChunkWork<T> w;
+    w.reserve(L, DH, DV);
+    ChunkGates<T> G;
+
+    // Pass 1: recompute the state before every chunk (transient, NC * DH * DV per head being processed).
+    std::vector<T> Cs(NC * DH * DV), ns(NC * DH), ms(NC);
+    std::vector<int64_t> args(NC);
+    {
+        std::vector<T> C(DH * DV, T(0)), n(DH, T(0));
+        T m = -std::numeric_limits<T>::infinity();
+        int64_t argm = 0;
+        for (int64_t c = 0; c < NC; ++c) {
+            const int64_t t0 = c * L, Lc = std::min(L, S - t0);
+            std::copy(C.begin(), C.end(), Cs.begin() + c * DH * DV);
+            std::copy(n.begin(), n.end(), ns.begin() + c * DH);
+            ms[c] = m;
+            args[c] = argm;
+            if (c + 1 == NC) break;
+            G.compute(P, t0, Lc);
+            scaled_keys(P, t0, Lc, w.Ks.data());
+            advance_state(P, G, t0, Lc, w.Ks.data(), C.data(), n.data(), m, argm, w.W.data());
+        }
+    }
+
+    // Pass 2: chunks in reverse with dC, dn = gradient w.r.t. the state after the chunk.
+    std::vector<T> dC(DH * DV, T(0)), dn(DH, T(0)), dCt(DV * DH);
+    std::vector<T> G_hat(L * DV), delta(L), P_mat(L * L), abar(L), da(L), db(L), R(L), u(L * DH);
+    std::vector<T> m_diff(S + 1, T(0));  // d m_i routed along the argmax path (difference array)
+    std::fill(dig, dig + S, T(0));
+    for (int64_t c = NC - 1; c >= 0; --c) {
+        const int64_t t0 = c * L, Lc = std::min(L, S - t0);
+        const bool has_next = c + 1 < NC;
+        T* C = Cs.data() + c * DH * DV;
+        T* n = ns.data() + c * DH;
+        StateRef<T> st{C, n, ms[c], args[c]};
+        G.compute(P, t0, Lc);
+        scaled_keys(P, t0, Lc, w.Ks.data());
+        chunk_outputs(P, G, t0, Lc, st, w);
+        const T* q = P.q + t0 * DH;
+        const T* v = P.v + t0 * DV;
+        const T* Ks = w.Ks.data();
+
+        // Output normalisation: h = num / nrm, nrm = max(|den|, exp(-m)) + eps.
+        for (int64_t i = 0; i < Lc; ++i) {
+            const T* dhi = dh + (t0 + i) * DV;
+            const T nrm = w.nrm[i];
+            T hdot = 0;
+            for (int64_t e = 0; e < DV; ++e) {
+                G_hat[i * DV + e] = dhi[e] / nrm;
+                hdot += dhi[e] * (w.num[i * DV + e] / nrm);
+            }
+            const T den = w.den[i];
+            const bool den_wins = std::abs(den) > std::exp(-w.m_row[i]);
+            delta[i] = den_wins ? -hdot / nrm * (den > 0 ? T(1) : den < 0 ? T(-1) : T(0)) : T(0);
+            // The only dependence on the stabiliser: h_i = N_i / (max(|D_i|, 1) + eps e^{m_i}) unstabilised.
+            const T dm = -hdot / nrm * P.eps;
+            m_diff[t0 + i] += dm;
+            m_diff[w.arg_row[i]] -= dm;
+            dig[w.arg_row[i]] += dm;
+        }
+
+        // dSm = G_hat V^T + delta 1^T; P = dSm * Sm (d log D); dS = dSm * D.
+        transpose(v, Lc, DV, DV, w.Vt.data(), L);
+        for (int64_t r0 = 0; r0 < Lc; r0 += kRowBlock) {  // only j <= i is used
+            const int64_t rows = std::min(kRowBlock, Lc - r0);
+            P.gemm(rows, r0 + rows, DV, G_hat.data() + r0 * DV, DV, 1, w.Vt.data(), L, w.dSm.data() + r0 * L, L,
+                   false);
+        }
+        for (int64_t i = 0; i < Lc; ++i) {
+            for (int64_t j = 0; j < Lc; ++j) {
+                const int64_t x = i * L + j;
+                if (j <= i) {
+                    const T g = w.dSm[x] + delta[i];
+                    P_mat[x] = g * w.Sm[x];
+                    w.dSm[x] = g * w.D[x];
+                } else {
+                    P_mat[x] = 0;
+                    w.dSm[x] = 0;
+                }
+            }
+        }
+        T* dqc = dq + t0 * DH;
+        T* dkc = dk + t0 * DH;  // holds d(scaled k) until the end of this chunk
+        T* dvc = dv + t0 * DV;
+        // Intra: dQ = dS Ks, dKs = dS^T Q, dV = Sm^T G_hat.
+        for (int64_t r0 = 0; r0 < Lc; r0 += kRowBlock) {  // dS is zero right of the diagonal
+            const int64_t rows = std::min(kRowBlock, Lc - r0);
+            P.gemm(rows, DH, r0 + rows, w.dSm.data() + r0 * L, L, 1, Ks, DH, dqc + r0 * DH, DH, false);
+        }
+        P.gemm(Lc, DH, Lc, w.dSm.data(), 1, L, q, DH, dkc, DH, false);
+        P.gemm(Lc, DV, Lc, w.Sm.data(), 1, L, G_hat.data(), DV, dvc, DV, false);
+        // Inter read-out: tmp = G_hat C^T + delta n^T; dq += beta tmp; R_i = Qbar_i . tmp_i (d log beta).
+        transpose(C, DH, DV, DV, w.Ct.data(), DH);
+        P.gemm(Lc, DH, DV, G_hat.data(), DV, 1, w.Ct.data(), DH, w.tmp.data(), DH, false);
+        for (int64_t i = 0; i < Lc; ++i) {
+            T r = 0;
+            for (int64_t d = 0; d < DH; ++d) {
+                const T t = w.tmp[i * DH + d] + delta[i] * n[d];
+                dqc[i * DH + d] += w.beta[i] * t;
+                r += w.Qbar[i * DH + d] * t;
+            }
+            R[i] = r;
+        }
+        // State update of this chunk (only when a later chunk read it).
+        T dg_state = 0;
+        std::fill(da.begin(), da.end(), T(0));
+        if (has_next) {
+            // The forward's update weights: abar_j = exp(a_j - m'), gbar = exp(g + m - m').
+            T amax = G.a[0];
+            for (int64_t j = 1; j < Lc; ++j) amax = std::max(amax, G.a[j]);
+            const T decayed = G.g + ms[c];
+            const T m_next = std::max(decayed, amax);
+            const T gbar = std::exp(decayed - m_next);
+            for (int64_t j = 0; j < Lc; ++j) abar[j] = std::exp(G.a[j] - m_next);
+            // u = V dC^T + dn (Lc x DH): dKs_j += abar_j u_j; da_j = abar_j Ks_j . u_j.
+            transpose(dC.data(), DH, DV, DV, dCt.data(), DH);
+            P.gemm(Lc, DH, DV, v, DV, 1, dCt.data(), DH, u.data(), DH, false);
+            for (int64_t j = 0; j < Lc; ++j) {
+                T s = 0;
+                for (int64_t d = 0; d < DH; ++d) {
+                    const T uj = u[j * DH + d] + dn[d];
+                    dkc[j * DH + d] += abar[j] * uj;
+                    s += Ks[j * DH + d] * uj;
+                }
+                da[j] = abar[j] * s;
+            }
+            // dV_j += abar_j Ks_j dC.
+            P.gemm(Lc, DV, DH, Ks, DH, 1, dC.data(), DV, w.tmp.data(), DV, false);
+            for (int64_t j = 0; j < Lc; ++j)
+                for (int64_t e = 0; e < DV; ++e) dvc[j * DV + e] += abar[j] * w.tmp[j * DV + e];
+            T cdot = 0, ndot = 0;
+            for (int64_t x = 0; x < DH * DV; ++x) cdot += dC[x] * C[x];
+            for (int64_t d = 0; d < DH; ++d) ndot += dn[d] * n[d];
+            dg_state = gbar * (cdot + ndot);
+            for (int64_t x = 0; x < DH * DV; ++x) dC[x] *= gbar;
+            for (int64_t d = 0; d < DH; ++d) dn[d] *= gbar;
+        }
+        // Gradient w.r.t. the state before this chunk: += Qbar^T G_hat, Qbar^T delta.
+        P.gemm(DH, DV, Lc, w.Qbar.data(), 1, DH, G_hat.data(), DV, dC.data(), DV, true);
+        for (int64_t i = 0; i < Lc; ++i)
+            for (int64_t d = 0; d < DH; ++d) dn[d] += w.Qbar[i * DH + d] * delta[i];
+
+        // Gates: log D_ij = b_i - b_j + i_j, a_j = g - b_j + i_j, g = b_last, log beta_i = b_i + const.
+        T dg = dg_state;
+        for (int64_t j = 0; j < Lc; ++j) dg += da[j];
+        for (int64_t i = 0; i < Lc; ++i) {
+            T rows = 0, cols = 0;
+            for (int64_t j = 0; j <= i; ++j) rows += P_mat[i * L + j];
+            for (int64_t r = i; r < Lc; ++r) cols += P_mat[r * L + i];
+            db[i] = rows - cols - da[i] + R[i];
+            dig[t0 + i] += cols + da[i];
+        }
+        db[Lc - 1] += dg;
+        T acc = 0;
+        for (int64_t r = Lc - 1; r >= 0; --r) {
+            acc += db[r];
+            dfg[t0 + r] = acc;  // d log sigmoid(f_r) so far
+        }
+        for (int64_t x = 0; x < Lc * DH; ++x) dkc[x] /= sq;
+    }
+    // Stabiliser path: d lf_r += sum_{t >= r} m_diff[t]; then through log sigmoid.
+    T acc = 0;
+    for (int64_t r = S - 1; r >= 0; --r) {
+        acc += m_diff[r];
+        const T dlf = dfg[r] + acc;
+        const T f = P.fg[r];
+        dfg[r] = dlf / (T(1) + std::exp(f));  // d log sigmoid(f) / df = sigmoid(-f)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-level driver.
+
+struct Prepared {
+    torch::Tensor q, k, v, ig, fg;  // contiguous, compute dtype; gates (B, NH, S)
+};
+
+template <typename T>
+Head<T> make_head(const Prepared& in, int64_t bh, int64_t L, double eps, bool simd) {
+    const int64_t S = in.q.size(2), DH = in.q.size(3), DV = in.v.size(3);
+    Head<T> P;
+    P.q = in.q.data_ptr<T>() + bh * S * DH;
+    P.k = in.k.data_ptr<T>() + bh * S * DH;
+    P.v = in.v.data_ptr<T>() + bh * S * DV;
+    P.ig = in.ig.data_ptr<T>() + bh * S;
+    P.fg = in.fg.data_ptr<T>() + bh * S;
+    P.S = S;
+    P.DH = DH;
+    P.DV = DV;
+    P.L = L;
+    P.eps = static_cast<T>(eps);
+    P.gemm.simd = simd;
+    return P;
+}
+
+bool simd_enabled() { return cpu_has_avx512() && !force_scalar(); }
+
+// Forward multiply-adds of the chunk products (intra S L (DH + DV), read-out and state update
+// 2 S DH DV), counted like the reference counts its forward products (backward is not counted).
+void count_flops(int64_t B, int64_t NH, int64_t S, int64_t DH, int64_t DV, int64_t L) {
+    flops::add(B * NH * (S * std::min(L, S) * (DH + DV) + 2 * S * DH * DV));
+}
+
+torch::Tensor forward_impl(const Prepared& in, int64_t L, double eps) {
+    const int64_t B = in.q.size(0), NH = in.q.size(1), S = in.q.size(2), DV = in.v.size(3);
+    torch::Tensor h = torch::empty({B, NH, S, DV}, in.q.options());
+    if (S == 0 || B * NH == 0) return h;
+    const bool simd = simd_enabled();
+    AT_DISPATCH_FLOATING_TYPES(in.q.scalar_type(), "mlstm_fused_forward", [&] {
+        scalar_t* out = h.data_ptr<scalar_t>();
+        at::parallel_for(0, B * NH, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t bh = begin; bh < end; ++bh)
+                forward_head(make_head<scalar_t>(in, bh, L, eps, simd), out + bh * S * DV);
+        });
+    });
+    count_flops(B, NH, S, in.q.size(3), DV, L);
+    return h;
+}
+
+std::vector<torch::Tensor> backward_impl(const Prepared& in, const torch::Tensor& dh_in, int64_t L, double eps) {
+    const int64_t B = in.q.size(0), NH = in.q.size(1), S = in.q.size(2), DH = in.q.size(3), DV = in.v.size(3);
+    torch::Tensor dh = dh_in.to(in.q.scalar_type()).contiguous();
+    torch::Tensor dq = torch::empty_like(in.q), dk = torch::empty_like(in.k), dv = torch::empty_like(in.v);
+    torch::Tensor dig = torch::empty_like(in.ig), dfg = torch::empty_like(in.fg);
+    if (S == 0 || B * NH == 0) return {dq, dk, dv, dig, dfg};
+    const bool simd = simd_enabled();
+    AT_DISPATCH_FLOATING_TYPES(in.q.scalar_type(), "mlstm_fused_backward", [&] {
+        at::parallel_for(0, B * NH, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t bh = begin; bh < end; ++bh)
+                backward_head(make_head<scalar_t>(in, bh, L, eps, simd), dh.data_ptr<scalar_t>() + bh * S * DV,
+                              dq.data_ptr<scalar_t>() + bh * S * DH, dk.data_ptr<scalar_t>() + bh * S * DH,
+                              dv.data_ptr<scalar_t>() + bh * S * DV, dig.data_ptr<scalar_t>() + bh * S,
+                              dfg.data_ptr<scalar_t>() + bh * S);
+        });
+    });
+    return {dq, dk, dv, dig, dfg};
+}
+
+// Saves only the five (already contiguous) inputs; everything else is recomputed in backward.
+class MlstmChunkwiseFunction : public torch::autograd::Function<MlstmChunkwiseFunction> {
+public:
+    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
+                                 const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& ig,
+                                 const torch::Tensor& fg, int64_t chunk_size, double eps) {
+        ctx->save_for_backward({q, k, v, ig, fg});
+        ctx->saved_data["chunk_size"] = chunk_size;
+        ctx->saved_data["eps"] = eps;
+        return forward_impl(Prepared{q, k, v, ig, fg}, chunk_size, eps);
+    }
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grad_outputs) {
+        const auto saved = ctx->get_saved_variables();
+        const int64_t chunk_size = ctx->saved_data["chunk_size"].toInt();
+        const double eps = ctx->saved_data["eps"].toDouble();
+        torch::Tensor dh = grad_outputs[0];
+        if (!dh.defined()) dh = torch::zeros({saved[0].size(0), saved[0].size(1), saved[0].size(2), saved[2].size(3)},
+                                             saved[0].options());
+        auto grads = backward_impl(Prepared{saved[0], saved[1], saved[2], saved[3], saved[4]}, dh, chunk_size, eps);
+        return {grads[0], grads[1], grads[2], grads[3], grads[4], torch::Tensor(), torch::Tensor()};
+    }
+};
+
+torch::Tensor gate_vector(const torch::Tensor& gate, const torch::Tensor& q, const char* name) {
+    const bool column = gate.dim() == 4 && gate.size(3) == 1;
+    LINVIS_CHECK((gate.dim() == 3 || column) && gate.size(0) == q.size(0) && gate.size(1) == q.size(1) &&
+                     gate.size(2) == q.size(2),
+                 "mlstm (fused): ", name, ": expected shape [", q.size(0), ", ", q.size(1), ", ", q.size(2),
+                 ", 1], got ", shape_string(gate.sizes()));
+    return column ? gate.squeeze(-1) : gate;
+}
+
+}  // namespace
+
+bool mlstm_fused_uses_avx512() { return simd_enabled(); }
+
+double mlstm_fused_gemm_gflops(int64_t L, int64_t DH, int64_t DV, double seconds) {
+    const Gemm gemm{simd_enabled()};
+    const int64_t D = std::max(DH, DV);
+    std::vector<float> A(L * D, 0.5f), B(D * D, 0.25f), Bt(D * L, 0.25f), C(std::max(L, D) * D, 0.f);
+    double macs = 0;
+    const auto start = std::chrono::steady_clock::now();
+    double elapsed = 0;
+    while (elapsed < seconds) {
+        for (int rep = 0; rep < 20; ++rep) {
+            gemm(L, L, DH, A.data(), DH, 1, Bt.data(), L, C.data(), L, false);          // Q K^T
+            gemm(L, DV, DH, A.data(), DH, 1, B.data(), DV, C.data(), DV, false);        // Qbar C
+            gemm(L, DV, L, A.data(), L, 1, B.data(), DV, C.data(), DV, true);           // Sm V
+            gemm(DH, DV, L, A.data(), 1, DH, B.data(), DV, C.data(), DV, true);         // W^T V
+            macs += static_cast<double>(L) * L * DH + 2.0 * L * DH * DV + static_cast<double>(L) * L * DV;
+        }
+        elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+    return 2.0 * macs / elapsed * 1e-9;
+}
+
+torch::Tensor mlstm_chunkwise_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                    const torch::Tensor& igate_preact, const torch::Tensor& fgate_preact,
+                                    int64_t chunk_size, double eps) {
+    LINVIS_CHECK(q.dim() == 4, "mlstm (fused): q: expected (B, NH, S, DHQK), got shape ", shape_string(q.sizes()));
+    LINVIS_CHECK(k.sizes() == q.sizes(), "mlstm (fused): k: expected shape ", shape_string(q.sizes()), ", got ",
+                 shape_string(k.sizes()));
+    LINVIS_CHECK(v.dim() == 4 && v.size(0) == q.size(0) && v.size(1) == q.size(1) && v.size(2) == q.size(2),
+                 "mlstm (fused): v: expected shape [", q.size(0), ", ", q.size(1), ", ", q.size(2), ", DHV], got ",
+                 shape_string(v.sizes()));
+    LINVIS_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                 "mlstm (fused): q, k, v must share one dtype");
+    LINVIS_CHECK(q.is_floating_point(), "mlstm (fused): q: expected a floating-point tensor");
+    LINVIS_CHECK(q.device().is_cpu(), "mlstm (fused): only CPU tensors are supported, got ", q.device().str());
+    LINVIS_CHECK(chunk_size > 0, "mlstm (fused): chunk_size: expected > 0, got ", chunk_size);
+    const auto compute = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+    auto prep = [&](const torch::Tensor& t) { return t.to(compute).contiguous(); };
+    Prepared in{prep(q), prep(k), prep(v), prep(gate_vector(igate_preact, q, "igate_preact")),
+                prep(gate_vector(fgate_preact, q, "fgate_preact"))};
+    const int64_t L = std::min<int64_t>(chunk_size, std::max<int64_t>(q.size(2), 1));
+    torch::Tensor h;
+    const bool needs_grad = torch::GradMode::is_enabled() &&
+                            (in.q.requires_grad() || in.k.requires_grad() || in.v.requires_grad() ||
+                             in.ig.requires_grad() || in.fg.requires_grad());
+    if (needs_grad)
+        h = MlstmChunkwiseFunction::apply(in.q, in.k, in.v, in.ig, in.fg, L, eps);
+    else
+        h = forward_impl(in, L, eps);  // inference: nothing is saved
+    return h.to(q.scalar_type());
+}
+
+}  // namespace linvis::ops::cpu

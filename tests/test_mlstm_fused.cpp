@@ -1,0 +1,313 @@
+// Fused CPU chunkwise mLSTM (Impl::Fused) against the reference forms: outputs and gradients for
+// every input, float64 / float32 / bfloat16, lengths that are and are not multiples of the chunk,
+// both SIMD paths, finite differences, dispatch errors, and the ViL model end to end.
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "../src/ops/cpu/mlstm_fused.h"
+#include "linvis/core/error.h"
+#include "linvis/core/runtime.h"
+#include "linvis/models/registry.h"
+#include "linvis/ops/mlstm.h"
+#include "support/testing.h"
+
+using linvis::testing::all_close;
+using linvis::testing::gradcheck;
+using linvis::testing::relative_error;
+namespace ops = linvis::ops;
+using linvis::models::create_model;
+using linvis::models::ModelConfig;
+
+namespace {
+
+struct Inputs {
+    torch::Tensor q, k, v, i, f;
+    std::vector<torch::Tensor> list() const { return {q, k, v, i, f}; }
+};
+
+// Gates spread like trained ViL gates (forget bias 3..6 region, input gate around 0) times
+// gate_scale, so large scales push the stabiliser through many different argmax positions.
+Inputs make_inputs(int64_t B, int64_t NH, int64_t S, int64_t DH, int64_t DV, torch::Dtype dtype, uint64_t seed,
+                   double gate_scale = 1.0) {
+    torch::manual_seed(seed);
+    auto opt = torch::TensorOptions().dtype(torch::kFloat64);
+    Inputs in{torch::randn({B, NH, S, DH}, opt), torch::randn({B, NH, S, DH}, opt), torch::randn({B, NH, S, DV}, opt),
+              gate_scale * 2.0 * torch::randn({B, NH, S, 1}, opt),
+              gate_scale * (2.0 + 2.0 * torch::randn({B, NH, S, 1}, opt))};
+    for (auto* t : {&in.q, &in.k, &in.v, &in.i, &in.f}) *t = t->to(dtype).detach().set_requires_grad(true);
+    return in;
+}
+
+Inputs detached_copy(const Inputs& in, torch::Dtype dtype) {
+    Inputs out;
+    out.q = in.q.detach().to(dtype).set_requires_grad(true);
+    out.k = in.k.detach().to(dtype).set_requires_grad(true);
+    out.v = in.v.detach().to(dtype).set_requires_grad(true);
+    out.i = in.i.detach().to(dtype).set_requires_grad(true);
+    out.f = in.f.detach().to(dtype).set_requires_grad(true);
+    return out;
+}
+
+// h and the gradients of sum(h * probe) w.r.t. q, k, v, igate, fgate.
+std::vector<torch::Tensor> output_and_grads(const Inputs& in, ops::MlstmMode mode, int64_t chunk, ops::Impl impl,
+                                            const torch::Tensor& probe) {
+    auto h = ops::mlstm(in.q, in.k, in.v, in.i, in.f, mode, chunk, ops::kMlstmEps, impl);
+    auto grads = torch::autograd::grad({(h * probe.to(h.scalar_type())).sum()}, in.list());
+    std::vector<torch::Tensor> out{h.detach()};
+    out.insert(out.end(), grads.begin(), grads.end());
+    return out;
+}
+
+const char* kNames[] = {"h", "dq", "dk", "dv", "dig", "dfg"};
+
+// Sets LINVIS_FORCE_SCALAR for the lifetime of the object.
+class ForceScalar {
+public:
+    ForceScalar() { setenv("LINVIS_FORCE_SCALAR", "1", 1); }
+    ~ForceScalar() { unsetenv("LINVIS_FORCE_SCALAR"); }
+};
+
+// float32 fused vs the float64 parallel reference (the truth) for every output; the float32
+// reference chunkwise form is measured next to it so the bound is relative to what the
+// reference itself reaches in float32.
+void expect_float32_close(int64_t B, int64_t NH, int64_t S, int64_t DH, int64_t DV, int64_t chunk, uint64_t seed) {
+    auto in64 = make_inputs(B, NH, S, DH, DV, torch::kFloat64, seed);
+    auto in32 = detached_copy(in64, torch::kFloat32);
+    auto probe = torch::randn({B, NH, S, DV}, torch::kFloat64);
+    auto truth = output_and_grads(in64, ops::MlstmMode::Parallel, chunk, ops::Impl::Reference, probe);
+    auto fused = output_and_grads(in32, ops::MlstmMode::Chunkwise, chunk, ops::Impl::Fused, probe);
+    auto ref32 = output_and_grads(in32, ops::MlstmMode::Chunkwise, chunk, ops::Impl::Reference, probe);
+    for (size_t t = 0; t < truth.size(); ++t) {
+        const double err = relative_error(fused[t], truth[t]);
+        const double ref_err = relative_error(ref32[t], truth[t]);
+        EXPECT_EQ(fused[t].scalar_type(), torch::kFloat32);
+        EXPECT_LT(err, 1e-4) << kNames[t] << " S=" << S << " chunk=" << chunk << " (reference f32: " << ref_err << ")";
+        EXPECT_LT(err, 10 * ref_err + 1e-6) << kNames[t] << " S=" << S << " chunk=" << chunk;
+    }
+}
+
+}  // namespace
+
+TEST(MlstmFused, Float64MatchesReference) {
+    // Multiples of the chunk (16, 64) and not (1, 7, 33, 100), several batch / head counts, a chunk
+    // larger than S, and gates scaled x4 so the stabiliser argmax moves across chunks.
+    struct Case { int64_t B, NH, S, chunk; double gate_scale; };
+    const std::vector<Case> cases = {{1, 1, 1, 16, 1.0},  {2, 3, 7, 4, 1.0},   {1, 2, 16, 16, 1.0},
+                                     {2, 1, 33, 16, 1.0}, {1, 2, 64, 16, 1.0}, {2, 2, 100, 16, 1.0},
+                                     {1, 1, 100, 64, 4.0}, {1, 2, 50, 128, 1.0}, {2, 1, 70, 8, 4.0}};
+    for (const auto& c : cases) {
+        auto in = make_inputs(c.B, c.NH, c.S, 8, 6, torch::kFloat64, 1000 + c.S, c.gate_scale);
+        auto probe = torch::randn({c.B, c.NH, c.S, 6}, torch::kFloat64);
+        auto ref = output_and_grads(in, ops::MlstmMode::Chunkwise, c.chunk, ops::Impl::Reference, probe);
+        auto par = output_and_grads(in, ops::MlstmMode::Parallel, c.chunk, ops::Impl::Reference, probe);
+        auto got = output_and_grads(in, ops::MlstmMode::Chunkwise, c.chunk, ops::Impl::Fused, probe);
+        for (size_t t = 0; t < ref.size(); ++t) {
+            EXPECT_TRUE(all_close(got[t], ref[t], 1e-9, 1e-11))
+                << "vs chunkwise S=" << c.S << " chunk=" << c.chunk << " B=" << c.B << " NH=" << c.NH << " " << kNames[t];
+            EXPECT_TRUE(all_close(got[t], par[t], 1e-9, 1e-11))
+                << "vs parallel S=" << c.S << " chunk=" << c.chunk << " " << kNames[t];
+        }
+    }
+}
+
+TEST(MlstmFused, OtherEps) {
+    // eps enters the normaliser and (through the stabiliser) the gate gradients: a large eps and eps = 0.
+    auto in = make_inputs(2, 2, 45, 8, 6, torch::kFloat64, 77, 2.0);
+    auto probe = torch::randn({2, 2, 45, 6}, torch::kFloat64);
+    for (double eps : {0.0, 1e-2}) {
+        auto run = [&](ops::Impl impl) {
+            auto h = ops::mlstm_chunkwise(in.q, in.k, in.v, in.i, in.f, 16, eps, impl);
+            auto g = torch::autograd::grad({(h * probe).sum()}, in.list());
+            g.insert(g.begin(), h.detach());
+            return g;
+        };
+        auto ref = run(ops::Impl::Reference);
+        auto got = run(ops::Impl::Fused);
+        for (size_t t = 0; t < ref.size(); ++t)
+            EXPECT_TRUE(all_close(got[t], ref[t], 1e-9, 1e-11)) << "eps " << eps << " " << kNames[t];
+    }
+}
+
+TEST(MlstmFused, FiniteDifferences) {
+    // The backward checked independently of LibTorch's autograd of the reference.
+    auto in = make_inputs(1, 2, 11, 3, 2, torch::kFloat64, 5, 2.0);
+    auto f = [](const std::vector<torch::Tensor>& x) {
+        return ops::mlstm_chunkwise(x[0], x[1], x[2], x[3], x[4], 4, ops::kMlstmEps, ops::Impl::Fused);
+    };
+    EXPECT_TRUE(gradcheck(f, in.list(), 1e-6, 1e-7, 1e-5));
+}
+
+TEST(MlstmFused, Float32MatchesReference) {
+    ASSERT_TRUE(ops::cpu::mlstm_fused_uses_avx512() ||
+                linvis::runtime::detect_simd() == linvis::runtime::SimdLevel::Scalar ||
+                linvis::runtime::detect_simd() == linvis::runtime::SimdLevel::Avx2);
+    expect_float32_close(1, 2, 128, 32, 24, 64, 21);   // multiple of the chunk
+    expect_float32_close(2, 2, 150, 32, 24, 64, 22);   // not a multiple
+    expect_float32_close(1, 3, 77, 96, 96, 32, 23);    // ViL-T head size, odd chunk tail
+}
+
+TEST(MlstmFused, ScalarPathMatchesReference) {
+    // The portable loops, forced through LINVIS_FORCE_SCALAR, on the same cases as the SIMD path.
+    ForceScalar scalar;
+    EXPECT_FALSE(ops::cpu::mlstm_fused_uses_avx512());
+    expect_float32_close(2, 2, 150, 32, 24, 64, 22);
+    expect_float32_close(1, 1, 77, 96, 96, 32, 23);
+    auto in = make_inputs(2, 1, 70, 8, 6, torch::kFloat64, 1070, 4.0);
+    auto probe = torch::randn({2, 1, 70, 6}, torch::kFloat64);
+    auto ref = output_and_grads(in, ops::MlstmMode::Chunkwise, 8, ops::Impl::Reference, probe);
+    auto got = output_and_grads(in, ops::MlstmMode::Chunkwise, 8, ops::Impl::Fused, probe);
+    for (size_t t = 0; t < ref.size(); ++t) EXPECT_TRUE(all_close(got[t], ref[t], 1e-9, 1e-11)) << kNames[t];
+}
+
+TEST(MlstmFused, SimdAndScalarPathsAgree) {
+    if (linvis::runtime::detect_simd() != linvis::runtime::SimdLevel::Avx512 &&
+        linvis::runtime::detect_simd() != linvis::runtime::SimdLevel::Avx512Bf16)
+        GTEST_SKIP() << "no AVX-512 on this CPU";
+    EXPECT_TRUE(ops::cpu::mlstm_fused_uses_avx512());
+    auto in = make_inputs(1, 2, 90, 40, 20, torch::kFloat32, 31);
+    auto probe = torch::randn({1, 2, 90, 20});
+    auto simd = output_and_grads(in, ops::MlstmMode::Chunkwise, 32, ops::Impl::Fused, probe);
+    std::vector<torch::Tensor> scalar;
+    {
+        ForceScalar force;
+        scalar = output_and_grads(in, ops::MlstmMode::Chunkwise, 32, ops::Impl::Fused, probe);
+    }
+    for (size_t t = 0; t < simd.size(); ++t) EXPECT_LT(relative_error(simd[t], scalar[t]), 2e-6) << kNames[t];
+}
+
+TEST(MlstmFused, Bfloat16) {
+    // bf16 in, float32 inside, bf16 out: the reference chunkwise form does the same, so the two
+    // differ by float32 rounding plus one bf16 rounding of the output (2^-8 relative).
+    auto in32 = make_inputs(2, 2, 100, 16, 16, torch::kFloat32, 41);
+    auto in16 = detached_copy(in32, torch::kBFloat16);
+    auto probe = torch::randn({2, 2, 100, 16});
+    auto ref = output_and_grads(in16, ops::MlstmMode::Chunkwise, 32, ops::Impl::Reference, probe);
+    auto got = output_and_grads(in16, ops::MlstmMode::Chunkwise, 32, ops::Impl::Fused, probe);
+    for (size_t t = 0; t < ref.size(); ++t) {
+        EXPECT_EQ(got[t].scalar_type(), torch::kBFloat16) << kNames[t];
+        EXPECT_LT(relative_error(got[t], ref[t]), 1e-2) << kNames[t];
+    }
+}
+
+TEST(MlstmFused, InferenceRecordsNothing) {
+    auto in = make_inputs(1, 2, 40, 8, 8, torch::kFloat32, 51);
+    torch::Tensor with_grad = ops::mlstm_chunkwise(in.q, in.k, in.v, in.i, in.f, 16, ops::kMlstmEps, ops::Impl::Fused);
+    EXPECT_TRUE(with_grad.requires_grad());
+    EXPECT_NE(with_grad.grad_fn(), nullptr);
+    torch::Tensor no_grad, inference;
+    {
+        torch::NoGradGuard guard;
+        no_grad = ops::mlstm_chunkwise(in.q, in.k, in.v, in.i, in.f, 16, ops::kMlstmEps, ops::Impl::Fused);
+    }
+    {
+        c10::InferenceMode guard;
+        inference = ops::mlstm_chunkwise(in.q, in.k, in.v, in.i, in.f, 16, ops::kMlstmEps, ops::Impl::Fused);
+    }
+    EXPECT_FALSE(no_grad.requires_grad());
+    EXPECT_EQ(no_grad.grad_fn(), nullptr);
+    EXPECT_TRUE(all_close(no_grad, with_grad, 0, 0));
+    EXPECT_TRUE(all_close(inference.clone(), with_grad, 0, 0));
+}
+
+TEST(MlstmFused, DispatchAndErrors) {
+    auto in = make_inputs(1, 2, 10, 4, 4, torch::kFloat32, 61);
+    // Only the chunkwise form has a fused kernel: the other modes refuse instead of switching form.
+    EXPECT_THROW(ops::mlstm(in.q, in.k, in.v, in.i, in.f, ops::MlstmMode::Parallel, 64, ops::kMlstmEps,
+                            ops::Impl::Fused),
+                 linvis::Error);
+    EXPECT_THROW(ops::mlstm(in.q, in.k, in.v, in.i, in.f, ops::MlstmMode::Recurrent, 64, ops::kMlstmEps,
+                            ops::Impl::Fused),
+                 linvis::Error);
+    auto fused = [](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& i,
+                    const torch::Tensor& f, int64_t chunk) {
+        return ops::mlstm_chunkwise(q, k, v, i, f, chunk, ops::kMlstmEps, ops::Impl::Fused);
+    };
+    EXPECT_THROW(fused(in.q, in.k, in.v, in.i, in.f, 0), linvis::Error);
+    EXPECT_THROW(fused(in.q, in.k.slice(3, 0, 3), in.v, in.i, in.f, 4), linvis::Error);
+    EXPECT_THROW(fused(in.q, in.k, in.v.slice(2, 0, 5), in.i, in.f, 4), linvis::Error);
+    EXPECT_THROW(fused(in.q, in.k, in.v, in.i.slice(2, 0, 4), in.f, 4), linvis::Error);
+    EXPECT_THROW(fused(in.q, in.k, in.v, in.i, in.f.squeeze(-1).unsqueeze(0), 4), linvis::Error);
+    EXPECT_THROW(fused(in.q, in.k.to(torch::kFloat64), in.v, in.i, in.f, 4), linvis::Error);
+    // (B, NH, S) gates are accepted like (B, NH, S, 1); S = 0 gives an empty output.
+    EXPECT_TRUE(all_close(fused(in.q, in.k, in.v, in.i.squeeze(-1), in.f.squeeze(-1), 4),
+                          fused(in.q, in.k, in.v, in.i, in.f, 4), 0, 0));
+    auto empty = make_inputs(1, 2, 0, 4, 3, torch::kFloat32, 62);
+    EXPECT_EQ(fused(empty.q, empty.k, empty.v, empty.i, empty.f, 4).sizes(), torch::IntArrayRef({1, 2, 0, 3}));
+}
+
+namespace {
+
+// A small ViL: 2 pairs (4 sub-blocks), D = 32 (I = 64, DH = 16), 8x8 patches: 36 tokens.
+ModelConfig small_vil(const std::string& mode, const std::string& impl, int64_t chunk) {
+    ModelConfig c;
+    c.set("embed_dim", int64_t{32}).set("depth", int64_t{2}).set("patch_size", int64_t{8}).set("img_size", int64_t{48});
+    c.set("num_classes", int64_t{10}).set("mlstm_mode", mode).set("chunk_size", chunk).set("impl", impl);
+    return c;
+}
+
+void copy_parameters(torch::nn::Module& from, torch::nn::Module& to) {
+    torch::NoGradGuard no_grad;
+    auto dst = to.named_parameters();
+    for (const auto& kv : from.named_parameters()) dst[kv.key()].copy_(kv.value());
+}
+
+// Logits and d(sum(logits * probe))/d(image).
+std::pair<torch::Tensor, torch::Tensor> logits_and_input_grad(linvis::models::VisionModel& model,
+                                                              const torch::Tensor& x, const torch::Tensor& probe) {
+    auto image = x.detach().clone().set_requires_grad(true);
+    auto logits = model.forward(image);
+    auto grad = torch::autograd::grad({(logits * probe).sum()}, {image})[0];
+    return {logits.detach(), grad};
+}
+
+}  // namespace
+
+TEST(MlstmFused, VilModelMatchesReferenceParallel) {
+    torch::manual_seed(100);
+    auto ref = create_model("vil_tiny", small_vil("parallel", "reference", 64));
+    {
+        // Official init has zero gate weights: perturb everything so every parameter matters.
+        torch::manual_seed(3);
+        torch::NoGradGuard no_grad;
+        for (auto& p : ref->parameters()) p.add_(0.2 * torch::randn_like(p));
+    }
+    ref->eval();
+    torch::manual_seed(4);
+    auto x = torch::randn({2, 3, 48, 48}, torch::kFloat64);
+    auto probe = torch::randn({2, 10}, torch::kFloat64);
+    auto ref64 = create_model("vil_tiny", small_vil("parallel", "reference", 64));
+    copy_parameters(*ref, *ref64);
+    ref64->to(torch::kFloat64);
+    ref64->eval();
+    auto [ref_logits, ref_grad] = logits_and_input_grad(*ref64, x, probe);
+    for (int64_t chunk : {5, 16, 64}) {  // 36 tokens: chunk tails of 1 and 4, and one short chunk
+        auto fused = create_model("vil_tiny", small_vil("chunkwise", "fused", chunk));
+        copy_parameters(*ref, *fused);
+        fused->to(torch::kFloat64);
+        fused->eval();
+        auto [logits, grad] = logits_and_input_grad(*fused, x, probe);
+        EXPECT_TRUE(all_close(logits, ref_logits, 1e-9, 1e-10)) << "chunk " << chunk;
+        EXPECT_TRUE(all_close(grad, ref_grad, 1e-8, 1e-10)) << "chunk " << chunk;
+    }
+    // float32 model: same check at float32 precision (relative L2 error; logits are O(1)).
+    auto fused32 = create_model("vil_tiny", small_vil("chunkwise", "fused", 16));
+    copy_parameters(*ref, *fused32);
+    fused32->eval();
+    auto [logits32, grad32] = logits_and_input_grad(*fused32, x.to(torch::kFloat32), probe.to(torch::kFloat32));
+    EXPECT_LT(relative_error(logits32, ref_logits), 1e-4);
+    EXPECT_LT(relative_error(grad32, ref_grad), 1e-4);
+
+    // impl=fused alone selects the chunkwise kernel; with another mode named it refuses.
+    ModelConfig only_impl;
+    only_impl.set("embed_dim", int64_t{32}).set("depth", int64_t{1}).set("patch_size", int64_t{8});
+    only_impl.set("img_size", int64_t{32}).set("num_classes", int64_t{10}).set("impl", std::string("fused"));
+    auto m = create_model("vil_tiny", only_impl);
+    torch::NoGradGuard no_grad;
+    EXPECT_EQ(m->forward(torch::randn({1, 3, 32, 32})).sizes(), torch::IntArrayRef({1, 10}));
+    EXPECT_THROW(create_model("vil_tiny", small_vil("parallel", "fused", 64)), linvis::Error);
+    EXPECT_THROW(create_model("vil_tiny", small_vil("recurrent", "fused", 64)), linvis::Error);
+}
