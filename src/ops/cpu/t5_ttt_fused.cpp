@@ -172,6 +172,90 @@ HeadWeights head_weights(const Tensor& w1, const Tensor& w2, const Tensor& w3, i
     return hw;
 }
 
+// ---- elementwise bodies (compiled portable and AVX-512, see LINVIS_FUSED_DUAL)
+
+LINVIS_FUSED_INLINE void inner_elementwise1_body(int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc,
+                                                 const float* __restrict z1, const float* __restrict z2,
+                                                 const float* __restrict sg, float* __restrict e,
+                                                 float* __restrict a2) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float* __restrict vr = v + t * ldv;
+        for (int64_t j = 0; j < d; ++j) {
+            const int64_t i = t * d + j;
+            e[i] = (-vr[j] / n) * sc;
+            a2[i] = (z1[i] * sg[i]) * z2[i];
+        }
+    }
+}
+LINVIS_FUSED_DUAL(inner_elementwise1, (int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc,
+                                       const float* z1, const float* z2, const float* sg, float* e, float* a2),
+                  (T, d, v, ldv, n, sc, z1, z2, sg, e, a2))
+
+LINVIS_FUSED_INLINE void inner_elementwise2_body(int64_t count, const float* __restrict z1,
+                                                 const float* __restrict z2, const float* __restrict sg,
+                                                 const float* __restrict da2, float* __restrict p1,
+                                                 float* __restrict p2) {
+    for (int64_t i = 0; i < count; ++i) {
+        const float sig = sg[i], z = z1[i];
+        p1[i] = da2[i] * z2[i] * (sig * (1.0f + z * (1.0f - sig)));
+        p2[i] = da2[i] * (z * sig);
+    }
+}
+LINVIS_FUSED_DUAL(inner_elementwise2, (int64_t count, const float* z1, const float* z2, const float* sg,
+                                       const float* da2, float* p1, float* p2),
+                  (count, z1, z2, sg, da2, p1, p2))
+
+// h = silu(y1) * y2 with silu(y) = y * sigmoid(y).
+LINVIS_FUSED_INLINE void gate_body(int64_t count, const float* __restrict y1, const float* __restrict y2,
+                                   const float* __restrict sg, float* __restrict h) {
+    for (int64_t i = 0; i < count; ++i) h[i] = (y1[i] * sg[i]) * y2[i];
+}
+LINVIS_FUSED_DUAL(gate, (int64_t count, const float* y1, const float* y2, const float* sg, float* h),
+                  (count, y1, y2, sg, h))
+
+LINVIS_FUSED_INLINE void gate_backward_body(int64_t count, const float* __restrict y1, const float* __restrict y2,
+                                            const float* __restrict sg, float* __restrict dh,
+                                            float* __restrict dy2) {
+    for (int64_t i = 0; i < count; ++i) {
+        const float sig = sg[i], z = y1[i];
+        dy2[i] = dh[i] * (z * sig);
+        dh[i] = dh[i] * y2[i] * (sig * (1.0f + z * (1.0f - sig)));  // becomes dy1
+    }
+}
+LINVIS_FUSED_DUAL(gate_backward, (int64_t count, const float* y1, const float* y2, const float* sg, float* dh,
+                                  float* dy2),
+                  (count, y1, y2, sg, dh, dy2))
+
+LINVIS_FUSED_INLINE void inner_backward_body(int64_t count, const float* __restrict z1, const float* __restrict z2,
+                                             const float* __restrict sg, const float* __restrict da2f,
+                                             const float* __restrict dp1, const float* __restrict dp2,
+                                             const float* __restrict da2, float* __restrict dda2,
+                                             float* __restrict dz1, float* __restrict dz2) {
+    for (int64_t i = 0; i < count; ++i) {
+        const float sig = sg[i], z = z1[i], a1 = z * sig;
+        const float D1 = sig * (1.0f + z * (1.0f - sig));
+        const float D1p = sig * (1.0f - sig) * (2.0f + z * (1.0f - 2.0f * sig));
+        dda2[i] = dp1[i] * z2[i] * D1 + dp2[i] * a1;
+        dz2[i] = dp1[i] * da2f[i] * D1 + da2[i] * a1;
+        const float da1 = dp2[i] * da2f[i] + da2[i] * z2[i];
+        dz1[i] = da1 * D1 + dp1[i] * da2f[i] * z2[i] * D1p;
+    }
+}
+LINVIS_FUSED_DUAL(inner_backward, (int64_t count, const float* z1, const float* z2, const float* sg,
+                                   const float* da2f, const float* dp1, const float* dp2, const float* da2,
+                                   float* dda2, float* dz1, float* dz2),
+                  (count, z1, z2, sg, da2f, dp1, dp2, da2, dda2, dz1, dz2))
+
+LINVIS_FUSED_INLINE void scale_rows_body(int64_t T, int64_t d, const float* __restrict src, float factor, float* dst,
+                                         int64_t ldd) {
+    for (int64_t t = 0; t < T; ++t) {
+        float* __restrict o = dst + t * ldd;
+        for (int64_t j = 0; j < d; ++j) o[j] = src[t * d + j] * factor;
+    }
+}
+LINVIS_FUSED_DUAL(scale_rows, (int64_t T, int64_t d, const float* src, float factor, float* dst, int64_t ldd),
+                  (T, d, src, factor, dst, ldd))
+
 // The inner forward + loss gradient for one token block of head hh of sample b.
 void inner_block(const Kernels& kr, const Tokens& K2, const Tokens& V, const HeadWeights& hw, int64_t b, int64_t hh,
                  int64_t n0, int64_t T, const Dims& s, float* z1, float* z2, float* sg, float* e, float* a2,
@@ -181,21 +265,10 @@ void inner_block(const Kernels& kr, const Tokens& K2, const Tokens& V, const Hea
     kr.gemm(T, d, d, kb, K2.sn, 1, hw.w1.data() + hh * dd, d, z1, d, false);
     kr.gemm(T, d, d, kb, K2.sn, 1, hw.w2.data() + hh * dd, d, z2, d, false);
     kr.sigmoid(z1, sg, T * d);
-    const float n = static_cast<float>(s.N), sc = static_cast<float>(s.scale);
-    for (int64_t t = 0; t < T; ++t) {
-        const float* vr = V.head_row(b, hh, n0 + t, d);
-        for (int64_t j = 0; j < d; ++j) {
-            const int64_t i = t * d + j;
-            e[i] = (-vr[j] / n) * sc;
-            a2[i] = (z1[i] * sg[i]) * z2[i];
-        }
-    }
+    inner_elementwise1(T, d, V.head_row(b, hh, n0, d), V.sn, static_cast<float>(s.N), static_cast<float>(s.scale), z1,
+                       z2, sg, e, a2);
     kr.gemm(T, d, d, e, d, 1, hw.w3T.data() + hh * dd, d, da2, d, false);
-    for (int64_t i = 0; i < T * d; ++i) {
-        const float sig = sg[i], z = z1[i];
-        p1[i] = da2[i] * z2[i] * (sig * (1.0f + z * (1.0f - sig)));
-        p2[i] = da2[i] * (z * sig);
-    }
+    inner_elementwise2(T * d, z1, z2, sg, da2, p1, p2);
 }
 
 struct ForwardResult {
@@ -253,8 +326,8 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
     Tensor out = torch::empty({s.B, s.N, s.C}, torch::kFloat32);
     const Tokens O = tokens_of(out);
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> buf(3 * kTokenBlock * d);
-        float *y1 = buf.data(), *y2 = y1 + kTokenBlock * d, *sg = y2 + kTokenBlock * d;
+        std::vector<float> buf(4 * kTokenBlock * d);
+        float *y1 = buf.data(), *y2 = y1 + kTokenBlock * d, *sg = y2 + kTokenBlock * d, *hb = sg + kTokenBlock * d;
         for (int64_t task = begin; task < end; ++task) {
             const int64_t bh = task / s.blocks, blk = task % s.blocks, b = bh / s.h, hh = bh % s.h;
             const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0);
@@ -262,8 +335,8 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
             kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + bh * dd, d, y1, d, false);
             kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + (BH + bh) * dd, d, y2, d, false);
             kr.sigmoid(y1, sg, T * d);
-            for (int64_t i = 0; i < T * d; ++i) y1[i] = (y1[i] * sg[i]) * y2[i];
-            kr.gemm(T, d, d, y1, d, 1, wn.data() + (2 * BH + bh) * dd, d, O.head_row(b, hh, n0, d), O.sn, false);
+            gate(T * d, y1, y2, sg, hb);
+            kr.gemm(T, d, d, hb, d, 1, wn.data() + (2 * BH + bh) * dd, d, O.head_row(b, hh, n0, d), O.sn, false);
         }
     });
     // Inner: z1, z2, da2, G1, G2, G3; read-out: three products; convs 2 x 9 MACs per element.
@@ -314,14 +387,10 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
             kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + bh * dd, d, y1, d, false);
             kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + (BH + bh) * dd, d, y2, d, false);
             kr.sigmoid(y1, sg, T * d);
-            for (int64_t i = 0; i < T * d; ++i) hbuf[i] = (y1[i] * sg[i]) * y2[i];
+            gate(T * d, y1, y2, sg, hbuf);
             kr.gemm(d, d, T, hbuf, 1, d, gr, dO.sn, pc.data() + task * dd, d, false);
             kr.gemm(T, d, d, gr, dO.sn, 1, wnT.data() + (2 * BH + bh) * dd, d, dh, d, false);
-            for (int64_t i = 0; i < T * d; ++i) {
-                const float sig = sg[i], z = y1[i];
-                dy2[i] = dh[i] * (z * sig);
-                dh[i] = dh[i] * y2[i] * (sig * (1.0f + z * (1.0f - sig)));  // dy1
-            }
+            gate_backward(T * d, y1, y2, sg, dh, dy2);  // dh becomes dy1
             kr.gemm(d, d, T, qr, 1, Q2.sn, dh, d, pa.data() + task * dd, d, false);
             kr.gemm(d, d, T, qr, 1, Q2.sn, dy2, d, pb.data() + task * dd, d, false);
             float* dq = DQ2.head_row(b, hh, n0, d);
@@ -359,20 +428,9 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
             kr.gemm(T, d, d, kbk, K2.sn, 1, dG.data() + (BH + bh) * dd, d, dp2, d, false);
             kr.gemm(T, d, d, e, d, 1, dGT.data() + (2 * BH + bh) * dd, d, da2, d, false);
             kr.gemm(T, d, d, a2, d, 1, dG.data() + (2 * BH + bh) * dd, d, de, d, false);
-            for (int64_t i = 0; i < T * d; ++i) {
-                const float sig = sg[i], z = z1[i], a1 = z * sig;
-                const float D1 = sig * (1.0f + z * (1.0f - sig));
-                const float D1p = sig * (1.0f - sig) * (2.0f + z * (1.0f - 2.0f * sig));
-                dda2[i] = dp1[i] * z2[i] * D1 + dp2[i] * a1;
-                dz2[i] = dp1[i] * da2f[i] * D1 + da2[i] * a1;
-                const float da1 = dp2[i] * da2f[i] + da2[i] * z2[i];
-                dz1[i] = da1 * D1 + dp1[i] * da2f[i] * z2[i] * D1p;
-            }
+            inner_backward(T * d, z1, z2, sg, da2f, dp1, dp2, da2, dda2, dz1, dz2);
             kr.gemm(T, d, d, dda2, d, 1, hw.w3.data() + hh * dd, d, de, d, true);
-            for (int64_t t = 0; t < T; ++t) {
-                float* o = DV.head_row(b, hh, n0 + t, d);
-                for (int64_t j = 0; j < d; ++j) o[j] = de[t * d + j] * dv_scale;
-            }
+            scale_rows(T, d, de, dv_scale, DV.head_row(b, hh, n0, d), DV.sn);
             float* dk = DK2.head_row(b, hh, n0, d);
             kr.gemm(T, d, d, p1, d, 1, dGT.data() + bh * dd, d, dk, DK2.sn, false);
             kr.gemm(T, d, d, p2, d, 1, dGT.data() + (BH + bh) * dd, d, dk, DK2.sn, true);

@@ -94,20 +94,20 @@ LINVIS_AVX512 LINVIS_INLINE void gemm_block_avx512(int64_t K, const float* A, in
                                                    const float* B, int64_t ldb, float* C, int64_t ldc,
                                                    const __mmask16* mask, bool accumulate) {
     __m512 c[MR][NV];
-    for (int r = 0; r < MR; ++r)
-        for (int v = 0; v < NV; ++v) c[r][v] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 16") for (int r = 0; r < MR; ++r)
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; ++v) c[r][v] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; ++k) {
         const float* b = B + k * ldb;
         __m512 bv[NV];
-        for (int v = 0; v < NV; ++v) bv[v] = _mm512_maskz_loadu_ps(mask[v], b + 16 * v);
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; ++v) bv[v] = _mm512_maskz_loadu_ps(mask[v], b + 16 * v);
         const float* a = A + k * a_col;
-        for (int r = 0; r < MR; ++r) {
+        _Pragma("GCC unroll 16") for (int r = 0; r < MR; ++r) {
             const __m512 av = _mm512_set1_ps(a[r * a_row]);
-            for (int v = 0; v < NV; ++v) c[r][v] = _mm512_fmadd_ps(av, bv[v], c[r][v]);
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; ++v) c[r][v] = _mm512_fmadd_ps(av, bv[v], c[r][v]);
         }
     }
-    for (int r = 0; r < MR; ++r)
-        for (int v = 0; v < NV; ++v) {
+    _Pragma("GCC unroll 16") for (int r = 0; r < MR; ++r)
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; ++v) {
             float* out = C + r * ldc + 16 * v;
             __m512 val = c[r][v];
             if (accumulate) val = _mm512_add_ps(val, _mm512_maskz_loadu_ps(mask[v], out));

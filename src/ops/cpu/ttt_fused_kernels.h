@@ -58,3 +58,17 @@ void normalize_groups_backward(const float* G, const float* dOut, const float* n
 void transpose(const float* in, int64_t rows, int64_t cols, int64_t ld, float* out);
 
 }  // namespace linvis::ops::fused_detail
+
+// Elementwise loops of the fused ops are written once as an always-inline body and compiled twice
+// (portable and AVX-512) by LINVIS_FUSED_DUAL; the wrapper picks one per call like kernels().
+#define LINVIS_FUSED_INLINE inline __attribute__((always_inline))
+#define LINVIS_FUSED_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define LINVIS_FUSED_DUAL(name, PARAMS, ARGS)                                                 \
+    void name##_portable PARAMS { name##_body ARGS; }                                         \
+    LINVIS_FUSED_AVX512 void name##_avx512 PARAMS { name##_body ARGS; }                       \
+    void name PARAMS {                                                                        \
+        if (::linvis::ops::fused_detail::kernels().avx512)                                    \
+            name##_avx512 ARGS;                                                               \
+        else                                                                                  \
+            name##_portable ARGS;                                                             \
+    }

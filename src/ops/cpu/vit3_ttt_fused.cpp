@@ -66,6 +66,82 @@ struct SwigluDims {
     double scale;
 };
 
+// ---- elementwise bodies (compiled portable and AVX-512, see LINVIS_FUSED_DUAL)
+
+LINVIS_FUSED_INLINE void inner_elementwise_body(int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc,
+                                                const float* __restrict z1, const float* __restrict z2,
+                                                const float* __restrict sg, float* __restrict e,
+                                                float* __restrict p1, float* __restrict p2) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float* __restrict vr = v + t * ldv;
+        for (int64_t j = 0; j < d; ++j) {
+            const int64_t i = t * d + j;
+            const float sig = sg[i], zz = z2[i];
+            const float ev = (-vr[j] / n) * sc;
+            e[i] = ev;
+            p1[i] = ev * (zz * sig);
+            p2[i] = ev * z1[i] * (sig * (1.0f + zz * (1.0f - sig)));
+        }
+    }
+}
+LINVIS_FUSED_DUAL(inner_elementwise,
+                  (int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc, const float* z1,
+                   const float* z2, const float* sg, float* e, float* p1, float* p2),
+                  (T, d, v, ldv, n, sc, z1, z2, sg, e, p1, p2))
+
+LINVIS_FUSED_INLINE void readout_body(int64_t T, int64_t d, const float* __restrict y1, const float* __restrict y2,
+                                      const float* __restrict sg, float* out, int64_t ldo) {
+    for (int64_t t = 0; t < T; ++t) {
+        float* __restrict o = out + t * ldo;
+        for (int64_t j = 0; j < d; ++j) o[j] = y1[t * d + j] * (y2[t * d + j] * sg[t * d + j]);
+    }
+}
+LINVIS_FUSED_DUAL(readout, (int64_t T, int64_t d, const float* y1, const float* y2, const float* sg, float* out,
+                            int64_t ldo),
+                  (T, d, y1, y2, sg, out, ldo))
+
+LINVIS_FUSED_INLINE void readout_backward_body(int64_t T, int64_t d, const float* go, int64_t ldg,
+                                               const float* __restrict y1, const float* __restrict y2,
+                                               const float* __restrict sg, float* __restrict dy1,
+                                               float* __restrict dy2) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float* __restrict g = go + t * ldg;
+        for (int64_t j = 0; j < d; ++j) {
+            const int64_t i = t * d + j;
+            const float sig = sg[i], z = y2[i];
+            dy1[i] = g[j] * (z * sig);
+            dy2[i] = g[j] * y1[i] * (sig * (1.0f + z * (1.0f - sig)));
+        }
+    }
+}
+LINVIS_FUSED_DUAL(readout_backward, (int64_t T, int64_t d, const float* go, int64_t ldg, const float* y1,
+                                     const float* y2, const float* sg, float* dy1, float* dy2),
+                  (T, d, go, ldg, y1, y2, sg, dy1, dy2))
+
+LINVIS_FUSED_INLINE void inner_backward_body(int64_t T, int64_t d, float dv_scale, const float* __restrict z1,
+                                             const float* __restrict z2, const float* __restrict sg,
+                                             const float* __restrict e, const float* __restrict dp1,
+                                             const float* __restrict dp2, float* dv, int64_t ldv,
+                                             float* __restrict dz1, float* __restrict dz2) {
+    for (int64_t t = 0; t < T; ++t) {
+        float* __restrict dvr = dv + t * ldv;
+        for (int64_t j = 0; j < d; ++j) {
+            const int64_t i = t * d + j;
+            const float sig = sg[i], z = z2[i], a = z * sig;
+            const float dsilu = sig * (1.0f + z * (1.0f - sig));
+            const float d2silu = sig * (1.0f - sig) * (2.0f + z * (1.0f - 2.0f * sig));
+            const float de = dp1[i] * a + dp2[i] * z1[i] * dsilu;
+            dvr[j] = de * dv_scale;
+            dz1[i] = dp2[i] * e[i] * dsilu;
+            dz2[i] = dp1[i] * e[i] * dsilu + dp2[i] * e[i] * z1[i] * d2silu;
+        }
+    }
+}
+LINVIS_FUSED_DUAL(inner_backward, (int64_t T, int64_t d, float dv_scale, const float* z1, const float* z2,
+                                   const float* sg, const float* e, const float* dp1, const float* dp2, float* dv,
+                                   int64_t ldv, float* dz1, float* dz2),
+                  (T, d, dv_scale, z1, z2, sg, e, dp1, dp2, dv, ldv, dz1, dz2))
+
 // Pass 1 of the inner step for one token block: fills z1, z2, sg (sigmoid(z2)), p1 = e*a,
 // p2 = e*z1*silu'(z2), and e, for rows [n0, n0 + T).
 void swiglu_inner_block(const Kernels& kr, const Heads& K, const Heads& V, int64_t b, int64_t hh, int64_t n0,
@@ -76,18 +152,8 @@ void swiglu_inner_block(const Kernels& kr, const Heads& K, const Heads& V, int64
     kr.gemm(T, d, d, kb, K.sn, 1, w1, d, z1, d, false);
     kr.gemm(T, d, d, kb, K.sn, 1, w2, d, z2, d, false);
     kr.sigmoid(z2, sg, T * d);
-    const float n = static_cast<float>(s.N), sc = static_cast<float>(s.scale);
-    for (int64_t t = 0; t < T; ++t) {
-        const float* vr = V.row(b, hh, n0 + t);
-        for (int64_t j = 0; j < d; ++j) {
-            const int64_t i = t * d + j;
-            const float sig = sg[i], zz = z2[i];
-            const float ev = (-vr[j] / n) * sc;
-            e[i] = ev;
-            p1[i] = ev * (zz * sig);
-            p2[i] = ev * z1[i] * (sig * (1.0f + zz * (1.0f - sig)));
-        }
-    }
+    inner_elementwise(T, d, V.row(b, hh, n0), V.sn, static_cast<float>(s.N), static_cast<float>(s.scale), z1, z2, sg,
+                      e, p1, p2);
 }
 
 // Sums per-task partial d x d matrices (task order fixed: deterministic) into out[bh].
@@ -169,10 +235,7 @@ SwigluForwardResult swiglu_forward(const Tensor& q, const Tensor& k, const Tenso
             kr.gemm(T, d, d, qb, Q.sn, 1, w1n.data() + bh * d * d, d, y1, d, false);
             kr.gemm(T, d, d, qb, Q.sn, 1, w2n.data() + bh * d * d, d, y2, d, false);
             kr.sigmoid(y2, sg, T * d);
-            for (int64_t t = 0; t < T; ++t) {
-                float* o = O.row(b, hh, n0 + t);
-                for (int64_t j = 0; j < d; ++j) o[j] = y1[t * d + j] * (y2[t * d + j] * sg[t * d + j]);
-            }
+            readout(T, d, y1, y2, sg, O.row(b, hh, n0), O.sn);
         }
     });
     // Inner products (4 of N x d x d per head) and the two read-out products.
@@ -217,15 +280,7 @@ std::vector<Tensor> swiglu_backward(const Tensor& q, const Tensor& k, const Tens
             kr.gemm(T, d, d, qb, Q.sn, 1, w1n.data() + bh * dd, d, y1, d, false);
             kr.gemm(T, d, d, qb, Q.sn, 1, w2n.data() + bh * dd, d, y2, d, false);
             kr.sigmoid(y2, sg, T * d);
-            for (int64_t t = 0; t < T; ++t) {
-                const float* go = dO.row(b, hh, n0 + t);
-                for (int64_t j = 0; j < d; ++j) {
-                    const int64_t i = t * d + j;
-                    const float sig = sg[i], z = y2[i];
-                    dy1[i] = go[j] * (z * sig);
-                    dy2[i] = go[j] * y1[i] * (sig * (1.0f + z * (1.0f - sig)));
-                }
-            }
+            readout_backward(T, d, dO.row(b, hh, n0), dO.sn, y1, y2, sg, dy1, dy2);
             kr.gemm(d, d, T, qb, 1, Q.sn, dy1, d, pa.data() + task * dd, d, false);
             kr.gemm(d, d, T, qb, 1, Q.sn, dy2, d, pb.data() + task * dd, d, false);
             float* dqb = dQ.row(b, hh, n0);
@@ -265,19 +320,7 @@ std::vector<Tensor> swiglu_backward(const Tensor& q, const Tensor& k, const Tens
             const float* kb = K.row(b, hh, n0);
             kr.gemm(T, d, d, kb, K.sn, 1, dg1.data() + bh * dd, d, dp1, d, false);
             kr.gemm(T, d, d, kb, K.sn, 1, dg2.data() + bh * dd, d, dp2, d, false);
-            for (int64_t t = 0; t < T; ++t) {
-                float* dvr = dV.row(b, hh, n0 + t);
-                for (int64_t j = 0; j < d; ++j) {
-                    const int64_t i = t * d + j;
-                    const float sig = sg[i], z = z2[i], a = z * sig;
-                    const float dsilu = sig * (1.0f + z * (1.0f - sig));
-                    const float d2silu = sig * (1.0f - sig) * (2.0f + z * (1.0f - 2.0f * sig));
-                    const float de = dp1[i] * a + dp2[i] * z1[i] * dsilu;
-                    dvr[j] = de * dv_scale;
-                    dz1[i] = dp2[i] * e[i] * dsilu;
-                    dz2[i] = dp1[i] * e[i] * dsilu + dp2[i] * e[i] * z1[i] * d2silu;
-                }
-            }
+            inner_backward(T, d, dv_scale, z1, z2, sg, e, dp1, dp2, dV.row(b, hh, n0), dV.sn, dz1, dz2);
             float* dkb = dK.row(b, hh, n0);
             kr.gemm(T, d, d, p1, d, 1, dg1T.data() + bh * dd, d, dkb, dK.sn, false);
             kr.gemm(T, d, d, p2, d, 1, dg2T.data() + bh * dd, d, dkb, dK.sn, true);
