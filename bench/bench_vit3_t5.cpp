@@ -5,9 +5,10 @@
 // the benchmark inputs and prints no fused number if that fails; then times forward (NoGradGuard)
 // and forward+backward, median of --iters runs after one warm-up, each case in a fresh child
 // process (this program re-executed with --child) whose peak RSS above its RSS after building
-// the inputs is the case's peak memory. Also prints the SGEMM rate of this machine and the
+// the inputs is the case's peak memory (glibc mmap threshold fixed at 256 KiB in the child). Also prints the SGEMM rate of this machine and the
 // achieved GFLOP/s of the fused matmul parts (whole-op and micro-kernel alone).
 // Usage: OMP_WAIT_POLICY=PASSIVE bench_vit3_t5 [--threads 2] [--iters 5] [--side 64]
+#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -79,6 +80,10 @@ std::vector<Tensor> leaves_of(const std::vector<Tensor>& x) {
 
 // Child: one case; prints "RESULT <median ms> <peak bytes above base>".
 int run_child(const std::string& op, const std::string& mode, const std::string& impl_name, const Options& o) {
+    // A fixed mmap threshold: every large tensor is its own mapping, returned on free, so the peak
+    // RSS is the peak of simultaneously live memory (glibc's adaptive threshold would otherwise
+    // keep freed blocks of earlier iterations resident, differently for each implementation).
+    mallopt(M_MMAP_THRESHOLD, 256 * 1024);
     linvis::runtime::configure_threads(o.threads);
     const Impl impl = linvis::ops::parse_impl(impl_name);
     const bool train = mode == "train";

@@ -310,6 +310,7 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
             kr.gemm(d, d, T, a[4], 1, d, a[3], d, pc.data() + task * dd, d, false);
         }
     });
+    k2 = Tensor();  // only the read-out (q2) is still needed
     Tensor g = torch::empty({3, s.B, s.h, d, d}, torch::kFloat32);
     float* gp = g.data_ptr<float>();
     reduce_partials(pa, BH, s.blocks, dd, gp);
@@ -409,6 +410,38 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
         transpose(dG.data() + i * dd, d, d, d, dGT.data() + i * dd);
     }
 
+    q2 = Tensor();
+
+    // q-conv backward right away (frees dq2 before pass C): dq = dq2 + dwconvᵀ(dq2), dqw = corr(q, dq2).
+    const GridTasks gt(s.B, s.H, s.W);
+    Tensor dq = torch::empty({s.B, s.N, C}, torch::kFloat32);
+    const Tokens DQ = tokens_of(dq);
+    std::vector<float> qw_parts(gt.count() * 9 * C, 0.0f);
+    std::vector<double> qred(gt.count() * C, 0.0);
+    at::parallel_for(0, gt.count(), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = gt.sample(task), y0 = gt.y0(task), y1 = gt.y1(task);
+            stencil_apply(image_of(DQ2, b, s), qtaps.data(), true, mut_image_of(DQ, b, s), y0, y1, false);
+            stencil_reduce(image_of(Q, b, s), image_of(DQ2, b, s), qw_parts.data() + task * 9 * C, y0, y1);
+            double* r = qred.data() + task * C;
+            for (int64_t n = y0 * s.W; n < y1 * s.W; ++n) {
+                const float* g2 = DQ2.row(b, n);
+                float* dqr = DQ.row(b, n);
+                for (int64_t c = 0; c < C; ++c) {
+                    dqr[c] += g2[c];
+                    r[c] += g2[c];
+                }
+            }
+        }
+    });
+    dq2 = Tensor();
+    Tensor dqw = torch::zeros({C, 1, 3, 3}, torch::kFloat32), dqb = torch::zeros({C}, torch::kFloat32);
+    for (int64_t task = 0; task < gt.count(); ++task)
+        for (int64_t c = 0; c < C; ++c) {
+            for (int64_t t = 0; t < 9; ++t) dqw.data_ptr<float>()[c * 9 + t] += qw_parts[task * 9 * C + t * C + c];
+            dqb.data_ptr<float>()[c] += static_cast<float>(qred[task * C + c]);
+        }
+
     // Pass C: inner-step backward -> dk2, dv, direct dW.
     Tensor dk2 = torch::empty({s.B, s.N, C}, torch::kFloat32), dv = torch::empty({s.B, s.N, C}, torch::kFloat32);
     const Tokens DK2 = tokens_of(dk2), DV = tokens_of(dv);
@@ -451,52 +484,42 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
         for (int64_t bh = 0; bh < BH; ++bh)
             for (int64_t j = 0; j < dd; ++j)
                 dwq[(i * s.h + bh % s.h) * dd + j] += dwp[(i * BH + bh) * dd + j] + direct[(i * BH + bh) * dd + j];
-    q2 = Tensor();
     k2 = Tensor();
 
-    // Conv backward (both branches) and instance-norm reductions.
-    const GridTasks gt(s.B, s.H, s.W);
-    Tensor dq = torch::empty({s.B, s.N, C}, torch::kFloat32), dkn = torch::empty({s.B, s.N, C}, torch::kFloat32);
-    const Tokens DQ = tokens_of(dq), DKN = tokens_of(dkn);
-    std::vector<float> qw_parts(gt.count() * 9 * C, 0.0f), kw_parts(gt.count() * 9 * C, 0.0f);
-    std::vector<double> red(gt.count() * 4 * C, 0.0);  // per task: Σdq2, Σdk2, Σdkn, Σdkn*kn
+    // k-conv backward and instance-norm sums: dkn = dk2 + dwconvᵀ(dk2); dkw = corr(kn, dk2).
+    Tensor dkn = torch::empty({s.B, s.N, C}, torch::kFloat32);
+    const Tokens DKN = tokens_of(dkn);
+    std::vector<float> kw_parts(gt.count() * 9 * C, 0.0f);
+    std::vector<double> kred(gt.count() * 3 * C, 0.0);  // per task: Σdk2, Σdkn, Σdkn*kn
     at::parallel_for(0, gt.count(), 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {
             const int64_t b = gt.sample(task), y0 = gt.y0(task), y1 = gt.y1(task);
-            stencil_apply(image_of(DQ2, b, s), qtaps.data(), true, mut_image_of(DQ, b, s), y0, y1, false);
             stencil_apply(image_of(DK2, b, s), ktaps.data(), true, mut_image_of(DKN, b, s), y0, y1, false);
-            stencil_reduce(image_of(Q, b, s), image_of(DQ2, b, s), qw_parts.data() + task * 9 * C, y0, y1);
             stencil_reduce(image_of(KN, b, s), image_of(DK2, b, s), kw_parts.data() + task * 9 * C, y0, y1);
-            double* r = red.data() + task * 4 * C;
+            double* r = kred.data() + task * 3 * C;
             for (int64_t n = y0 * s.W; n < y1 * s.W; ++n) {
-                const float *g2 = DQ2.row(b, n), *k2g = DK2.row(b, n), *knr = KN.row(b, n);
-                float *dqr = DQ.row(b, n), *dknr = DKN.row(b, n);
+                const float *k2g = DK2.row(b, n), *knr = KN.row(b, n);
+                float* dknr = DKN.row(b, n);
                 for (int64_t c = 0; c < C; ++c) {
-                    dqr[c] += g2[c];
                     dknr[c] += k2g[c];
-                    r[c] += g2[c];
-                    r[C + c] += k2g[c];
-                    r[2 * C + c] += dknr[c];
-                    r[3 * C + c] += static_cast<double>(dknr[c]) * knr[c];
+                    r[c] += k2g[c];
+                    r[C + c] += dknr[c];
+                    r[2 * C + c] += static_cast<double>(dknr[c]) * knr[c];
                 }
             }
         }
     });
-    Tensor dqw = torch::zeros({C, 1, 3, 3}, torch::kFloat32), dkw = torch::zeros({C, 1, 3, 3}, torch::kFloat32);
-    Tensor dqb = torch::zeros({C}, torch::kFloat32), dkb = torch::zeros({C}, torch::kFloat32);
+    dk2 = Tensor();
+    Tensor dkw = torch::zeros({C, 1, 3, 3}, torch::kFloat32), dkb = torch::zeros({C}, torch::kFloat32);
     std::vector<double> mean_dkn(s.B * C, 0.0), mean_dknkn(s.B * C, 0.0);
     for (int64_t task = 0; task < gt.count(); ++task) {
         const int64_t b = gt.sample(task);
-        const double* r = red.data() + task * 4 * C;
+        const double* r = kred.data() + task * 3 * C;
         for (int64_t c = 0; c < C; ++c) {
-            for (int64_t t = 0; t < 9; ++t) {
-                dqw.data_ptr<float>()[c * 9 + t] += qw_parts[task * 9 * C + t * C + c];
-                dkw.data_ptr<float>()[c * 9 + t] += kw_parts[task * 9 * C + t * C + c];
-            }
-            dqb.data_ptr<float>()[c] += static_cast<float>(r[c]);
-            dkb.data_ptr<float>()[c] += static_cast<float>(r[C + c]);
-            mean_dkn[b * C + c] += r[2 * C + c] / static_cast<double>(s.N);
-            mean_dknkn[b * C + c] += r[3 * C + c] / static_cast<double>(s.N);
+            for (int64_t t = 0; t < 9; ++t) dkw.data_ptr<float>()[c * 9 + t] += kw_parts[task * 9 * C + t * C + c];
+            dkb.data_ptr<float>()[c] += static_cast<float>(r[c]);
+            mean_dkn[b * C + c] += r[C + c] / static_cast<double>(s.N);
+            mean_dknkn[b * C + c] += r[2 * C + c] / static_cast<double>(s.N);
         }
     }
     // Instance norm backward: dk = rstd * (dkn - mean(dkn) - kn * mean(dkn * kn)), written over dkn.

@@ -17,6 +17,10 @@ torch::Tensor vit3_swiglu_branch_fused(const torch::Tensor& q, const torch::Tens
                                        const torch::Tensor& w1, const torch::Tensor& w2, double scale);
 torch::Tensor vit3_dwconv_branch_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                        const torch::Tensor& w3, double scale);
+// vit3_ttt_mix without RoPE: one function of qkv (reads q/k/v in place, one output buffer, one
+// dqkv buffer in backward). Shapes as ops::vit3_ttt_mix.
+torch::Tensor vit3_ttt_mix_fused(const torch::Tensor& qkv, const torch::Tensor& w1, const torch::Tensor& w2,
+                                 const torch::Tensor& w3, int64_t num_heads, int64_t height, int64_t width);
 torch::Tensor t5_ttt_attention_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                      const T5TttParams& params, int64_t num_heads, int64_t height, int64_t width);
 

@@ -19,6 +19,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "linvis/ops/vit3_ttt.h"
 #include "ttt_fused_kernels.h"
 #include "vit3_t5_fused.h"
 
@@ -211,8 +212,10 @@ struct SwigluForwardResult {
     Tensor out, g1, g2;
 };
 
+// out_heads: optional (B, h, N, d) float destination with unit channel stride (e.g. a view of
+// the mixer's output); allocated when undefined.
 SwigluForwardResult swiglu_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w1,
-                                   const Tensor& w2, double scale) {
+                                   const Tensor& w2, double scale, Tensor out_heads = Tensor()) {
     const int64_t B = q.size(0), h = q.size(1), N = q.size(2), d = q.size(3);
     const SwigluDims s{B, h, N, d, (N + kTokenBlock - 1) / kTokenBlock, scale};
     const Heads Q = heads_of(q), K = heads_of(k), V = heads_of(v);
@@ -222,7 +225,7 @@ SwigluForwardResult swiglu_forward(const Tensor& q, const Tensor& k, const Tenso
     swiglu_updated_weights(w1, g1.data_ptr<float>(), s, w1n.data(), norms.data());
     swiglu_updated_weights(w2, g2.data_ptr<float>(), s, w2n.data(), norms.data());
 
-    Tensor out = new_heads_buffer(B, h, N, d);
+    Tensor out = out_heads.defined() ? out_heads : new_heads_buffer(B, h, N, d);
     const Heads O = heads_of(out);
     const Kernels& kr = kernels();
     at::parallel_for(0, B * h * s.blocks, 1, [&](int64_t begin, int64_t end) {
@@ -244,9 +247,10 @@ SwigluForwardResult swiglu_forward(const Tensor& q, const Tensor& k, const Tenso
 }
 
 // Returns dq, dk, dv (B, h, N, d) and per-sample dW1, dW2 (B, h, d, d).
+// dest: optional {dq, dk, dv} (B, h, N, d) float destinations with unit channel stride.
 std::vector<Tensor> swiglu_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w1,
                                     const Tensor& w2, const Tensor& g1t, const Tensor& g2t, const Tensor& grad,
-                                    double scale) {
+                                    double scale, const std::vector<Tensor>& dest = {}) {
     const int64_t B = q.size(0), h = q.size(1), N = q.size(2), d = q.size(3), dd = d * d;
     const SwigluDims s{B, h, N, d, (N + kTokenBlock - 1) / kTokenBlock, scale};
     const Heads Q = heads_of(q), K = heads_of(k), V = heads_of(v), dO = heads_of(grad);
@@ -266,7 +270,7 @@ std::vector<Tensor> swiglu_backward(const Tensor& q, const Tensor& k, const Tens
     const Kernels& kr = kernels();
 
     // Pass B: read-out backward.
-    Tensor dq = new_heads_buffer(B, h, N, d);
+    Tensor dq = dest.empty() ? new_heads_buffer(B, h, N, d) : dest[0];
     const Heads dQ = heads_of(dq);
     std::vector<float> pa(tasks * dd), pb(tasks * dd);
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
@@ -303,7 +307,8 @@ std::vector<Tensor> swiglu_backward(const Tensor& q, const Tensor& k, const Tens
     }
 
     // Pass C: inner-step backward.
-    Tensor dk = new_heads_buffer(B, h, N, d), dv = new_heads_buffer(B, h, N, d);
+    Tensor dk = dest.empty() ? new_heads_buffer(B, h, N, d) : dest[1];
+    Tensor dv = dest.empty() ? new_heads_buffer(B, h, N, d) : dest[2];
     const Heads dK = heads_of(dk), dV = heads_of(dv);
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> buf(10 * kTokenBlock * d);
@@ -434,23 +439,59 @@ void dwconv_updated_taps(const Tensor& w3, const float* G, int64_t B, int64_t d,
     }
 }
 
+// Depthwise branch forward on channels-last float maps (B, H, W, d); writes out (channels-last,
+// unit channel stride) and returns the raw inner gradient G (B, 9, d).
+Tensor dwconv_forward_cl(const Tensor& qc, const Tensor& kc, const Tensor& vc, const Tensor& w3f, double scale,
+                         const Tensor& out) {
+    const int64_t B = qc.size(0), H = qc.size(1), W = qc.size(2), d = qc.size(3);
+    const GridTasks g(B, H, W);
+    Tensor G = torch::empty({B, 9, d}, torch::kFloat32);
+    grid_reduce(kc, vc, g, d, G.data_ptr<float>());
+    G.mul_(-scale / static_cast<double>(H * W));
+    std::vector<float> taps(B * 9 * d), norms(B * d);
+    dwconv_updated_taps(w3f, G.data_ptr<float>(), B, d, taps.data(), norms.data());
+    grid_apply(qc, taps.data(), false, out, g, d);
+    flops::add(2 * 9 * B * d * H * W);
+    return G;
+}
+
+// Backward of dwconv_forward_cl: writes dq, dk, dv (channels-last destinations), returns dw3 (d, 1, 3, 3).
+Tensor dwconv_backward_cl(const Tensor& qc, const Tensor& kc, const Tensor& vc, const Tensor& w3f, const Tensor& G,
+                          const Tensor& go, double scale, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+    const int64_t B = qc.size(0), H = qc.size(1), W = qc.size(2), d = qc.size(3);
+    const GridTasks g(B, H, W);
+    std::vector<float> taps(B * 9 * d), norms(B * d);
+    dwconv_updated_taps(w3f, G.data_ptr<float>(), B, d, taps.data(), norms.data());
+    grid_apply(go, taps.data(), true, dq, g, d);
+    std::vector<float> dtaps(B * 9 * d), dG(B * 9 * d), neg(9 * d);
+    grid_reduce(qc, go, g, d, dtaps.data());
+    const float alpha = static_cast<float>(-scale / static_cast<double>(H * W));
+    for (int64_t b = 0; b < B; ++b) {
+        for (int64_t i = 0; i < 9 * d; ++i) neg[i] = -dtaps[b * 9 * d + i];
+        normalize_groups_backward(G.data_ptr<float>() + b * 9 * d, neg.data(), norms.data() + b * d, 9, d, d, true,
+                                  dG.data() + b * 9 * d);
+        for (int64_t i = 0; i < 9 * d; ++i) dG[b * 9 * d + i] *= alpha;
+    }
+    // G = α Σ k(shift) v: dk = α·stencilᵀ(v, dG), dv = α·stencil(k, dG).
+    grid_apply(vc, dG.data(), true, dk, g, d);
+    grid_apply(kc, dG.data(), false, dv, g, d);
+    Tensor dw3 = torch::zeros({d, 1, 3, 3}, torch::kFloat32);
+    float* dw = dw3.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < 9; ++t)
+            for (int64_t c = 0; c < d; ++c) dw[c * 9 + t] += dtaps[(b * 9 + t) * d + c];
+    return dw3;
+}
+
 class Vit3DwconvFunction : public torch::autograd::Function<Vit3DwconvFunction> {
 public:
-    // Returns (out, G) where G (B, 9, d) is the raw inner gradient; forward_only skips nothing.
+    // Returns (out (B, d, H, W) in q's dtype, raw G (B, 9, d)).
     static std::pair<Tensor, Tensor> run_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w3,
                                                  double scale) {
         const int64_t B = q.size(0), d = q.size(1), H = q.size(2), W = q.size(3);
-        Tensor qc = channels_last(q), kc = channels_last(k), vc = channels_last(v);
-        Tensor w3f = w3.to(torch::kFloat32).contiguous();
-        const GridTasks g(B, H, W);
-        Tensor G = torch::empty({B, 9, d}, torch::kFloat32);
-        grid_reduce(kc, vc, g, d, G.data_ptr<float>());
-        G.mul_(-scale / static_cast<double>(H * W));
-        std::vector<float> taps(B * 9 * d), norms(B * d);
-        dwconv_updated_taps(w3f, G.data_ptr<float>(), B, d, taps.data(), norms.data());
         Tensor out = torch::empty({B, H, W, d}, torch::kFloat32);
-        grid_apply(qc, taps.data(), false, out, g, d);
-        flops::add(2 * 9 * B * d * H * W);
+        Tensor G = dwconv_forward_cl(channels_last(q), channels_last(k), channels_last(v),
+                                     w3.to(torch::kFloat32).contiguous(), scale, out);
         return {out.permute({0, 3, 1, 2}).to(q.scalar_type()), G};
     }
     static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w3,
@@ -462,38 +503,79 @@ public:
     }
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
         const auto saved = ctx->get_saved_variables();
-        const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &w3 = saved[3], &G = saved[4];
-        const double scale = ctx->saved_data["scale"].toDouble();
+        const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &w3 = saved[3];
         const int64_t B = q.size(0), d = q.size(1), H = q.size(2), W = q.size(3);
-        Tensor qc = channels_last(q), kc = channels_last(k), vc = channels_last(v);
         Tensor go = grads[0].defined() ? channels_last(grads[0]) : torch::zeros({B, H, W, d}, torch::kFloat32);
-        Tensor w3f = w3.to(torch::kFloat32).contiguous();
-        const GridTasks g(B, H, W);
-        std::vector<float> taps(B * 9 * d), norms(B * d);
-        dwconv_updated_taps(w3f, G.data_ptr<float>(), B, d, taps.data(), norms.data());
-        // dq and dW3' (per sample).
-        Tensor dq = torch::empty({B, H, W, d}, torch::kFloat32);
-        grid_apply(go, taps.data(), true, dq, g, d);
-        std::vector<float> dtaps(B * 9 * d), dG(B * 9 * d), neg(9 * d);
-        grid_reduce(qc, go, g, d, dtaps.data());
-        const float alpha = static_cast<float>(-scale / static_cast<double>(H * W));
-        for (int64_t b = 0; b < B; ++b) {
-            for (int64_t i = 0; i < 9 * d; ++i) neg[i] = -dtaps[b * 9 * d + i];
-            normalize_groups_backward(G.data_ptr<float>() + b * 9 * d, neg.data(), norms.data() + b * d, 9, d, d, true,
-                                      dG.data() + b * 9 * d);
-            for (int64_t i = 0; i < 9 * d; ++i) dG[b * 9 * d + i] *= alpha;
-        }
-        // G = α Σ k(shift) v: dk = α·stenciĺᵀ(v, dG), dv = α·stencil(k, dG).
-        Tensor dk = torch::empty({B, H, W, d}, torch::kFloat32), dv = torch::empty({B, H, W, d}, torch::kFloat32);
-        grid_apply(vc, dG.data(), true, dk, g, d);
-        grid_apply(kc, dG.data(), false, dv, g, d);
-        Tensor dw3 = torch::zeros({d, 1, 3, 3}, torch::kFloat32);
-        float* dw = dw3.data_ptr<float>();
-        for (int64_t b = 0; b < B; ++b)
-            for (int64_t t = 0; t < 9; ++t)
-                for (int64_t c = 0; c < d; ++c) dw[c * 9 + t] += dtaps[(b * 9 + t) * d + c];
-        auto back = [](const Tensor& cl, const Tensor& like) { return cl.permute({0, 3, 1, 2}).to(like.scalar_type()); };
+        auto cl = [&] { return torch::empty({B, H, W, d}, torch::kFloat32); };
+        Tensor dq = cl(), dk = cl(), dv = cl();
+        Tensor dw3 = dwconv_backward_cl(channels_last(q), channels_last(k), channels_last(v),
+                                        w3.to(torch::kFloat32).contiguous(), saved[4], go,
+                                        ctx->saved_data["scale"].toDouble(), dq, dk, dv);
+        auto back = [](const Tensor& t, const Tensor& like) { return t.permute({0, 3, 1, 2}).to(like.scalar_type()); };
         return {back(dq, q), back(dk, k), back(dv, v), dw3.to(w3.scalar_type()), Tensor()};
+    }
+};
+
+// The whole mixer without RoPE as one function of qkv (B, N, 3C+3d): reads q, k, v in place, writes
+// both branches into one (B, N, C+d) output and, in backward, every gradient into one dqkv buffer
+// (no split / cat / transpose copies).
+struct MixViews {
+    Tensor q, k, v;     // (B, h, N, d)
+    Tensor qc, kc, vc;  // (B, H, W, d) channels-last
+};
+MixViews mix_views(const Tensor& t, int64_t h, int64_t H, int64_t W, int64_t first_width) {
+    const int64_t B = t.size(0), N = t.size(1), C = first_width, d = C / h;
+    // view (never a copy): the same helper builds the write destinations of the backward.
+    auto heads = [&](int64_t i) { return t.narrow(2, i * C, C).view({B, N, h, d}).transpose(1, 2); };
+    auto map = [&](int64_t i) { return t.narrow(2, 3 * C + i * d, d).view({B, H, W, d}); };
+    return {heads(0), heads(1), heads(2), map(0), map(1), map(2)};
+}
+
+class Vit3MixFunction : public torch::autograd::Function<Vit3MixFunction> {
+public:
+    static Tensor run(const Tensor& qkv, const Tensor& w1, const Tensor& w2, const Tensor& w3, int64_t h, int64_t H,
+                      int64_t W, Tensor* g1, Tensor* g2, Tensor* G) {
+        Tensor x = f32_rows(qkv);
+        const int64_t B = x.size(0), N = x.size(1), d = x.size(2) / (3 * (h + 1)), C = h * d;
+        const MixViews m = mix_views(x, h, H, W, C);
+        Tensor out = torch::empty({B, N, C + d}, torch::kFloat32);
+        auto r = swiglu_forward(m.q, m.k, m.v, w1.to(torch::kFloat32).contiguous(),
+                                w2.to(torch::kFloat32).contiguous(), kVit3InnerScale,
+                                out.narrow(2, 0, C).view({B, N, h, d}).transpose(1, 2));
+        Tensor Gd = dwconv_forward_cl(m.qc, m.kc, m.vc, w3.to(torch::kFloat32).contiguous(), kVit3InnerScale,
+                                      out.narrow(2, C, d).view({B, H, W, d}));
+        if (g1 != nullptr) *g1 = r.g1, *g2 = r.g2, *G = Gd;
+        return out.to(qkv.scalar_type());
+    }
+    static Tensor forward(AutogradContext* ctx, const Tensor& qkv, const Tensor& w1, const Tensor& w2,
+                          const Tensor& w3, int64_t h, int64_t H, int64_t W) {
+        Tensor g1, g2, G;
+        Tensor out = run(qkv, w1, w2, w3, h, H, W, &g1, &g2, &G);
+        ctx->save_for_backward({qkv, w1, w2, w3, g1, g2, G});
+        ctx->saved_data["h"] = h;
+        ctx->saved_data["H"] = H;
+        ctx->saved_data["W"] = W;
+        return out;
+    }
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        const auto sv = ctx->get_saved_variables();
+        const int64_t h = ctx->saved_data["h"].toInt(), H = ctx->saved_data["H"].toInt(),
+                      W = ctx->saved_data["W"].toInt();
+        Tensor x = f32_rows(sv[0]);
+        const int64_t B = x.size(0), N = x.size(1), d = x.size(2) / (3 * (h + 1)), C = h * d;
+        Tensor grad = grads[0].defined() ? f32_rows(grads[0]) : torch::zeros({B, N, C + d}, torch::kFloat32);
+        const MixViews m = mix_views(x, h, H, W, C);
+        Tensor dqkv = torch::empty({B, N, 3 * C + 3 * d}, torch::kFloat32);
+        const MixViews dm = mix_views(dqkv, h, H, W, C);
+        auto g = swiglu_backward(m.q, m.k, m.v, sv[1].to(torch::kFloat32).contiguous(),
+                                 sv[2].to(torch::kFloat32).contiguous(), sv[4], sv[5],
+                                 grad.narrow(2, 0, C).reshape({B, N, h, d}).transpose(1, 2), kVit3InnerScale,
+                                 {dm.q, dm.k, dm.v});
+        Tensor dw3 = dwconv_backward_cl(m.qc, m.kc, m.vc, sv[3].to(torch::kFloat32).contiguous(), sv[6],
+                                        grad.narrow(2, C, d).reshape({B, H, W, d}), kVit3InnerScale, dm.qc, dm.kc,
+                                        dm.vc);
+        return {dqkv.to(sv[0].scalar_type()), sum_to_weight(g[3], sv[1]), sum_to_weight(g[4], sv[2]),
+                dw3.to(sv[3].scalar_type()), Tensor(), Tensor(), Tensor()};
     }
 };
 
@@ -518,6 +600,13 @@ Tensor vit3_dwconv_branch_fused(const Tensor& q, const Tensor& k, const Tensor& 
     if (needs_autograd({q, k, v, w3})) return Vit3DwconvFunction::apply(q, k, v, w3, scale);
     torch::NoGradGuard no_grad;
     return Vit3DwconvFunction::run_forward(q, k, v, w3, scale).first;
+}
+
+Tensor vit3_ttt_mix_fused(const Tensor& qkv, const Tensor& w1, const Tensor& w2, const Tensor& w3, int64_t num_heads,
+                          int64_t height, int64_t width) {
+    if (needs_autograd({qkv, w1, w2, w3})) return Vit3MixFunction::apply(qkv, w1, w2, w3, num_heads, height, width);
+    torch::NoGradGuard no_grad;
+    return Vit3MixFunction::run(qkv, w1, w2, w3, num_heads, height, width, nullptr, nullptr, nullptr);
 }
 
 }  // namespace linvis::ops::fused_detail

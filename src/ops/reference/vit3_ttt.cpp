@@ -299,6 +299,15 @@ torch::Tensor vit3_ttt_mix(const Tensor& qkv, const Tensor& w1, const Tensor& w2
     LINVIS_CHECK(qkv.size(2) % (3 * (h + 1)) == 0, "vit3_ttt_mix: qkv width ", qkv.size(2),
                  " is not 3C+3d for ", h, " heads");
     const int64_t d = qkv.size(2) / (3 * (h + 1)), C = d * h;
+    if (impl == Impl::Fused && !rope_rotations.defined() && fused_detail::fused_dtype_supported(qkv)) {
+        LINVIS_CHECK(w1.dim() == 4 && w1.size(1) == h && w1.size(2) == d && w1.size(3) == d &&
+                         w2.sizes() == w1.sizes() && (w1.size(0) == 1 || w1.size(0) == B),
+                     "vit3_ttt_mix: w1/w2: expected shape [1, ", h, ", ", d, ", ", d, "], got ",
+                     shape_string(w1.sizes()), " and ", shape_string(w2.sizes()));
+        LINVIS_CHECK(w3.dim() == 4 && w3.size(0) == d && w3.size(1) == 1 && w3.size(2) == 3 && w3.size(3) == 3,
+                     "vit3_ttt_mix: w3: expected shape [", d, ", 1, 3, 3], got ", shape_string(w3.sizes()));
+        return fused_detail::vit3_ttt_mix_fused(qkv, w1, w2, w3, h, height, width);
+    }
     auto parts = torch::split_with_sizes(qkv, {C, C, C, d, d, d}, -1);
     Tensor q1 = parts[0], k1 = parts[1], v1 = parts[2];
     if (rope_rotations.defined()) {
