@@ -196,10 +196,15 @@ int main(int argc, char** argv) {
     std::printf("BLAS: %s; SIMD: %s%s\n", info.blas.c_str(), linvis::runtime::simd_name(info.simd),
                 linvis::ops::fused_detail::kernels().avx512 ? " (fused kernels: AVX-512)" : " (fused kernels: portable)");
     const double sgemm = linvis::tools::measure_sgemm_gflops();
-    std::printf("SGEMM 2048^3 through LibTorch: %.1f GFLOP/s\n", sgemm);
+    std::printf("SGEMM 2048^3 through LibTorch, %d threads: %.1f GFLOP/s\n", o.threads, sgemm);
+    linvis::runtime::configure_threads(1);
+    const double sgemm1 = linvis::tools::measure_sgemm_gflops();
     const double micro32 = microkernel_gflops(32), micro64 = microkernel_gflops(64);
-    std::printf("fused micro-kernel (1 thread, 256-token blocks): d=32 %.1f GFLOP/s, d=64 %.1f GFLOP/s\n", micro32,
-                micro64);
+    linvis::runtime::configure_threads(o.threads);
+    std::printf("SGEMM 2048^3, 1 thread: %.1f GFLOP/s\n", sgemm1);
+    std::printf("fused micro-kernel, 1 thread, 256-token blocks (X W and Xᵀ Y): d=32 %.1f GFLOP/s (%.0f%% of 1-thread "
+                "SGEMM), d=64 %.1f GFLOP/s (%.0f%%)\n",
+                micro32, 100.0 * micro32 / sgemm1, micro64, 100.0 * micro64 / sgemm1);
 
     std::printf("\n%-5s %-5s | %10s %10s %7s | %11s %11s %7s | %s\n", "op", "mode", "ref ms", "fused ms", "speedup",
                 "ref MiB", "fused MiB", "mem x", "fused matmul GFLOP/s (% of SGEMM)");
