@@ -1,5 +1,6 @@
 // Fused vs reference ViT³ TTT mixer (vit3_ttt_mix: both branches) and T⁵ TTT attention at the
-// 1024x1024 image size (patch 16: 64x64 = 4096 tokens), the tiny models' widths, batch 1.
+// 1024x1024 image size (patch 16: 64x64 = 4096 tokens), the tiny models' widths, batch 1
+// (T⁵ through t5_ttt_attention_qkv, the entry point the t5 models use).
 //   ViT³-T: C = 192, 6 heads (d = 32), qkv (1, 4096, 3C + 3d);  T⁵-T: C = 192, 3 heads (d = 64).
 // For each op: checks fused == reference (outputs and all input gradients, relative L2 < 1e-4) on
 // the benchmark inputs and prints no fused number if that fails; then times forward (NoGradGuard)
@@ -60,9 +61,8 @@ Inputs make_inputs(const std::string& op, int64_t side) {
 
 Tensor run_op(const std::string& op, const std::vector<Tensor>& x, Impl impl, int64_t side) {
     if (op == "vit3") return linvis::ops::vit3_ttt_mix(x[0], x[1], x[2], x[3], 6, side, side, {}, impl);
-    auto qkv = x[0].chunk(3, -1);
     linvis::ops::T5TttParams p{x[1], x[2], x[3], x[4], x[5], x[6], x[7]};
-    return linvis::ops::t5_ttt_attention(qkv[0], qkv[1], qkv[2], p, 3, side, side, impl);
+    return linvis::ops::t5_ttt_attention_qkv(x[0], p, 3, side, side, impl);
 }
 
 // Matmul MACs of the fused kernels (forward; forward + backward), see docs/perf_vit3_t5.md.

@@ -305,6 +305,27 @@ TEST(T5TttFused, AttentionMatchesReference) {
     check_t5({2, 3, 1, 12, 1}, "3x1 grid, one head");
 }
 
+TEST(T5TttFused, QkvEntryMatchesReference) {
+    torch::manual_seed(14);
+    const T5Case c{2, 9, 14, 32, 2};
+    auto x = t5_inputs(c);
+    x[0] = torch::randn({c.B, c.H * c.W, 3 * c.C});  // qkv
+    x.erase(x.begin() + 1, x.begin() + 3);
+    auto run = [&](const std::vector<Tensor>& l, Impl impl) {
+        linvis::ops::T5TttParams p{l[1], l[2], l[3], l[4], l[5], l[6], l[7]};
+        return linvis::ops::t5_ttt_attention_qkv(l[0], p, c.heads, c.H, c.W, impl);
+    };
+    Tensor probe = torch::randn({c.B, c.H * c.W, c.C});
+    auto ref = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) { return run(l, Impl::Reference); });
+    auto fused = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) { return run(l, Impl::Fused); });
+    expect_all_match(fused, ref, kF32RelTol, "qkv entry");
+    auto bad = x;
+    bad[0] = torch::randn({c.B, c.H * c.W, 3 * c.C - 1});  // not 3C wide
+    EXPECT_THROW(run(bad, Impl::Fused), linvis::Error);
+    bad[0] = torch::randn({c.B, c.H * c.W + 1, 3 * c.C});  // N != H*W
+    EXPECT_THROW(run(bad, Impl::Fused), linvis::Error);
+}
+
 TEST(T5TttFused, ScalarPathMatchesReference) {
     ForceScalar scalar;
     torch::manual_seed(11);

@@ -345,8 +345,10 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
     return {out, mean, rstd, g};
 }
 
+// dest: optional {dq, dk, dv} (B, N, C) float destinations with unit channel stride (views of one
+// dqkv buffer for the qkv entry point).
 std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const Tensor& mean, const Tensor& rstd,
-                                const Tensor& g, const Tensor& grad) {
+                                const Tensor& g, const Tensor& grad, const std::vector<Tensor>& dest = {}) {
     const Dims& s = in.s;
     const int64_t d = s.d, dd = d * d, BH = s.B * s.h, tasks = BH * s.blocks, C = s.C;
     const Tokens Q = tokens_of(in.q), K = tokens_of(in.k), V = tokens_of(in.v), dO = tokens_of(grad);
@@ -414,7 +416,7 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
 
     // q-conv backward right away (frees dq2 before pass C): dq = dq2 + dwconvᵀ(dq2), dqw = corr(q, dq2).
     const GridTasks gt(s.B, s.H, s.W);
-    Tensor dq = torch::empty({s.B, s.N, C}, torch::kFloat32);
+    Tensor dq = dest.empty() ? torch::empty({s.B, s.N, C}, torch::kFloat32) : dest[0];
     const Tokens DQ = tokens_of(dq);
     std::vector<float> qw_parts(gt.count() * 9 * C, 0.0f);
     std::vector<double> qred(gt.count() * C, 0.0);
@@ -443,7 +445,8 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
         }
 
     // Pass C: inner-step backward -> dk2, dv, direct dW.
-    Tensor dk2 = torch::empty({s.B, s.N, C}, torch::kFloat32), dv = torch::empty({s.B, s.N, C}, torch::kFloat32);
+    Tensor dk2 = torch::empty({s.B, s.N, C}, torch::kFloat32);
+    Tensor dv = dest.empty() ? torch::empty({s.B, s.N, C}, torch::kFloat32) : dest[2];
     const Tokens DK2 = tokens_of(dk2), DV = tokens_of(dv);
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> buf(15 * kTokenBlock * d);
@@ -487,7 +490,7 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
     k2 = Tensor();
 
     // k-conv backward and instance-norm sums: dkn = dk2 + dwconvᵀ(dk2); dkw = corr(kn, dk2).
-    Tensor dkn = torch::empty({s.B, s.N, C}, torch::kFloat32);
+    Tensor dkn = dest.empty() ? torch::empty({s.B, s.N, C}, torch::kFloat32) : dest[1];
     const Tokens DKN = tokens_of(dkn);
     std::vector<float> kw_parts(gt.count() * 9 * C, 0.0f);
     std::vector<double> kred(gt.count() * 3 * C, 0.0);  // per task: Σdk2, Σdkn, Σdkn*kn
@@ -573,7 +576,58 @@ public:
     }
 };
 
+// The same attention as one function of qkv (B, N, 3C): q, k, v are read in place and the
+// backward writes the three gradients into one dqkv buffer (autograd would otherwise concatenate them).
+class T5QkvFunction : public torch::autograd::Function<T5QkvFunction> {
+public:
+    static Prepared prepare_qkv(const Tensor& qkv, int64_t heads, int64_t H, int64_t W) {
+        Tensor x = f32_rows(qkv);
+        auto c = x.chunk(3, -1);
+        return prepare(c[0], c[1], c[2], heads, H, W);
+    }
+    static Tensor forward(AutogradContext* ctx, const Tensor& qkv, const Tensor& w1, const Tensor& w2, const Tensor& w3,
+                          const Tensor& qcw, const Tensor& qcb, const Tensor& kcw, const Tensor& kcb, int64_t heads,
+                          int64_t H, int64_t W) {
+        const T5TttParams p{w1, w2, w3, qcw, qcb, kcw, kcb};
+        ForwardResult r = t5_forward(prepare_qkv(qkv, heads, H, W), p);
+        ctx->save_for_backward({qkv, w1, w2, w3, qcw, qcb, kcw, kcb, r.mean, r.rstd, r.g});
+        ctx->saved_data["heads"] = heads;
+        ctx->saved_data["H"] = H;
+        ctx->saved_data["W"] = W;
+        return r.out.to(qkv.scalar_type());
+    }
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        const auto sv = ctx->get_saved_variables();
+        const T5TttParams p{sv[1], sv[2], sv[3], sv[4], sv[5], sv[6], sv[7]};
+        const Prepared in = prepare_qkv(sv[0], ctx->saved_data["heads"].toInt(), ctx->saved_data["H"].toInt(),
+                                        ctx->saved_data["W"].toInt());
+        const int64_t B = in.s.B, N = in.s.N, C = in.s.C;
+        Tensor grad = grads[0].defined() ? f32_rows(grads[0]) : torch::zeros({B, N, C}, torch::kFloat32);
+        Tensor dqkv = torch::empty({B, N, 3 * C}, torch::kFloat32);
+        auto dest = dqkv.chunk(3, -1);
+        auto g = t5_backward(in, p, sv[8], sv[9], sv[10], grad, {dest[0], dest[1], dest[2]});
+        variable_list out{dqkv.to(sv[0].scalar_type())};
+        for (size_t i = 3; i < 10; ++i) out.push_back(g[i].to(sv[i - 2].scalar_type()));
+        out.resize(11);
+        return out;
+    }
+};
+
 }  // namespace
+
+Tensor t5_ttt_attention_qkv_fused(const Tensor& qkv, const T5TttParams& p, int64_t num_heads, int64_t height,
+                                  int64_t width) {
+    bool grad = false;
+    if (torch::GradMode::is_enabled())
+        for (const Tensor* t : {&qkv, &p.w1, &p.w2, &p.w3, &p.q_conv_weight, &p.q_conv_bias, &p.k_conv_weight,
+                                &p.k_conv_bias})
+            grad = grad || t->requires_grad();
+    if (grad)
+        return T5QkvFunction::apply(qkv, p.w1, p.w2, p.w3, p.q_conv_weight, p.q_conv_bias, p.k_conv_weight,
+                                    p.k_conv_bias, num_heads, height, width);
+    torch::NoGradGuard no_grad;
+    return t5_forward(T5QkvFunction::prepare_qkv(qkv, num_heads, height, width), p).out.to(qkv.scalar_type());
+}
 
 Tensor t5_ttt_attention_fused(const Tensor& q, const Tensor& k, const Tensor& v, const T5TttParams& p,
                               int64_t num_heads, int64_t height, int64_t width) {

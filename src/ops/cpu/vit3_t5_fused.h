@@ -24,6 +24,10 @@ torch::Tensor vit3_ttt_mix_fused(const torch::Tensor& qkv, const torch::Tensor& 
 torch::Tensor t5_ttt_attention_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                      const T5TttParams& params, int64_t num_heads, int64_t height, int64_t width);
 
+// t5_ttt_attention on qkv.chunk(3, -1), with the qkv gradient written as one buffer.
+torch::Tensor t5_ttt_attention_qkv_fused(const torch::Tensor& qkv, const T5TttParams& params, int64_t num_heads,
+                                         int64_t height, int64_t width);
+
 // Token block (rows of one (sample, head)) processed at a time; scratch is O(block * d) per task.
 constexpr int64_t kTokenBlock = 256;
 
