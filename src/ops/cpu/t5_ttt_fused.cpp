@@ -104,10 +104,9 @@ void key_stats(const Tokens& k, const Dims& s, double eps, float* mean, float* r
     }
 }
 
-// kn = (k - mean) * rstd; k2 = kn + dwconv(kn) + bias; q2 = q + dwconv(q) + bias. All (B, N, C).
-void locality(const Tokens& q, const Tokens& k, const float* mean, const float* rstd, const std::vector<float>& qtaps,
-              const float* qbias, const std::vector<float>& ktaps, const float* kbias, const Dims& s,
-              const Tokens& kn, const Tokens& k2, const Tokens& q2) {
+// kn = (k - mean) * rstd; k2 = kn + dwconv(kn) + bias. All (B, N, C).
+void key_locality(const Tokens& k, const float* mean, const float* rstd, const std::vector<float>& ktaps,
+                  const float* kbias, const Dims& s, const Tokens& kn, const Tokens& k2) {
     const GridTasks g(s.B, s.H, s.W);
     at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {
@@ -124,15 +123,28 @@ void locality(const Tokens& q, const Tokens& k, const float* mean, const float* 
             const int64_t b = g.sample(task);
             stencil_apply(image_of(kn, b, s), ktaps.data(), false, mut_image_of(k2, b, s), g.y0(task), g.y1(task),
                           false);
+            for (int64_t n = g.y0(task) * s.W; n < g.y1(task) * s.W; ++n) {
+                const float* kr = kn.row(b, n);
+                float* ko = k2.row(b, n);
+                for (int64_t c = 0; c < s.C; ++c) ko[c] = kr[c] + (ko[c] + kbias[c]);
+            }
+        }
+    });
+}
+
+// q2 = q + dwconv(q) + bias, (B, N, C).
+void query_locality(const Tokens& q, const std::vector<float>& qtaps, const float* qbias, const Dims& s,
+                    const Tokens& q2) {
+    const GridTasks g(s.B, s.H, s.W);
+    at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = g.sample(task);
             stencil_apply(image_of(q, b, s), qtaps.data(), false, mut_image_of(q2, b, s), g.y0(task), g.y1(task),
                           false);
             for (int64_t n = g.y0(task) * s.W; n < g.y1(task) * s.W; ++n) {
-                const float *kr = kn.row(b, n), *qr = q.row(b, n);
-                float *ko = k2.row(b, n), *qo = q2.row(b, n);
-                for (int64_t c = 0; c < s.C; ++c) {
-                    ko[c] = kr[c] + (ko[c] + kbias[c]);
-                    qo[c] = qr[c] + (qo[c] + qbias[c]);
-                }
+                const float* qr = q.row(b, n);
+                float* qo = q2.row(b, n);
+                for (int64_t c = 0; c < s.C; ++c) qo[c] = qr[c] + (qo[c] + qbias[c]);
             }
         }
     });
@@ -288,8 +300,9 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
     key_stats(K, s, 1.0, mean.data_ptr<float>(), rstd.data_ptr<float>());
     Tensor kn = torch::empty({s.B, s.N, s.C}, torch::kFloat32), k2 = torch::empty_like(kn), q2 = torch::empty_like(kn);
     const Tensor qb = p.q_conv_bias.to(torch::kFloat32).contiguous(), kb = p.k_conv_bias.to(torch::kFloat32).contiguous();
-    locality(Q, K, mean.data_ptr<float>(), rstd.data_ptr<float>(), taps_of(p.q_conv_weight, s.C), qb.data_ptr<float>(),
-             taps_of(p.k_conv_weight, s.C), kb.data_ptr<float>(), s, tokens_of(kn), tokens_of(k2), tokens_of(q2));
+    key_locality(K, mean.data_ptr<float>(), rstd.data_ptr<float>(), taps_of(p.k_conv_weight, s.C),
+                 kb.data_ptr<float>(), s, tokens_of(kn), tokens_of(k2));
+    query_locality(Q, taps_of(p.q_conv_weight, s.C), qb.data_ptr<float>(), s, tokens_of(q2));
     kn = Tensor();
     const Tokens K2 = tokens_of(k2), Q2 = tokens_of(q2);
     const HeadWeights hw = head_weights(p.w1, p.w2, p.w3, s.h, d);
@@ -352,13 +365,14 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
     const Dims& s = in.s;
     const int64_t d = s.d, dd = d * d, BH = s.B * s.h, tasks = BH * s.blocks, C = s.C;
     const Tokens Q = tokens_of(in.q), K = tokens_of(in.k), V = tokens_of(in.v), dO = tokens_of(grad);
-    Tensor kn = torch::empty({s.B, s.N, C}, torch::kFloat32), k2 = torch::empty_like(kn), q2 = torch::empty_like(kn);
+    // The query side first (q2, read-out backward, q-conv backward), then the key side, so that at
+    // most five (B, N, C) float buffers (input-gradient destinations included) are live at once.
+    Tensor q2 = torch::empty({s.B, s.N, C}, torch::kFloat32);
     const std::vector<float> qtaps = taps_of(p.q_conv_weight, C), ktaps = taps_of(p.k_conv_weight, C);
     const Tensor qbias = p.q_conv_bias.to(torch::kFloat32).contiguous();
     const Tensor kbias = p.k_conv_bias.to(torch::kFloat32).contiguous();
-    locality(Q, K, mean.data_ptr<float>(), rstd.data_ptr<float>(), qtaps, qbias.data_ptr<float>(), ktaps,
-             kbias.data_ptr<float>(), s, tokens_of(kn), tokens_of(k2), tokens_of(q2));
-    const Tokens KN = tokens_of(kn), K2 = tokens_of(k2), Q2 = tokens_of(q2);
+    query_locality(Q, qtaps, qbias.data_ptr<float>(), s, tokens_of(q2));
+    const Tokens Q2 = tokens_of(q2);
     const HeadWeights hw = head_weights(p.w1, p.w2, p.w3, s.h, d);
     const float* gp = g.data_ptr<float>();
     // W' and W'ᵀ per (sample, head).
@@ -444,8 +458,13 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
             dqb.data_ptr<float>()[c] += static_cast<float>(qred[task * C + c]);
         }
 
-    // Pass C: inner-step backward -> dk2, dv, direct dW.
-    Tensor dk2 = torch::empty({s.B, s.N, C}, torch::kFloat32);
+    Tensor kn = torch::empty({s.B, s.N, C}, torch::kFloat32), k2 = torch::empty_like(kn);
+    key_locality(K, mean.data_ptr<float>(), rstd.data_ptr<float>(), ktaps, kbias.data_ptr<float>(), s, tokens_of(kn),
+                 tokens_of(k2));
+    const Tokens KN = tokens_of(kn), K2 = tokens_of(k2);
+
+    // Pass C: inner-step backward -> dk2 (in the dk destination), dv, direct dW.
+    Tensor dk2 = dest.empty() ? torch::empty({s.B, s.N, C}, torch::kFloat32) : dest[1];
     Tensor dv = dest.empty() ? torch::empty({s.B, s.N, C}, torch::kFloat32) : dest[2];
     const Tokens DK2 = tokens_of(dk2), DV = tokens_of(dv);
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
@@ -487,10 +506,10 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
         for (int64_t bh = 0; bh < BH; ++bh)
             for (int64_t j = 0; j < dd; ++j)
                 dwq[(i * s.h + bh % s.h) * dd + j] += dwp[(i * BH + bh) * dd + j] + direct[(i * BH + bh) * dd + j];
-    k2 = Tensor();
 
-    // k-conv backward and instance-norm sums: dkn = dk2 + dwconvᵀ(dk2); dkw = corr(kn, dk2).
-    Tensor dkn = dest.empty() ? torch::empty({s.B, s.N, C}, torch::kFloat32) : dest[1];
+    // k-conv backward and instance-norm sums: dkn = dk2 + dwconvᵀ(dk2) into k2's storage (k2 is
+    // dead after pass C); dkw = corr(kn, dk2).
+    Tensor dkn = k2;
     const Tokens DKN = tokens_of(dkn);
     std::vector<float> kw_parts(gt.count() * 9 * C, 0.0f);
     std::vector<double> kred(gt.count() * 3 * C, 0.0);  // per task: Σdk2, Σdkn, Σdkn*kn
@@ -512,7 +531,6 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
             }
         }
     });
-    dk2 = Tensor();
     Tensor dkw = torch::zeros({C, 1, 3, 3}, torch::kFloat32), dkb = torch::zeros({C}, torch::kFloat32);
     std::vector<double> mean_dkn(s.B * C, 0.0), mean_dknkn(s.B * C, 0.0);
     for (int64_t task = 0; task < gt.count(); ++task) {
@@ -525,21 +543,21 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
             mean_dknkn[b * C + c] += r[2 * C + c] / static_cast<double>(s.N);
         }
     }
-    // Instance norm backward: dk = rstd * (dkn - mean(dkn) - kn * mean(dkn * kn)), written over dkn.
+    // Instance norm backward: dk = rstd * (dkn - mean(dkn) - kn * mean(dkn * kn)), written over dk2.
     const float* rs = rstd.data_ptr<float>();
     at::parallel_for(0, gt.count(), 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {
             const int64_t b = gt.sample(task);
             for (int64_t n = gt.y0(task) * s.W; n < gt.y1(task) * s.W; ++n) {
-                float* o = DKN.row(b, n);
-                const float* knr = KN.row(b, n);
+                const float *g = DKN.row(b, n), *knr = KN.row(b, n);
+                float* o = DK2.row(b, n);
                 for (int64_t c = 0; c < C; ++c)
-                    o[c] = rs[b * C + c] * (o[c] - static_cast<float>(mean_dkn[b * C + c]) -
+                    o[c] = rs[b * C + c] * (g[c] - static_cast<float>(mean_dkn[b * C + c]) -
                                             knr[c] * static_cast<float>(mean_dknkn[b * C + c]));
             }
         }
     });
-    return {dq, dkn, dv, dw[0], dw[1], dw[2], dqw, dqb, dkw, dkb};
+    return {dq, dk2, dv, dw[0], dw[1], dw[2], dqw, dqb, dkw, dkb};
 }
 
 Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, int64_t heads, int64_t H, int64_t W) {
