@@ -190,6 +190,28 @@ TEST(Vit3TttFused, BFloat16ComputesInFloat32) {
     EXPECT_LT(relative_error(dwconv(c, Impl::Fused), dwconv(cf, Impl::Reference)), 1e-2);
 }
 
+TEST(Vit3TttFused, MixBFloat16WithGradients) {
+    torch::manual_seed(15);
+    const int64_t B = 1, h = 2, d = 16, C = h * d, H = 8, W = 10;
+    std::vector<Tensor> x{torch::randn({B, H * W, 3 * C + 3 * d}).to(torch::kBFloat16),
+                          (0.3 * torch::randn({1, h, d, d})).to(torch::kBFloat16),
+                          (0.3 * torch::randn({1, h, d, d})).to(torch::kBFloat16),
+                          (0.3 * torch::randn({d, 1, 3, 3})).to(torch::kBFloat16)};
+    std::vector<Tensor> xf;
+    for (const auto& t : x) xf.push_back(t.to(torch::kFloat32));
+    Tensor probe = torch::randn({B, H * W, C + d});
+    auto ref = run_with_grads(xf, probe, [&](const std::vector<Tensor>& l) {
+        return mix(l, h, H, W, Tensor(), Impl::Reference);
+    });
+    auto fused = run_with_grads(x, probe.to(torch::kBFloat16), [&](const std::vector<Tensor>& l) {
+        return mix(l, h, H, W, Tensor(), Impl::Fused);
+    });
+    for (size_t i = 0; i < ref.size(); ++i) {
+        EXPECT_EQ(fused[i].scalar_type(), torch::kBFloat16) << "tensor " << i;
+        EXPECT_LT(relative_error(fused[i], ref[i]), 1e-2) << "tensor " << i;
+    }
+}
+
 TEST(Vit3TttFused, Float64FallsBackToReference) {
     torch::manual_seed(7);
     auto x = swiglu_inputs(1, 2, 40, 8, false, torch::kFloat64);
