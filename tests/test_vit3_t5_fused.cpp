@@ -325,6 +325,7 @@ TEST(T5TttFused, AttentionMatchesReference) {
     check_t5({2, 17, 19, 48, 3}, "B2 17x19 C48 h3");  // N = 323: two token blocks
     check_t5({1, 16, 32, 128, 2}, "B1 16x32 C128 h2");  // d = 64, N = 512 exact blocks
     check_t5({2, 3, 1, 12, 1}, "3x1 grid, one head");
+    check_t5({1, 33, 40, 16, 2}, "B1 33x40 C16 h2");  // N = 1320: 6 blocks, two reduction groups
 }
 
 TEST(T5TttFused, QkvEntryMatchesReference) {

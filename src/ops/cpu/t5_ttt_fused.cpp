@@ -30,9 +30,14 @@ Tensor f32_rows(const Tensor& t) {
     return x;
 }
 
+// Token blocks of one head are reduced in groups of kGroup consecutive blocks per task, so the
+// d x d partial sums take ceil(blocks / kGroup) * d² floats per head (added in a fixed order).
+constexpr int64_t kGroup = 4;
+
 struct Dims {
     int64_t B, N, C, h, d, H, W, blocks;
     double scale;
+    int64_t groups = 1;  // ceil(blocks / kGroup)
 };
 
 // A (B, N, C) float tensor with unit channel stride seen as heads / as images.
@@ -294,7 +299,7 @@ struct Prepared {
 
 ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
     const Dims& s = in.s;
-    const int64_t d = s.d, dd = d * d, BH = s.B * s.h, tasks = BH * s.blocks;
+    const int64_t d = s.d, dd = d * d, BH = s.B * s.h, tasks = BH * s.blocks, rtasks = BH * s.groups;
     const Tokens Q = tokens_of(in.q), K = tokens_of(in.k), V = tokens_of(in.v);
     Tensor mean = torch::empty({s.B, s.C}, torch::kFloat32), rstd = torch::empty({s.B, s.C}, torch::kFloat32);
     key_stats(K, s, 1.0, mean.data_ptr<float>(), rstd.data_ptr<float>());
@@ -308,27 +313,30 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
     const HeadWeights hw = head_weights(p.w1, p.w2, p.w3, s.h, d);
     const Kernels& kr = kernels();
 
-    std::vector<float> pa(tasks * dd), pb(tasks * dd), pc(tasks * dd);
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> pa(rtasks * dd), pb(rtasks * dd), pc(rtasks * dd);
+    at::parallel_for(0, rtasks, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> buf(8 * kTokenBlock * d);
         float* a[8];
         for (int i = 0; i < 8; ++i) a[i] = buf.data() + i * kTokenBlock * d;
-        for (int64_t task = begin; task < end; ++task) {
-            const int64_t bh = task / s.blocks, blk = task % s.blocks, b = bh / s.h, hh = bh % s.h;
+        for (int64_t task = begin; task < end; ++task)
+          for (int64_t blk = (task % s.groups) * kGroup; blk < std::min(s.blocks, (task % s.groups + 1) * kGroup);
+               ++blk) {
+            const int64_t bh = task / s.groups, b = bh / s.h, hh = bh % s.h;
+            const bool acc = blk % kGroup != 0;  // first block of the group overwrites the partial
             const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0);
             inner_block(kr, K2, V, hw, b, hh, n0, T, s, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
             const float* kbk = K2.head_row(b, hh, n0, d);
-            kr.gemm(d, d, T, kbk, 1, K2.sn, a[6], d, pa.data() + task * dd, d, false);
-            kr.gemm(d, d, T, kbk, 1, K2.sn, a[7], d, pb.data() + task * dd, d, false);
-            kr.gemm(d, d, T, a[4], 1, d, a[3], d, pc.data() + task * dd, d, false);
+            kr.gemm(d, d, T, kbk, 1, K2.sn, a[6], d, pa.data() + task * dd, d, acc);
+            kr.gemm(d, d, T, kbk, 1, K2.sn, a[7], d, pb.data() + task * dd, d, acc);
+            kr.gemm(d, d, T, a[4], 1, d, a[3], d, pc.data() + task * dd, d, acc);
         }
     });
     k2 = Tensor();  // only the read-out (q2) is still needed
     Tensor g = torch::empty({3, s.B, s.h, d, d}, torch::kFloat32);
     float* gp = g.data_ptr<float>();
-    reduce_partials(pa, BH, s.blocks, dd, gp);
-    reduce_partials(pb, BH, s.blocks, dd, gp + BH * dd);
-    reduce_partials(pc, BH, s.blocks, dd, gp + 2 * BH * dd);
+    reduce_partials(pa, BH, s.groups, dd, gp);
+    reduce_partials(pb, BH, s.groups, dd, gp + BH * dd);
+    reduce_partials(pc, BH, s.groups, dd, gp + 2 * BH * dd);
     // Updated weights W' = W - G per (sample, head).
     std::vector<float> wn(3 * BH * dd);
     for (int i = 0; i < 3; ++i) {
@@ -363,7 +371,7 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
 std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const Tensor& mean, const Tensor& rstd,
                                 const Tensor& g, const Tensor& grad, const std::vector<Tensor>& dest = {}) {
     const Dims& s = in.s;
-    const int64_t d = s.d, dd = d * d, BH = s.B * s.h, tasks = BH * s.blocks, C = s.C;
+    const int64_t d = s.d, dd = d * d, BH = s.B * s.h, rtasks = BH * s.groups, C = s.C;
     const Tokens Q = tokens_of(in.q), K = tokens_of(in.k), V = tokens_of(in.v), dO = tokens_of(grad);
     // The query side first (q2, read-out backward, q-conv backward), then the key side, so that at
     // most five (B, N, C) float buffers (input-gradient destinations included) are live at once.
@@ -390,14 +398,17 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
     // Pass B: read-out backward -> dq2, dW' (per sample, head).
     Tensor dq2 = torch::empty({s.B, s.N, C}, torch::kFloat32);
     const Tokens DQ2 = tokens_of(dq2);
-    std::vector<float> pa(tasks * dd), pb(tasks * dd), pc(tasks * dd);
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> pa(rtasks * dd), pb(rtasks * dd), pc(rtasks * dd);
+    at::parallel_for(0, rtasks, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> buf(6 * kTokenBlock * d);
         float* a[6];
         for (int i = 0; i < 6; ++i) a[i] = buf.data() + i * kTokenBlock * d;
         float *y1 = a[0], *y2 = a[1], *sg = a[2], *hbuf = a[3], *dh = a[4], *dy2 = a[5];
-        for (int64_t task = begin; task < end; ++task) {
-            const int64_t bh = task / s.blocks, blk = task % s.blocks, b = bh / s.h, hh = bh % s.h;
+        for (int64_t task = begin; task < end; ++task)
+          for (int64_t blk = (task % s.groups) * kGroup; blk < std::min(s.blocks, (task % s.groups + 1) * kGroup);
+               ++blk) {
+            const int64_t bh = task / s.groups, b = bh / s.h, hh = bh % s.h;
+            const bool acc = blk % kGroup != 0;  // first block of the group overwrites the partial
             const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0);
             const float* qr = Q2.head_row(b, hh, n0, d);
             const float* gr = dO.head_row(b, hh, n0, d);
@@ -405,20 +416,20 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
             kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + (BH + bh) * dd, d, y2, d, false);
             kr.sigmoid(y1, sg, T * d);
             gate(T * d, y1, y2, sg, hbuf);
-            kr.gemm(d, d, T, hbuf, 1, d, gr, dO.sn, pc.data() + task * dd, d, false);
+            kr.gemm(d, d, T, hbuf, 1, d, gr, dO.sn, pc.data() + task * dd, d, acc);
             kr.gemm(T, d, d, gr, dO.sn, 1, wnT.data() + (2 * BH + bh) * dd, d, dh, d, false);
             gate_backward(T * d, y1, y2, sg, dh, dy2);  // dh becomes dy1
-            kr.gemm(d, d, T, qr, 1, Q2.sn, dh, d, pa.data() + task * dd, d, false);
-            kr.gemm(d, d, T, qr, 1, Q2.sn, dy2, d, pb.data() + task * dd, d, false);
+            kr.gemm(d, d, T, qr, 1, Q2.sn, dh, d, pa.data() + task * dd, d, acc);
+            kr.gemm(d, d, T, qr, 1, Q2.sn, dy2, d, pb.data() + task * dd, d, acc);
             float* dq = DQ2.head_row(b, hh, n0, d);
             kr.gemm(T, d, d, dh, d, 1, wnT.data() + bh * dd, d, dq, DQ2.sn, false);
             kr.gemm(T, d, d, dy2, d, 1, wnT.data() + (BH + bh) * dd, d, dq, DQ2.sn, true);
         }
     });
     std::vector<float> dwp(3 * BH * dd);  // dW' per (sample, head)
-    reduce_partials(pa, BH, s.blocks, dd, dwp.data());
-    reduce_partials(pb, BH, s.blocks, dd, dwp.data() + BH * dd);
-    reduce_partials(pc, BH, s.blocks, dd, dwp.data() + 2 * BH * dd);
+    reduce_partials(pa, BH, s.groups, dd, dwp.data());
+    reduce_partials(pb, BH, s.groups, dd, dwp.data() + BH * dd);
+    reduce_partials(pc, BH, s.groups, dd, dwp.data() + 2 * BH * dd);
     // dG = -dW'; keep dG and dGᵀ.
     std::vector<float> dG(3 * BH * dd), dGT(3 * BH * dd);
     for (int64_t i = 0; i < 3 * BH; ++i) {
@@ -467,15 +478,18 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
     Tensor dk2 = dest.empty() ? torch::empty({s.B, s.N, C}, torch::kFloat32) : dest[1];
     Tensor dv = dest.empty() ? torch::empty({s.B, s.N, C}, torch::kFloat32) : dest[2];
     const Tokens DK2 = tokens_of(dk2), DV = tokens_of(dv);
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rtasks, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> buf(15 * kTokenBlock * d);
         float* a[15];
         for (int i = 0; i < 15; ++i) a[i] = buf.data() + i * kTokenBlock * d;
         float *z1 = a[0], *z2 = a[1], *sg = a[2], *e = a[3], *a2 = a[4], *da2f = a[5], *p1 = a[6], *p2 = a[7],
               *dp1 = a[8], *dp2 = a[9], *da2 = a[10], *de = a[11], *dda2 = a[12], *dz1 = a[13], *dz2 = a[14];
         const float dv_scale = static_cast<float>(-s.scale / static_cast<double>(s.N));
-        for (int64_t task = begin; task < end; ++task) {
-            const int64_t bh = task / s.blocks, blk = task % s.blocks, b = bh / s.h, hh = bh % s.h;
+        for (int64_t task = begin; task < end; ++task)
+          for (int64_t blk = (task % s.groups) * kGroup; blk < std::min(s.blocks, (task % s.groups + 1) * kGroup);
+               ++blk) {
+            const int64_t bh = task / s.groups, b = bh / s.h, hh = bh % s.h;
+            const bool acc = blk % kGroup != 0;  // first block of the group overwrites the partial
             const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0);
             inner_block(kr, K2, V, hw, b, hh, n0, T, s, z1, z2, sg, e, a2, da2f, p1, p2);
             const float* kbk = K2.head_row(b, hh, n0, d);
@@ -491,15 +505,15 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
             kr.gemm(T, d, d, p2, d, 1, dGT.data() + (BH + bh) * dd, d, dk, DK2.sn, true);
             kr.gemm(T, d, d, dz1, d, 1, hw.w1T.data() + hh * dd, d, dk, DK2.sn, true);
             kr.gemm(T, d, d, dz2, d, 1, hw.w2T.data() + hh * dd, d, dk, DK2.sn, true);
-            kr.gemm(d, d, T, kbk, 1, K2.sn, dz1, d, pa.data() + task * dd, d, false);
-            kr.gemm(d, d, T, kbk, 1, K2.sn, dz2, d, pb.data() + task * dd, d, false);
-            kr.gemm(d, d, T, dda2, 1, d, e, d, pc.data() + task * dd, d, false);
+            kr.gemm(d, d, T, kbk, 1, K2.sn, dz1, d, pa.data() + task * dd, d, acc);
+            kr.gemm(d, d, T, kbk, 1, K2.sn, dz2, d, pb.data() + task * dd, d, acc);
+            kr.gemm(d, d, T, dda2, 1, d, e, d, pc.data() + task * dd, d, acc);
         }
     });
     std::vector<float> direct(3 * BH * dd);
-    reduce_partials(pa, BH, s.blocks, dd, direct.data());
-    reduce_partials(pb, BH, s.blocks, dd, direct.data() + BH * dd);
-    reduce_partials(pc, BH, s.blocks, dd, direct.data() + 2 * BH * dd);
+    reduce_partials(pa, BH, s.groups, dd, direct.data());
+    reduce_partials(pb, BH, s.groups, dd, direct.data() + BH * dd);
+    reduce_partials(pc, BH, s.groups, dd, direct.data() + 2 * BH * dd);
     Tensor dw = torch::zeros({3, 1, s.h, d, d}, torch::kFloat32);
     float* dwq = dw.data_ptr<float>();
     for (int i = 0; i < 3; ++i)
@@ -564,6 +578,7 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, int64_t head
     Prepared in{f32_rows(q), f32_rows(k), f32_rows(v), {}};
     const int64_t B = q.size(0), N = q.size(1), C = q.size(2), d = C / heads;
     in.s = Dims{B, N, C, heads, d, H, W, (N + kTokenBlock - 1) / kTokenBlock, std::pow(static_cast<double>(d), -0.5)};
+    in.s.groups = (in.s.blocks + kGroup - 1) / kGroup;
     return in;
 }
 
