@@ -331,8 +331,10 @@ TEST(Deit, OptionsAreChecked) {
     EXPECT_THROW(create_model("t5_tiny", bad_heads), linvis::Error);
     auto fused = small_config();
     fused.set("impl", std::string("fused"));
-    auto model = create_model("t5_tiny", fused);  // no fused kernel: the op refuses at run time
-    EXPECT_THROW(model->forward(torch::randn({1, 3, 32, 32})), linvis::Error);
+    auto model = create_model("t5_tiny", fused);  // fused kernels: tests/test_vit3_t5_fused.cpp
+    EXPECT_EQ(model->forward(torch::randn({1, 3, 32, 32})).size(0), 1);
+    fused.set("impl", std::string("bogus"));
+    EXPECT_THROW(create_model("t5_tiny", fused), linvis::Error);
     auto headless = small_config();
     headless.set("num_classes", int64_t{0});
     EXPECT_EQ(create_model("deit_tiny", headless)->forward(torch::randn({1, 3, 32, 32})).sizes(),

@@ -181,7 +181,7 @@ TEST(Vit3, ForwardBackwardRuns) {
         EXPECT_TRUE(torch::isfinite(logits).all().item<bool>());
     }
     EXPECT_THROW(make("vit3_tiny", {{"bogus", "1"}}), linvis::Error);
-    EXPECT_THROW(make("vit3_tiny", {{"impl", "fused"}}), linvis::Error);
+    EXPECT_THROW(make("vit3_tiny", {{"impl", "bogus"}}), linvis::Error);
     EXPECT_THROW(make("hvit3_tiny", {{"depths", "1,2,3"}}), linvis::Error);
     EXPECT_THROW(make("vit3_tiny", {{"depth", "1"}})->forward(torch::randn({1, 3, 40, 40})), linvis::Error);
 }

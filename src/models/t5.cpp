@@ -35,10 +35,9 @@ public:
     }
 
     torch::Tensor forward(const torch::Tensor& x, int64_t height, int64_t width) override {
-        std::vector<torch::Tensor> qkv_chunks = flops::linear(x, qkv->weight, qkv->bias).chunk(3, -1);
         ops::T5TttParams params{w1, w2, w3, q_conv2d->weight, q_conv2d->bias, k_conv2d->weight, k_conv2d->bias};
-        torch::Tensor out = ops::t5_ttt_attention(qkv_chunks[0], qkv_chunks[1], qkv_chunks[2], params, heads_, height,
-                                                  width, impl_);
+        torch::Tensor out = ops::t5_ttt_attention_qkv(flops::linear(x, qkv->weight, qkv->bias), params, heads_,
+                                                      height, width, impl_);
         return flops::linear(out, proj->weight, proj->bias);
     }
 

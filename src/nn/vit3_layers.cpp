@@ -45,12 +45,10 @@ torch::nn::Linear vit_linear(int64_t in, int64_t out, bool bias) {
 
 // ---------------------------------------------------------------- TTT
 
-Vit3TttImpl::Vit3TttImpl(int64_t dim_, int64_t num_heads_, bool qkv_bias, ops::Impl impl)
-    : dim(dim_), num_heads(num_heads_), head_dim(dim_ / num_heads_) {
+Vit3TttImpl::Vit3TttImpl(int64_t dim_, int64_t num_heads_, bool qkv_bias, ops::Impl impl_)
+    : dim(dim_), num_heads(num_heads_), head_dim(dim_ / num_heads_), impl(impl_) {
     LINVIS_CHECK(num_heads > 0 && dim % num_heads == 0, "Vit3Ttt: dim ", dim, " is not divisible by num_heads ",
                  num_heads);
-    LINVIS_CHECK(impl == ops::Impl::Reference, "Vit3Ttt: impl '", ops::impl_name(impl),
-                 "' is not available for the ViT³ mixer (only 'reference')");
     // Own parameters first, as in the official module's state_dict.
     w1 = register_parameter("w1", torch::empty({1, num_heads, head_dim, head_dim}));
     w2 = register_parameter("w2", torch::empty({1, num_heads, head_dim, head_dim}));
@@ -67,7 +65,7 @@ torch::Tensor Vit3TttImpl::forward(const torch::Tensor& x, int64_t height, int64
     LINVIS_CHECK(x.dim() == 3 && x.size(2) == dim && x.size(1) == height * width, "Vit3Ttt: expected x (B, ",
                  height * width, ", ", dim, "), got ", shape_string(x.sizes()));
     torch::Tensor mixed = ops::vit3_ttt_mix(linear_forward(qkv, x), w1, w2, w3, num_heads, height, width,
-                                            rope_rotations);
+                                            rope_rotations, impl);
     return linear_forward(proj, mixed);
 }
 

@@ -35,6 +35,7 @@ public:
                           const torch::Tensor& rope_rotations = {});
 
     int64_t dim, num_heads, head_dim;
+    ops::Impl impl;  // Reference or Fused (passed to ops::vit3_ttt_mix)
     torch::Tensor w1, w2, w3;
     torch::nn::Linear qkv{nullptr}, proj{nullptr};
 };

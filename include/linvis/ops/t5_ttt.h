@@ -74,6 +74,14 @@ torch::Tensor t5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k, c
                                const T5TttParams& params, int64_t num_heads, int64_t height, int64_t width,
                                Impl impl = Impl::Reference);
 
+// t5_ttt_attention(q, k, v) with q, k, v = qkv.chunk(3, -1), qkv (B, N, 3C) (the model's entry point).
+// Identical results; with Impl::Fused (float32 / bfloat16) the whole attention is one autograd
+// function of qkv whose backward writes the qkv gradient as one buffer (see docs/perf_vit3_t5.md).
+// Impl::Fused in t5_ttt_attention / t5_ttt_attention_qkv runs the fused CPU kernels for float32 and
+// bfloat16 and falls back to the reference for other dtypes.
+torch::Tensor t5_ttt_attention_qkv(const torch::Tensor& qkv, const T5TttParams& params, int64_t num_heads,
+                                   int64_t height, int64_t width, Impl impl = Impl::Reference);
+
 // DiT5 TTT branch of MixedAttention (B4 step 2).
 struct Dit5TttParams {
     torch::Tensor w1, w2;                       // (1, h, d, d)

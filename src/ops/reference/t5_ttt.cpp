@@ -9,6 +9,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "../cpu/vit3_t5_fused.h"
 
 namespace linvis::ops {
 namespace {
@@ -172,11 +173,17 @@ torch::Tensor ttt_mlp(const torch::Tensor& q, const torch::Tensor& k, const torc
 torch::Tensor t5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const T5TttParams& p, int64_t num_heads, int64_t height, int64_t width, Impl impl) {
     const char* op = "t5_ttt_attention";
-    require_reference(impl, op);
     const TokenShape s = check_tokens(op, q, k, v, num_heads, height, width);
     check_shape(op, "w1", p.w1, {1, s.h, s.d, s.d});
     check_shape(op, "w2", p.w2, {1, s.h, s.d, s.d});
     check_shape(op, "w3", p.w3, {1, s.h, s.d, s.d});
+    if (impl == Impl::Fused) {
+        for (const auto* w : {&p.q_conv_weight, &p.k_conv_weight}) check_shape(op, "conv weight", *w, {s.C, 1, 3, 3});
+        for (const auto* b : {&p.q_conv_bias, &p.k_conv_bias}) check_shape(op, "conv bias", *b, {s.C});
+        // float64 (and other dtypes) run the reference path.
+        if (fused_detail::fused_dtype_supported(q))
+            return fused_detail::t5_ttt_attention_fused(q, k, v, p, num_heads, height, width);
+    }
     const double scale = std::pow(static_cast<double>(s.d), -0.5);  // head_dim ** -0.5
 
     torch::Tensor qh = q.reshape({s.B, s.N, s.h, s.d}).transpose(1, 2);
@@ -186,6 +193,25 @@ torch::Tensor t5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k, c
     torch::Tensor k2 = conv_heads(kh, p.k_conv_weight, p.k_conv_bias, s, height, width);
     torch::Tensor x = ttt_swiglu(q2, k2, vh, p.w1, p.w2, p.w3, scale);
     return x.transpose(1, 2).reshape({s.B, s.N, s.C});
+}
+
+torch::Tensor t5_ttt_attention_qkv(const torch::Tensor& qkv, const T5TttParams& p, int64_t num_heads,
+                                   int64_t height, int64_t width, Impl impl) {
+    LINVIS_CHECK(qkv.defined() && qkv.dim() == 3 && qkv.size(2) % 3 == 0,
+                 "t5_ttt_attention_qkv: qkv: expected (B, N, 3C), got ",
+                 qkv.defined() ? shape_string(qkv.sizes()) : std::string("undefined"));
+    std::vector<torch::Tensor> c = qkv.chunk(3, -1);
+    if (impl != Impl::Fused || !fused_detail::fused_dtype_supported(qkv))
+        return t5_ttt_attention(c[0], c[1], c[2], p, num_heads, height, width, impl);
+    // Same checks as t5_ttt_attention.
+    const char* op = "t5_ttt_attention_qkv";
+    const TokenShape s = check_tokens(op, c[0], c[1], c[2], num_heads, height, width);
+    check_shape(op, "w1", p.w1, {1, s.h, s.d, s.d});
+    check_shape(op, "w2", p.w2, {1, s.h, s.d, s.d});
+    check_shape(op, "w3", p.w3, {1, s.h, s.d, s.d});
+    for (const auto* w : {&p.q_conv_weight, &p.k_conv_weight}) check_shape(op, "conv weight", *w, {s.C, 1, 3, 3});
+    for (const auto* b : {&p.q_conv_bias, &p.k_conv_bias}) check_shape(op, "conv bias", *b, {s.C});
+    return fused_detail::t5_ttt_attention_qkv_fused(qkv, p, num_heads, height, width);
 }
 
 torch::Tensor dit5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

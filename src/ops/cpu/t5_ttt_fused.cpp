@@ -1,0 +1,679 @@
+// Fused CPU T⁵ TTT attention (spec vit3_t5_official.md B2): key instance norm, residual
+// depthwise convs on q and k, one inner TTT-SwiGLU step with the dot loss, read-out.
+//
+// Forward: per (sample, channel) mean/rstd of k (two passes over the tokens); k2 = kn + dwconv(kn),
+// q2 = q + dwconv(q) into (B, N, C) scratch; per (sample, head) one pass over token blocks
+// accumulating G1, G2, G3 (d x d), then one pass applying (silu(q2 W1') * (q2 W2')) W3'.
+// Saved for backward: the inputs, mean/rstd (B, C), G1..G3 (B, h, d, d). The backward recomputes
+// kn, k2, q2 and every per-token quantity from them, one block of tokens at a time.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include <ATen/Parallel.h>
+
+#include "linvis/core/error.h"
+#include "linvis/core/flops.h"
+#include "ttt_fused_kernels.h"
+#include "vit3_t5_fused.h"
+
+namespace linvis::ops::fused_detail {
+namespace {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+Tensor f32_rows(const Tensor& t) {
+    Tensor x = t.scalar_type() == torch::kFloat32 ? t : t.to(torch::kFloat32);
+    if (x.stride(-1) != 1) x = x.contiguous();
+    return x;
+}
+
+// Token blocks of one head are reduced in groups of kGroup consecutive blocks per task, so the
+// d x d partial sums take ceil(blocks / kGroup) * d² floats per head (added in a fixed order).
+constexpr int64_t kGroup = 4;
+
+struct Dims {
+    int64_t B, N, C, h, d, H, W, blocks;
+    double scale;
+    int64_t groups = 1;  // ceil(blocks / kGroup)
+};
+
+// A (B, N, C) float tensor with unit channel stride seen as heads / as images.
+struct Tokens {
+    float* p;
+    int64_t sb, sn;
+    float* row(int64_t b, int64_t n) const { return p + b * sb + n * sn; }
+    float* head_row(int64_t b, int64_t hh, int64_t n, int64_t d) const { return p + b * sb + n * sn + hh * d; }
+};
+Tokens tokens_of(const Tensor& t) { return {const_cast<float*>(t.data_ptr<float>()), t.stride(0), t.stride(1)}; }
+Image image_of(const Tokens& t, int64_t b, const Dims& s) { return {t.row(b, 0), s.W * t.sn, t.sn, s.H, s.W, s.C}; }
+MutImage mut_image_of(const Tokens& t, int64_t b, const Dims& s) {
+    return {t.row(b, 0), s.W * t.sn, t.sn, s.H, s.W, s.C};
+}
+
+struct GridTasks {
+    int64_t B, H, rows, chunks;
+    GridTasks(int64_t B_, int64_t H_, int64_t W_)
+        : B(B_), H(H_), rows(std::max<int64_t>(1, kTokenBlock / std::max<int64_t>(W_, 1))),
+          chunks((H_ + rows - 1) / rows) {}
+    int64_t count() const { return B * chunks; }
+    int64_t sample(int64_t task) const { return task / chunks; }
+    int64_t y0(int64_t task) const { return (task % chunks) * rows; }
+    int64_t y1(int64_t task) const { return std::min(H, y0(task) + rows); }
+};
+
+// (C, 1, 3, 3) conv weight -> (9, C) taps.
+std::vector<float> taps_of(const Tensor& w, int64_t C) {
+    Tensor wf = w.to(torch::kFloat32).contiguous();
+    const float* p = wf.data_ptr<float>();
+    std::vector<float> taps(9 * C);
+    for (int64_t c = 0; c < C; ++c)
+        for (int64_t t = 0; t < 9; ++t) taps[t * C + c] = p[c * 9 + t];
+    return taps;
+}
+
+// Per (sample, channel) mean and 1/sqrt(var + eps) over the N tokens (biased variance, two passes).
+void key_stats(const Tokens& k, const Dims& s, double eps, float* mean, float* rstd) {
+    const GridTasks g(s.B, s.H, s.W);
+    std::vector<double> parts(g.count() * s.C);
+    std::vector<double> mu(s.B * s.C);
+    for (int pass = 0; pass < 2; ++pass) {
+        std::fill(parts.begin(), parts.end(), 0.0);
+        at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
+            for (int64_t task = begin; task < end; ++task) {
+                const int64_t b = g.sample(task);
+                double* acc = parts.data() + task * s.C;
+                const double* m = mu.data() + b * s.C;
+                for (int64_t n = g.y0(task) * s.W; n < g.y1(task) * s.W; ++n) {
+                    const float* r = k.row(b, n);
+                    if (pass == 0)
+                        for (int64_t c = 0; c < s.C; ++c) acc[c] += r[c];
+                    else
+                        for (int64_t c = 0; c < s.C; ++c) acc[c] += (r[c] - m[c]) * (r[c] - m[c]);
+                }
+            }
+        });
+        for (int64_t b = 0; b < s.B; ++b)
+            for (int64_t c = 0; c < s.C; ++c) {
+                double sum = 0.0;
+                for (int64_t ch = 0; ch < g.chunks; ++ch) sum += parts[(b * g.chunks + ch) * s.C + c];
+                if (pass == 0) {
+                    mu[b * s.C + c] = sum / static_cast<double>(s.N);
+                    mean[b * s.C + c] = static_cast<float>(mu[b * s.C + c]);
+                } else {
+                    rstd[b * s.C + c] = static_cast<float>(1.0 / std::sqrt(sum / static_cast<double>(s.N) + eps));
+                }
+            }
+    }
+}
+
+// kn = (k - mean) * rstd; k2 = kn + dwconv(kn) + bias. All (B, N, C).
+void key_locality(const Tokens& k, const float* mean, const float* rstd, const std::vector<float>& ktaps,
+                  const float* kbias, const Dims& s, const Tokens& kn, const Tokens& k2) {
+    const GridTasks g(s.B, s.H, s.W);
+    at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = g.sample(task);
+            for (int64_t n = g.y0(task) * s.W; n < g.y1(task) * s.W; ++n) {
+                const float* r = k.row(b, n);
+                float* o = kn.row(b, n);
+                for (int64_t c = 0; c < s.C; ++c) o[c] = (r[c] - mean[b * s.C + c]) * rstd[b * s.C + c];
+            }
+        }
+    });
+    at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = g.sample(task);
+            stencil_apply(image_of(kn, b, s), ktaps.data(), false, mut_image_of(k2, b, s), g.y0(task), g.y1(task),
+                          false);
+            for (int64_t n = g.y0(task) * s.W; n < g.y1(task) * s.W; ++n) {
+                const float* kr = kn.row(b, n);
+                float* ko = k2.row(b, n);
+                for (int64_t c = 0; c < s.C; ++c) ko[c] = kr[c] + (ko[c] + kbias[c]);
+            }
+        }
+    });
+}
+
+// q2 = q + dwconv(q) + bias, (B, N, C).
+void query_locality(const Tokens& q, const std::vector<float>& qtaps, const float* qbias, const Dims& s,
+                    const Tokens& q2) {
+    const GridTasks g(s.B, s.H, s.W);
+    at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = g.sample(task);
+            stencil_apply(image_of(q, b, s), qtaps.data(), false, mut_image_of(q2, b, s), g.y0(task), g.y1(task),
+                          false);
+            for (int64_t n = g.y0(task) * s.W; n < g.y1(task) * s.W; ++n) {
+                const float* qr = q.row(b, n);
+                float* qo = q2.row(b, n);
+                for (int64_t c = 0; c < s.C; ++c) qo[c] = qr[c] + (qo[c] + qbias[c]);
+            }
+        }
+    });
+}
+
+void reduce_partials(const std::vector<float>& parts, int64_t bh_count, int64_t blocks, int64_t dd, float* out) {
+    for (int64_t bh = 0; bh < bh_count; ++bh) {
+        float* o = out + bh * dd;
+        std::fill(o, o + dd, 0.0f);
+        for (int64_t blk = 0; blk < blocks; ++blk) {
+            const float* p = parts.data() + (bh * blocks + blk) * dd;
+            for (int64_t i = 0; i < dd; ++i) o[i] += p[i];
+        }
+    }
+}
+
+struct HeadWeights {  // per head (shared over the batch): W1, W2, W3 and transposes
+    std::vector<float> w1, w2, w3, w1T, w2T, w3T;
+};
+HeadWeights head_weights(const Tensor& w1, const Tensor& w2, const Tensor& w3, int64_t h, int64_t d) {
+    HeadWeights hw;
+    auto flat = [](const Tensor& w) {
+        Tensor f = w.to(torch::kFloat32).contiguous();
+        return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+    };
+    hw.w1 = flat(w1);
+    hw.w2 = flat(w2);
+    hw.w3 = flat(w3);
+    hw.w1T.resize(h * d * d);
+    hw.w2T.resize(h * d * d);
+    hw.w3T.resize(h * d * d);
+    for (int64_t hh = 0; hh < h; ++hh) {
+        transpose(hw.w1.data() + hh * d * d, d, d, d, hw.w1T.data() + hh * d * d);
+        transpose(hw.w2.data() + hh * d * d, d, d, d, hw.w2T.data() + hh * d * d);
+        transpose(hw.w3.data() + hh * d * d, d, d, d, hw.w3T.data() + hh * d * d);
+    }
+    return hw;
+}
+
+// ---- elementwise bodies (compiled portable and AVX-512, see LINVIS_FUSED_DUAL)
+
+LINVIS_FUSED_INLINE void inner_elementwise1_body(int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc,
+                                                 const float* __restrict z1, const float* __restrict z2,
+                                                 const float* __restrict sg, float* __restrict e,
+                                                 float* __restrict a2) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float* __restrict vr = v + t * ldv;
+        for (int64_t j = 0; j < d; ++j) {
+            const int64_t i = t * d + j;
+            e[i] = (-vr[j] / n) * sc;
+            a2[i] = (z1[i] * sg[i]) * z2[i];
+        }
+    }
+}
+LINVIS_FUSED_DUAL(inner_elementwise1, (int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc,
+                                       const float* z1, const float* z2, const float* sg, float* e, float* a2),
+                  (T, d, v, ldv, n, sc, z1, z2, sg, e, a2))
+
+LINVIS_FUSED_INLINE void inner_elementwise2_body(int64_t count, const float* __restrict z1,
+                                                 const float* __restrict z2, const float* __restrict sg,
+                                                 const float* __restrict da2, float* __restrict p1,
+                                                 float* __restrict p2) {
+    for (int64_t i = 0; i < count; ++i) {
+        const float sig = sg[i], z = z1[i];
+        p1[i] = da2[i] * z2[i] * (sig * (1.0f + z * (1.0f - sig)));
+        p2[i] = da2[i] * (z * sig);
+    }
+}
+LINVIS_FUSED_DUAL(inner_elementwise2, (int64_t count, const float* z1, const float* z2, const float* sg,
+                                       const float* da2, float* p1, float* p2),
+                  (count, z1, z2, sg, da2, p1, p2))
+
+// h = silu(y1) * y2 with silu(y) = y * sigmoid(y).
+LINVIS_FUSED_INLINE void gate_body(int64_t count, const float* __restrict y1, const float* __restrict y2,
+                                   const float* __restrict sg, float* __restrict h) {
+    for (int64_t i = 0; i < count; ++i) h[i] = (y1[i] * sg[i]) * y2[i];
+}
+LINVIS_FUSED_DUAL(gate, (int64_t count, const float* y1, const float* y2, const float* sg, float* h),
+                  (count, y1, y2, sg, h))
+
+LINVIS_FUSED_INLINE void gate_backward_body(int64_t count, const float* __restrict y1, const float* __restrict y2,
+                                            const float* __restrict sg, float* __restrict dh,
+                                            float* __restrict dy2) {
+    for (int64_t i = 0; i < count; ++i) {
+        const float sig = sg[i], z = y1[i];
+        dy2[i] = dh[i] * (z * sig);
+        dh[i] = dh[i] * y2[i] * (sig * (1.0f + z * (1.0f - sig)));  // becomes dy1
+    }
+}
+LINVIS_FUSED_DUAL(gate_backward, (int64_t count, const float* y1, const float* y2, const float* sg, float* dh,
+                                  float* dy2),
+                  (count, y1, y2, sg, dh, dy2))
+
+LINVIS_FUSED_INLINE void inner_backward_body(int64_t count, const float* __restrict z1, const float* __restrict z2,
+                                             const float* __restrict sg, const float* __restrict da2f,
+                                             const float* __restrict dp1, const float* __restrict dp2,
+                                             const float* __restrict da2, float* __restrict dda2,
+                                             float* __restrict dz1, float* __restrict dz2) {
+    for (int64_t i = 0; i < count; ++i) {
+        const float sig = sg[i], z = z1[i], a1 = z * sig;
+        const float D1 = sig * (1.0f + z * (1.0f - sig));
+        const float D1p = sig * (1.0f - sig) * (2.0f + z * (1.0f - 2.0f * sig));
+        dda2[i] = dp1[i] * z2[i] * D1 + dp2[i] * a1;
+        dz2[i] = dp1[i] * da2f[i] * D1 + da2[i] * a1;
+        const float da1 = dp2[i] * da2f[i] + da2[i] * z2[i];
+        dz1[i] = da1 * D1 + dp1[i] * da2f[i] * z2[i] * D1p;
+    }
+}
+LINVIS_FUSED_DUAL(inner_backward, (int64_t count, const float* z1, const float* z2, const float* sg,
+                                   const float* da2f, const float* dp1, const float* dp2, const float* da2,
+                                   float* dda2, float* dz1, float* dz2),
+                  (count, z1, z2, sg, da2f, dp1, dp2, da2, dda2, dz1, dz2))
+
+LINVIS_FUSED_INLINE void scale_rows_body(int64_t T, int64_t d, const float* __restrict src, float factor, float* dst,
+                                         int64_t ldd) {
+    for (int64_t t = 0; t < T; ++t) {
+        float* __restrict o = dst + t * ldd;
+        for (int64_t j = 0; j < d; ++j) o[j] = src[t * d + j] * factor;
+    }
+}
+LINVIS_FUSED_DUAL(scale_rows, (int64_t T, int64_t d, const float* src, float factor, float* dst, int64_t ldd),
+                  (T, d, src, factor, dst, ldd))
+
+// The inner forward + loss gradient for one token block of head hh of sample b.
+void inner_block(const Kernels& kr, const Tokens& K2, const Tokens& V, const HeadWeights& hw, int64_t b, int64_t hh,
+                 int64_t n0, int64_t T, const Dims& s, float* z1, float* z2, float* sg, float* e, float* a2,
+                 float* da2, float* p1, float* p2) {
+    const int64_t d = s.d, dd = d * d;
+    const float* kb = K2.head_row(b, hh, n0, d);
+    kr.gemm(T, d, d, kb, K2.sn, 1, hw.w1.data() + hh * dd, d, z1, d, false);
+    kr.gemm(T, d, d, kb, K2.sn, 1, hw.w2.data() + hh * dd, d, z2, d, false);
+    kr.sigmoid(z1, sg, T * d);
+    inner_elementwise1(T, d, V.head_row(b, hh, n0, d), V.sn, static_cast<float>(s.N), static_cast<float>(s.scale), z1,
+                       z2, sg, e, a2);
+    kr.gemm(T, d, d, e, d, 1, hw.w3T.data() + hh * dd, d, da2, d, false);
+    inner_elementwise2(T * d, z1, z2, sg, da2, p1, p2);
+}
+
+struct ForwardResult {
+    Tensor out, mean, rstd, g;  // g: (3, B, h, d, d)
+};
+
+struct Prepared {
+    Tensor q, k, v;
+    Dims s;
+};
+
+ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
+    const Dims& s = in.s;
+    const int64_t d = s.d, dd = d * d, BH = s.B * s.h, tasks = BH * s.blocks, rtasks = BH * s.groups;
+    const Tokens Q = tokens_of(in.q), K = tokens_of(in.k), V = tokens_of(in.v);
+    Tensor mean = torch::empty({s.B, s.C}, torch::kFloat32), rstd = torch::empty({s.B, s.C}, torch::kFloat32);
+    key_stats(K, s, 1.0, mean.data_ptr<float>(), rstd.data_ptr<float>());
+    Tensor kn = torch::empty({s.B, s.N, s.C}, torch::kFloat32), k2 = torch::empty_like(kn), q2 = torch::empty_like(kn);
+    const Tensor qb = p.q_conv_bias.to(torch::kFloat32).contiguous(), kb = p.k_conv_bias.to(torch::kFloat32).contiguous();
+    key_locality(K, mean.data_ptr<float>(), rstd.data_ptr<float>(), taps_of(p.k_conv_weight, s.C),
+                 kb.data_ptr<float>(), s, tokens_of(kn), tokens_of(k2));
+    query_locality(Q, taps_of(p.q_conv_weight, s.C), qb.data_ptr<float>(), s, tokens_of(q2));
+    kn = Tensor();
+    const Tokens K2 = tokens_of(k2), Q2 = tokens_of(q2);
+    const HeadWeights hw = head_weights(p.w1, p.w2, p.w3, s.h, d);
+    const Kernels& kr = kernels();
+
+    std::vector<float> pa(rtasks * dd), pb(rtasks * dd), pc(rtasks * dd);
+    at::parallel_for(0, rtasks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> buf(8 * kTokenBlock * d);
+        float* a[8];
+        for (int i = 0; i < 8; ++i) a[i] = buf.data() + i * kTokenBlock * d;
+        for (int64_t task = begin; task < end; ++task)
+          for (int64_t blk = (task % s.groups) * kGroup; blk < std::min(s.blocks, (task % s.groups + 1) * kGroup);
+               ++blk) {
+            const int64_t bh = task / s.groups, b = bh / s.h, hh = bh % s.h;
+            const bool acc = blk % kGroup != 0;  // first block of the group overwrites the partial
+            const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0);
+            inner_block(kr, K2, V, hw, b, hh, n0, T, s, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+            const float* kbk = K2.head_row(b, hh, n0, d);
+            kr.gemm(d, d, T, kbk, 1, K2.sn, a[6], d, pa.data() + task * dd, d, acc);
+            kr.gemm(d, d, T, kbk, 1, K2.sn, a[7], d, pb.data() + task * dd, d, acc);
+            kr.gemm(d, d, T, a[4], 1, d, a[3], d, pc.data() + task * dd, d, acc);
+        }
+    });
+    k2 = Tensor();  // only the read-out (q2) is still needed
+    Tensor g = torch::empty({3, s.B, s.h, d, d}, torch::kFloat32);
+    float* gp = g.data_ptr<float>();
+    reduce_partials(pa, BH, s.groups, dd, gp);
+    reduce_partials(pb, BH, s.groups, dd, gp + BH * dd);
+    reduce_partials(pc, BH, s.groups, dd, gp + 2 * BH * dd);
+    // Updated weights W' = W - G per (sample, head).
+    std::vector<float> wn(3 * BH * dd);
+    for (int i = 0; i < 3; ++i) {
+        const std::vector<float>& w = i == 0 ? hw.w1 : i == 1 ? hw.w2 : hw.w3;
+        for (int64_t bh = 0; bh < BH; ++bh)
+            for (int64_t j = 0; j < dd; ++j)
+                wn[(i * BH + bh) * dd + j] = w[(bh % s.h) * dd + j] - gp[(i * BH + bh) * dd + j];
+    }
+    Tensor out = torch::empty({s.B, s.N, s.C}, torch::kFloat32);
+    const Tokens O = tokens_of(out);
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> buf(4 * kTokenBlock * d);
+        float *y1 = buf.data(), *y2 = y1 + kTokenBlock * d, *sg = y2 + kTokenBlock * d, *hb = sg + kTokenBlock * d;
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bh = task / s.blocks, blk = task % s.blocks, b = bh / s.h, hh = bh % s.h;
+            const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0);
+            const float* qr = Q2.head_row(b, hh, n0, d);
+            kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + bh * dd, d, y1, d, false);
+            kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + (BH + bh) * dd, d, y2, d, false);
+            kr.sigmoid(y1, sg, T * d);
+            gate(T * d, y1, y2, sg, hb);
+            kr.gemm(T, d, d, hb, d, 1, wn.data() + (2 * BH + bh) * dd, d, O.head_row(b, hh, n0, d), O.sn, false);
+        }
+    });
+    // Inner: z1, z2, da2, G1, G2, G3; read-out: three products; convs 2 x 9 MACs per element.
+    flops::add(9 * s.B * s.N * s.C * d + 2 * 9 * s.B * s.N * s.C);
+    return {out, mean, rstd, g};
+}
+
+// dest: optional {dq, dk, dv} (B, N, C) float destinations with unit channel stride (views of one
+// dqkv buffer for the qkv entry point).
+std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const Tensor& mean, const Tensor& rstd,
+                                const Tensor& g, const Tensor& grad, const std::vector<Tensor>& dest = {}) {
+    const Dims& s = in.s;
+    const int64_t d = s.d, dd = d * d, BH = s.B * s.h, rtasks = BH * s.groups, C = s.C;
+    const Tokens Q = tokens_of(in.q), K = tokens_of(in.k), V = tokens_of(in.v), dO = tokens_of(grad);
+    // The query side first (q2, read-out backward, q-conv backward), then the key side, so that at
+    // most five (B, N, C) float buffers (input-gradient destinations included) are live at once.
+    Tensor q2 = torch::empty({s.B, s.N, C}, torch::kFloat32);
+    const std::vector<float> qtaps = taps_of(p.q_conv_weight, C), ktaps = taps_of(p.k_conv_weight, C);
+    const Tensor qbias = p.q_conv_bias.to(torch::kFloat32).contiguous();
+    const Tensor kbias = p.k_conv_bias.to(torch::kFloat32).contiguous();
+    query_locality(Q, qtaps, qbias.data_ptr<float>(), s, tokens_of(q2));
+    const Tokens Q2 = tokens_of(q2);
+    const HeadWeights hw = head_weights(p.w1, p.w2, p.w3, s.h, d);
+    const float* gp = g.data_ptr<float>();
+    // W' and W'ᵀ per (sample, head).
+    std::vector<float> wn(3 * BH * dd), wnT(3 * BH * dd);
+    for (int i = 0; i < 3; ++i) {
+        const std::vector<float>& w = i == 0 ? hw.w1 : i == 1 ? hw.w2 : hw.w3;
+        for (int64_t bh = 0; bh < BH; ++bh) {
+            float* o = wn.data() + (i * BH + bh) * dd;
+            for (int64_t j = 0; j < dd; ++j) o[j] = w[(bh % s.h) * dd + j] - gp[(i * BH + bh) * dd + j];
+            transpose(o, d, d, d, wnT.data() + (i * BH + bh) * dd);
+        }
+    }
+    const Kernels& kr = kernels();
+
+    // Pass B: read-out backward -> dq2, dW' (per sample, head).
+    Tensor dq2 = torch::empty({s.B, s.N, C}, torch::kFloat32);
+    const Tokens DQ2 = tokens_of(dq2);
+    std::vector<float> pa(rtasks * dd), pb(rtasks * dd), pc(rtasks * dd);
+    at::parallel_for(0, rtasks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> buf(6 * kTokenBlock * d);
+        float* a[6];
+        for (int i = 0; i < 6; ++i) a[i] = buf.data() + i * kTokenBlock * d;
+        float *y1 = a[0], *y2 = a[1], *sg = a[2], *hbuf = a[3], *dh = a[4], *dy2 = a[5];
+        for (int64_t task = begin; task < end; ++task)
+          for (int64_t blk = (task % s.groups) * kGroup; blk < std::min(s.blocks, (task % s.groups + 1) * kGroup);
+               ++blk) {
+            const int64_t bh = task / s.groups, b = bh / s.h, hh = bh % s.h;
+            const bool acc = blk % kGroup != 0;  // first block of the group overwrites the partial
+            const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0);
+            const float* qr = Q2.head_row(b, hh, n0, d);
+            const float* gr = dO.head_row(b, hh, n0, d);
+            kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + bh * dd, d, y1, d, false);
+            kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + (BH + bh) * dd, d, y2, d, false);
+            kr.sigmoid(y1, sg, T * d);
+            gate(T * d, y1, y2, sg, hbuf);
+            kr.gemm(d, d, T, hbuf, 1, d, gr, dO.sn, pc.data() + task * dd, d, acc);
+            kr.gemm(T, d, d, gr, dO.sn, 1, wnT.data() + (2 * BH + bh) * dd, d, dh, d, false);
+            gate_backward(T * d, y1, y2, sg, dh, dy2);  // dh becomes dy1
+            kr.gemm(d, d, T, qr, 1, Q2.sn, dh, d, pa.data() + task * dd, d, acc);
+            kr.gemm(d, d, T, qr, 1, Q2.sn, dy2, d, pb.data() + task * dd, d, acc);
+            float* dq = DQ2.head_row(b, hh, n0, d);
+            kr.gemm(T, d, d, dh, d, 1, wnT.data() + bh * dd, d, dq, DQ2.sn, false);
+            kr.gemm(T, d, d, dy2, d, 1, wnT.data() + (BH + bh) * dd, d, dq, DQ2.sn, true);
+        }
+    });
+    std::vector<float> dwp(3 * BH * dd);  // dW' per (sample, head)
+    reduce_partials(pa, BH, s.groups, dd, dwp.data());
+    reduce_partials(pb, BH, s.groups, dd, dwp.data() + BH * dd);
+    reduce_partials(pc, BH, s.groups, dd, dwp.data() + 2 * BH * dd);
+    // dG = -dW'; keep dG and dGᵀ.
+    std::vector<float> dG(3 * BH * dd), dGT(3 * BH * dd);
+    for (int64_t i = 0; i < 3 * BH; ++i) {
+        for (int64_t j = 0; j < dd; ++j) dG[i * dd + j] = -dwp[i * dd + j];
+        transpose(dG.data() + i * dd, d, d, d, dGT.data() + i * dd);
+    }
+
+    q2 = Tensor();
+
+    // q-conv backward right away (frees dq2 before pass C): dq = dq2 + dwconvᵀ(dq2), dqw = corr(q, dq2).
+    const GridTasks gt(s.B, s.H, s.W);
+    Tensor dq = dest.empty() ? torch::empty({s.B, s.N, C}, torch::kFloat32) : dest[0];
+    const Tokens DQ = tokens_of(dq);
+    std::vector<float> qw_parts(gt.count() * 9 * C, 0.0f);
+    std::vector<double> qred(gt.count() * C, 0.0);
+    at::parallel_for(0, gt.count(), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = gt.sample(task), y0 = gt.y0(task), y1 = gt.y1(task);
+            stencil_apply(image_of(DQ2, b, s), qtaps.data(), true, mut_image_of(DQ, b, s), y0, y1, false);
+            stencil_reduce(image_of(Q, b, s), image_of(DQ2, b, s), qw_parts.data() + task * 9 * C, y0, y1);
+            double* r = qred.data() + task * C;
+            for (int64_t n = y0 * s.W; n < y1 * s.W; ++n) {
+                const float* g2 = DQ2.row(b, n);
+                float* dqr = DQ.row(b, n);
+                for (int64_t c = 0; c < C; ++c) {
+                    dqr[c] += g2[c];
+                    r[c] += g2[c];
+                }
+            }
+        }
+    });
+    dq2 = Tensor();
+    Tensor dqw = torch::zeros({C, 1, 3, 3}, torch::kFloat32), dqb = torch::zeros({C}, torch::kFloat32);
+    for (int64_t task = 0; task < gt.count(); ++task)
+        for (int64_t c = 0; c < C; ++c) {
+            for (int64_t t = 0; t < 9; ++t) dqw.data_ptr<float>()[c * 9 + t] += qw_parts[task * 9 * C + t * C + c];
+            dqb.data_ptr<float>()[c] += static_cast<float>(qred[task * C + c]);
+        }
+
+    Tensor kn = torch::empty({s.B, s.N, C}, torch::kFloat32), k2 = torch::empty_like(kn);
+    key_locality(K, mean.data_ptr<float>(), rstd.data_ptr<float>(), ktaps, kbias.data_ptr<float>(), s, tokens_of(kn),
+                 tokens_of(k2));
+    const Tokens KN = tokens_of(kn), K2 = tokens_of(k2);
+
+    // Pass C: inner-step backward -> dk2 (in the dk destination), dv, direct dW.
+    Tensor dk2 = dest.empty() ? torch::empty({s.B, s.N, C}, torch::kFloat32) : dest[1];
+    Tensor dv = dest.empty() ? torch::empty({s.B, s.N, C}, torch::kFloat32) : dest[2];
+    const Tokens DK2 = tokens_of(dk2), DV = tokens_of(dv);
+    at::parallel_for(0, rtasks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> buf(15 * kTokenBlock * d);
+        float* a[15];
+        for (int i = 0; i < 15; ++i) a[i] = buf.data() + i * kTokenBlock * d;
+        float *z1 = a[0], *z2 = a[1], *sg = a[2], *e = a[3], *a2 = a[4], *da2f = a[5], *p1 = a[6], *p2 = a[7],
+              *dp1 = a[8], *dp2 = a[9], *da2 = a[10], *de = a[11], *dda2 = a[12], *dz1 = a[13], *dz2 = a[14];
+        const float dv_scale = static_cast<float>(-s.scale / static_cast<double>(s.N));
+        for (int64_t task = begin; task < end; ++task)
+          for (int64_t blk = (task % s.groups) * kGroup; blk < std::min(s.blocks, (task % s.groups + 1) * kGroup);
+               ++blk) {
+            const int64_t bh = task / s.groups, b = bh / s.h, hh = bh % s.h;
+            const bool acc = blk % kGroup != 0;  // first block of the group overwrites the partial
+            const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0);
+            inner_block(kr, K2, V, hw, b, hh, n0, T, s, z1, z2, sg, e, a2, da2f, p1, p2);
+            const float* kbk = K2.head_row(b, hh, n0, d);
+            kr.gemm(T, d, d, kbk, K2.sn, 1, dG.data() + bh * dd, d, dp1, d, false);
+            kr.gemm(T, d, d, kbk, K2.sn, 1, dG.data() + (BH + bh) * dd, d, dp2, d, false);
+            kr.gemm(T, d, d, e, d, 1, dGT.data() + (2 * BH + bh) * dd, d, da2, d, false);
+            kr.gemm(T, d, d, a2, d, 1, dG.data() + (2 * BH + bh) * dd, d, de, d, false);
+            inner_backward(T * d, z1, z2, sg, da2f, dp1, dp2, da2, dda2, dz1, dz2);
+            kr.gemm(T, d, d, dda2, d, 1, hw.w3.data() + hh * dd, d, de, d, true);
+            scale_rows(T, d, de, dv_scale, DV.head_row(b, hh, n0, d), DV.sn);
+            float* dk = DK2.head_row(b, hh, n0, d);
+            kr.gemm(T, d, d, p1, d, 1, dGT.data() + bh * dd, d, dk, DK2.sn, false);
+            kr.gemm(T, d, d, p2, d, 1, dGT.data() + (BH + bh) * dd, d, dk, DK2.sn, true);
+            kr.gemm(T, d, d, dz1, d, 1, hw.w1T.data() + hh * dd, d, dk, DK2.sn, true);
+            kr.gemm(T, d, d, dz2, d, 1, hw.w2T.data() + hh * dd, d, dk, DK2.sn, true);
+            kr.gemm(d, d, T, kbk, 1, K2.sn, dz1, d, pa.data() + task * dd, d, acc);
+            kr.gemm(d, d, T, kbk, 1, K2.sn, dz2, d, pb.data() + task * dd, d, acc);
+            kr.gemm(d, d, T, dda2, 1, d, e, d, pc.data() + task * dd, d, acc);
+        }
+    });
+    std::vector<float> direct(3 * BH * dd);
+    reduce_partials(pa, BH, s.groups, dd, direct.data());
+    reduce_partials(pb, BH, s.groups, dd, direct.data() + BH * dd);
+    reduce_partials(pc, BH, s.groups, dd, direct.data() + 2 * BH * dd);
+    Tensor dw = torch::zeros({3, 1, s.h, d, d}, torch::kFloat32);
+    float* dwq = dw.data_ptr<float>();
+    for (int i = 0; i < 3; ++i)
+        for (int64_t bh = 0; bh < BH; ++bh)
+            for (int64_t j = 0; j < dd; ++j)
+                dwq[(i * s.h + bh % s.h) * dd + j] += dwp[(i * BH + bh) * dd + j] + direct[(i * BH + bh) * dd + j];
+
+    // k-conv backward and instance-norm sums: dkn = dk2 + dwconvᵀ(dk2) into k2's storage (k2 is
+    // dead after pass C); dkw = corr(kn, dk2).
+    Tensor dkn = k2;
+    const Tokens DKN = tokens_of(dkn);
+    std::vector<float> kw_parts(gt.count() * 9 * C, 0.0f);
+    std::vector<double> kred(gt.count() * 3 * C, 0.0);  // per task: Σdk2, Σdkn, Σdkn*kn
+    at::parallel_for(0, gt.count(), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = gt.sample(task), y0 = gt.y0(task), y1 = gt.y1(task);
+            stencil_apply(image_of(DK2, b, s), ktaps.data(), true, mut_image_of(DKN, b, s), y0, y1, false);
+            stencil_reduce(image_of(KN, b, s), image_of(DK2, b, s), kw_parts.data() + task * 9 * C, y0, y1);
+            double* r = kred.data() + task * 3 * C;
+            for (int64_t n = y0 * s.W; n < y1 * s.W; ++n) {
+                const float *k2g = DK2.row(b, n), *knr = KN.row(b, n);
+                float* dknr = DKN.row(b, n);
+                for (int64_t c = 0; c < C; ++c) {
+                    dknr[c] += k2g[c];
+                    r[c] += k2g[c];
+                    r[C + c] += dknr[c];
+                    r[2 * C + c] += static_cast<double>(dknr[c]) * knr[c];
+                }
+            }
+        }
+    });
+    Tensor dkw = torch::zeros({C, 1, 3, 3}, torch::kFloat32), dkb = torch::zeros({C}, torch::kFloat32);
+    std::vector<double> mean_dkn(s.B * C, 0.0), mean_dknkn(s.B * C, 0.0);
+    for (int64_t task = 0; task < gt.count(); ++task) {
+        const int64_t b = gt.sample(task);
+        const double* r = kred.data() + task * 3 * C;
+        for (int64_t c = 0; c < C; ++c) {
+            for (int64_t t = 0; t < 9; ++t) dkw.data_ptr<float>()[c * 9 + t] += kw_parts[task * 9 * C + t * C + c];
+            dkb.data_ptr<float>()[c] += static_cast<float>(r[c]);
+            mean_dkn[b * C + c] += r[C + c] / static_cast<double>(s.N);
+            mean_dknkn[b * C + c] += r[2 * C + c] / static_cast<double>(s.N);
+        }
+    }
+    // Instance norm backward: dk = rstd * (dkn - mean(dkn) - kn * mean(dkn * kn)), written over dk2.
+    const float* rs = rstd.data_ptr<float>();
+    at::parallel_for(0, gt.count(), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = gt.sample(task);
+            for (int64_t n = gt.y0(task) * s.W; n < gt.y1(task) * s.W; ++n) {
+                const float *g = DKN.row(b, n), *knr = KN.row(b, n);
+                float* o = DK2.row(b, n);
+                for (int64_t c = 0; c < C; ++c)
+                    o[c] = rs[b * C + c] * (g[c] - static_cast<float>(mean_dkn[b * C + c]) -
+                                            knr[c] * static_cast<float>(mean_dknkn[b * C + c]));
+            }
+        }
+    });
+    return {dq, dk2, dv, dw[0], dw[1], dw[2], dqw, dqb, dkw, dkb};
+}
+
+Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, int64_t heads, int64_t H, int64_t W) {
+    Prepared in{f32_rows(q), f32_rows(k), f32_rows(v), {}};
+    const int64_t B = q.size(0), N = q.size(1), C = q.size(2), d = C / heads;
+    in.s = Dims{B, N, C, heads, d, H, W, (N + kTokenBlock - 1) / kTokenBlock, std::pow(static_cast<double>(d), -0.5)};
+    in.s.groups = (in.s.blocks + kGroup - 1) / kGroup;
+    return in;
+}
+
+class T5AttentionFunction : public torch::autograd::Function<T5AttentionFunction> {
+public:
+    static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w1,
+                          const Tensor& w2, const Tensor& w3, const Tensor& qcw, const Tensor& qcb, const Tensor& kcw,
+                          const Tensor& kcb, int64_t heads, int64_t H, int64_t W) {
+        const T5TttParams p{w1, w2, w3, qcw, qcb, kcw, kcb};
+        ForwardResult r = t5_forward(prepare(q, k, v, heads, H, W), p);
+        ctx->save_for_backward({q, k, v, w1, w2, w3, qcw, qcb, kcw, kcb, r.mean, r.rstd, r.g});
+        ctx->saved_data["heads"] = heads;
+        ctx->saved_data["H"] = H;
+        ctx->saved_data["W"] = W;
+        return r.out.to(q.scalar_type());
+    }
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        const auto sv = ctx->get_saved_variables();
+        const T5TttParams p{sv[3], sv[4], sv[5], sv[6], sv[7], sv[8], sv[9]};
+        const Prepared in = prepare(sv[0], sv[1], sv[2], ctx->saved_data["heads"].toInt(),
+                                    ctx->saved_data["H"].toInt(), ctx->saved_data["W"].toInt());
+        Tensor grad = grads[0].defined() ? f32_rows(grads[0]) : torch::zeros(sv[0].sizes(), torch::kFloat32);
+        auto g = t5_backward(in, p, sv[10], sv[11], sv[12], grad);
+        variable_list out;
+        for (size_t i = 0; i < 10; ++i) out.push_back(g[i].to(sv[i].scalar_type()));
+        out.resize(13);
+        return out;
+    }
+};
+
+// The same attention as one function of qkv (B, N, 3C): q, k, v are read in place and the
+// backward writes the three gradients into one dqkv buffer (autograd would otherwise concatenate them).
+class T5QkvFunction : public torch::autograd::Function<T5QkvFunction> {
+public:
+    static Prepared prepare_qkv(const Tensor& qkv, int64_t heads, int64_t H, int64_t W) {
+        Tensor x = f32_rows(qkv);
+        auto c = x.chunk(3, -1);
+        return prepare(c[0], c[1], c[2], heads, H, W);
+    }
+    static Tensor forward(AutogradContext* ctx, const Tensor& qkv, const Tensor& w1, const Tensor& w2, const Tensor& w3,
+                          const Tensor& qcw, const Tensor& qcb, const Tensor& kcw, const Tensor& kcb, int64_t heads,
+                          int64_t H, int64_t W) {
+        const T5TttParams p{w1, w2, w3, qcw, qcb, kcw, kcb};
+        ForwardResult r = t5_forward(prepare_qkv(qkv, heads, H, W), p);
+        ctx->save_for_backward({qkv, w1, w2, w3, qcw, qcb, kcw, kcb, r.mean, r.rstd, r.g});
+        ctx->saved_data["heads"] = heads;
+        ctx->saved_data["H"] = H;
+        ctx->saved_data["W"] = W;
+        return r.out.to(qkv.scalar_type());
+    }
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        const auto sv = ctx->get_saved_variables();
+        const T5TttParams p{sv[1], sv[2], sv[3], sv[4], sv[5], sv[6], sv[7]};
+        const Prepared in = prepare_qkv(sv[0], ctx->saved_data["heads"].toInt(), ctx->saved_data["H"].toInt(),
+                                        ctx->saved_data["W"].toInt());
+        const int64_t B = in.s.B, N = in.s.N, C = in.s.C;
+        Tensor grad = grads[0].defined() ? f32_rows(grads[0]) : torch::zeros({B, N, C}, torch::kFloat32);
+        Tensor dqkv = torch::empty({B, N, 3 * C}, torch::kFloat32);
+        auto dest = dqkv.chunk(3, -1);
+        auto g = t5_backward(in, p, sv[8], sv[9], sv[10], grad, {dest[0], dest[1], dest[2]});
+        variable_list out{dqkv.to(sv[0].scalar_type())};
+        for (size_t i = 3; i < 10; ++i) out.push_back(g[i].to(sv[i - 2].scalar_type()));
+        out.resize(11);
+        return out;
+    }
+};
+
+}  // namespace
+
+Tensor t5_ttt_attention_qkv_fused(const Tensor& qkv, const T5TttParams& p, int64_t num_heads, int64_t height,
+                                  int64_t width) {
+    bool grad = false;
+    if (torch::GradMode::is_enabled())
+        for (const Tensor* t : {&qkv, &p.w1, &p.w2, &p.w3, &p.q_conv_weight, &p.q_conv_bias, &p.k_conv_weight,
+                                &p.k_conv_bias})
+            grad = grad || t->requires_grad();
+    if (grad)
+        return T5QkvFunction::apply(qkv, p.w1, p.w2, p.w3, p.q_conv_weight, p.q_conv_bias, p.k_conv_weight,
+                                    p.k_conv_bias, num_heads, height, width);
+    torch::NoGradGuard no_grad;
+    return t5_forward(T5QkvFunction::prepare_qkv(qkv, num_heads, height, width), p).out.to(qkv.scalar_type());
+}
+
+Tensor t5_ttt_attention_fused(const Tensor& q, const Tensor& k, const Tensor& v, const T5TttParams& p,
+                              int64_t num_heads, int64_t height, int64_t width) {
+    bool grad = false;
+    if (torch::GradMode::is_enabled())
+        for (const Tensor* t : {&q, &k, &v, &p.w1, &p.w2, &p.w3, &p.q_conv_weight, &p.q_conv_bias, &p.k_conv_weight,
+                                &p.k_conv_bias})
+            grad = grad || t->requires_grad();
+    if (grad)
+        return T5AttentionFunction::apply(q, k, v, p.w1, p.w2, p.w3, p.q_conv_weight, p.q_conv_bias, p.k_conv_weight,
+                                          p.k_conv_bias, num_heads, height, width);
+    torch::NoGradGuard no_grad;
+    return t5_forward(prepare(q, k, v, num_heads, height, width), p).out.to(q.scalar_type());
+}
+
+}  // namespace linvis::ops::fused_detail

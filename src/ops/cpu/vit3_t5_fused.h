@@ -1,0 +1,34 @@
+// Internal entry points of the fused CPU ViT³ / T⁵ kernels (dispatched from the public ops when
+// impl == Impl::Fused; see docs/perf_vit3_t5.md). Same shapes and semantics as the reference
+// functions they replace. float32 and bfloat16 run fused (bfloat16 converted to float32 on entry,
+// results cast back); other dtypes are handled by the caller (reference path).
+#pragma once
+
+#include <torch/torch.h>
+
+#include "linvis/ops/t5_ttt.h"
+
+namespace linvis::ops::fused_detail {
+
+// True when the fused kernels handle this dtype (float32, bfloat16).
+bool fused_dtype_supported(const torch::Tensor& t);
+
+torch::Tensor vit3_swiglu_branch_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                       const torch::Tensor& w1, const torch::Tensor& w2, double scale);
+torch::Tensor vit3_dwconv_branch_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                       const torch::Tensor& w3, double scale);
+// vit3_ttt_mix without RoPE: one function of qkv (reads q/k/v in place, one output buffer, one
+// dqkv buffer in backward). Shapes as ops::vit3_ttt_mix.
+torch::Tensor vit3_ttt_mix_fused(const torch::Tensor& qkv, const torch::Tensor& w1, const torch::Tensor& w2,
+                                 const torch::Tensor& w3, int64_t num_heads, int64_t height, int64_t width);
+torch::Tensor t5_ttt_attention_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                     const T5TttParams& params, int64_t num_heads, int64_t height, int64_t width);
+
+// t5_ttt_attention on qkv.chunk(3, -1), with the qkv gradient written as one buffer.
+torch::Tensor t5_ttt_attention_qkv_fused(const torch::Tensor& qkv, const T5TttParams& params, int64_t num_heads,
+                                         int64_t height, int64_t width);
+
+// Token block (rows of one (sample, head)) processed at a time; scratch is O(block * d) per task.
+constexpr int64_t kTokenBlock = 256;
+
+}  // namespace linvis::ops::fused_detail

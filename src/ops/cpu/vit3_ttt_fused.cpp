@@ -1,0 +1,612 @@
+// Fused CPU ViT³ TTT branches (spec vit3_t5_official.md A2 steps 4-6, A10): one inner gradient
+// step over all N tokens without materialising (B, h, N, d) temporaries.
+//
+// SwiGLU branch, per (sample, head), tokens in blocks of kTokenBlock:
+//   forward  pass 1: Z1 = K W1, Z2 = K W2, E = (-V/N) s  ->  G1 += Kᵀ(E∘silu(Z2)), G2 += Kᵀ(E∘Z1∘silu'(Z2))
+//            normalise, W' = W - G/(||G||_col + 1)
+//            pass 2: out = (Q W1') ∘ silu(Q W2')
+//   backward pass B: recompute Q W', dQ, dW' = Qᵀ dY         (reduction)
+//            dG = normalisation backward of -dW'
+//            pass C: recompute Z1, Z2, P1, P2 from K, V; dK, dV, dW (direct) = Kᵀ dZ
+// Saved for backward: the inputs and the raw inner gradients G1, G2 (B, h, d, d).
+// Depthwise branch, per sample on the (H, W) grid, channels contiguous:
+//   G = α Σ_grid kpad(shift) v (α = -s/(HW)), normalised over 3x3, W3' = w3 - Ĝ, out = dwconv(q, W3').
+// Saved: the inputs and G (B, 9, d).
+#include <algorithm>
+#include <vector>
+
+#include <ATen/Parallel.h>
+
+#include "linvis/core/error.h"
+#include "linvis/core/flops.h"
+#include "linvis/ops/vit3_ttt.h"
+#include "ttt_fused_kernels.h"
+#include "vit3_t5_fused.h"
+
+namespace linvis::ops::fused_detail {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+bool fused_dtype_supported(const Tensor& t) {
+    return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16;
+}
+
+namespace {
+
+// float32 with a contiguous last dim (a view when the input already is one).
+Tensor f32_rows(const Tensor& t) {
+    Tensor x = t.scalar_type() == torch::kFloat32 ? t : t.to(torch::kFloat32);
+    if (x.stride(-1) != 1) x = x.contiguous();
+    return x;
+}
+
+struct Heads {  // (B, h, N, d) with unit channel stride
+    float* p;
+    int64_t sb, sh, sn;
+    float* row(int64_t b, int64_t hh, int64_t n) const { return p + b * sb + hh * sh + n * sn; }
+};
+Heads heads_of(const Tensor& t) {
+    return {const_cast<float*>(t.data_ptr<float>()), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// (B, N, h, d) contiguous float tensor, returned to callers as its (B, h, N, d) transpose.
+Tensor new_heads_buffer(int64_t B, int64_t h, int64_t N, int64_t d) {
+    return torch::empty({B, N, h, d}, torch::kFloat32).transpose(1, 2);
+}
+
+// Copies K rows (stride sn) into nothing: gemm reads them in place. Helper for the weight (1 or B).
+const float* weight_of(const Tensor& w, int64_t b, int64_t hh, int64_t h, int64_t d) {
+    const int64_t bb = w.size(0) == 1 ? 0 : b;
+    return w.data_ptr<float>() + (bb * h + hh) * d * d;
+}
+
+struct SwigluDims {
+    int64_t B, h, N, d, blocks;
+    double scale;
+};
+
+// ---- elementwise bodies (compiled portable and AVX-512, see LINVIS_FUSED_DUAL)
+
+LINVIS_FUSED_INLINE void inner_elementwise_body(int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc,
+                                                const float* __restrict z1, const float* __restrict z2,
+                                                const float* __restrict sg, float* __restrict e,
+                                                float* __restrict p1, float* __restrict p2) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float* __restrict vr = v + t * ldv;
+        for (int64_t j = 0; j < d; ++j) {
+            const int64_t i = t * d + j;
+            const float sig = sg[i], zz = z2[i];
+            const float ev = (-vr[j] / n) * sc;
+            e[i] = ev;
+            p1[i] = ev * (zz * sig);
+            p2[i] = ev * z1[i] * (sig * (1.0f + zz * (1.0f - sig)));
+        }
+    }
+}
+LINVIS_FUSED_DUAL(inner_elementwise,
+                  (int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc, const float* z1,
+                   const float* z2, const float* sg, float* e, float* p1, float* p2),
+                  (T, d, v, ldv, n, sc, z1, z2, sg, e, p1, p2))
+
+LINVIS_FUSED_INLINE void readout_body(int64_t T, int64_t d, const float* __restrict y1, const float* __restrict y2,
+                                      const float* __restrict sg, float* out, int64_t ldo) {
+    for (int64_t t = 0; t < T; ++t) {
+        float* __restrict o = out + t * ldo;
+        for (int64_t j = 0; j < d; ++j) o[j] = y1[t * d + j] * (y2[t * d + j] * sg[t * d + j]);
+    }
+}
+LINVIS_FUSED_DUAL(readout, (int64_t T, int64_t d, const float* y1, const float* y2, const float* sg, float* out,
+                            int64_t ldo),
+                  (T, d, y1, y2, sg, out, ldo))
+
+LINVIS_FUSED_INLINE void readout_backward_body(int64_t T, int64_t d, const float* go, int64_t ldg,
+                                               const float* __restrict y1, const float* __restrict y2,
+                                               const float* __restrict sg, float* __restrict dy1,
+                                               float* __restrict dy2) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float* __restrict g = go + t * ldg;
+        for (int64_t j = 0; j < d; ++j) {
+            const int64_t i = t * d + j;
+            const float sig = sg[i], z = y2[i];
+            dy1[i] = g[j] * (z * sig);
+            dy2[i] = g[j] * y1[i] * (sig * (1.0f + z * (1.0f - sig)));
+        }
+    }
+}
+LINVIS_FUSED_DUAL(readout_backward, (int64_t T, int64_t d, const float* go, int64_t ldg, const float* y1,
+                                     const float* y2, const float* sg, float* dy1, float* dy2),
+                  (T, d, go, ldg, y1, y2, sg, dy1, dy2))
+
+LINVIS_FUSED_INLINE void inner_backward_body(int64_t T, int64_t d, float dv_scale, const float* __restrict z1,
+                                             const float* __restrict z2, const float* __restrict sg,
+                                             const float* __restrict e, const float* __restrict dp1,
+                                             const float* __restrict dp2, float* dv, int64_t ldv,
+                                             float* __restrict dz1, float* __restrict dz2) {
+    for (int64_t t = 0; t < T; ++t) {
+        float* __restrict dvr = dv + t * ldv;
+        for (int64_t j = 0; j < d; ++j) {
+            const int64_t i = t * d + j;
+            const float sig = sg[i], z = z2[i], a = z * sig;
+            const float dsilu = sig * (1.0f + z * (1.0f - sig));
+            const float d2silu = sig * (1.0f - sig) * (2.0f + z * (1.0f - 2.0f * sig));
+            const float de = dp1[i] * a + dp2[i] * z1[i] * dsilu;
+            dvr[j] = de * dv_scale;
+            dz1[i] = dp2[i] * e[i] * dsilu;
+            dz2[i] = dp1[i] * e[i] * dsilu + dp2[i] * e[i] * z1[i] * d2silu;
+        }
+    }
+}
+LINVIS_FUSED_DUAL(inner_backward, (int64_t T, int64_t d, float dv_scale, const float* z1, const float* z2,
+                                   const float* sg, const float* e, const float* dp1, const float* dp2, float* dv,
+                                   int64_t ldv, float* dz1, float* dz2),
+                  (T, d, dv_scale, z1, z2, sg, e, dp1, dp2, dv, ldv, dz1, dz2))
+
+// Pass 1 of the inner step for one token block: fills z1, z2, sg (sigmoid(z2)), p1 = e*a,
+// p2 = e*z1*silu'(z2), and e, for rows [n0, n0 + T).
+void swiglu_inner_block(const Kernels& kr, const Heads& K, const Heads& V, int64_t b, int64_t hh, int64_t n0,
+                        int64_t T, const float* w1, const float* w2, const SwigluDims& s, float* z1, float* z2,
+                        float* sg, float* e, float* p1, float* p2) {
+    const int64_t d = s.d;
+    const float* kb = K.row(b, hh, n0);
+    kr.gemm(T, d, d, kb, K.sn, 1, w1, d, z1, d, false);
+    kr.gemm(T, d, d, kb, K.sn, 1, w2, d, z2, d, false);
+    kr.sigmoid(z2, sg, T * d);
+    inner_elementwise(T, d, V.row(b, hh, n0), V.sn, static_cast<float>(s.N), static_cast<float>(s.scale), z1, z2, sg,
+                      e, p1, p2);
+}
+
+// Sums per-task partial d x d matrices (task order fixed: deterministic) into out[bh].
+void reduce_partials(const std::vector<float>& parts, int64_t bh_count, int64_t blocks, int64_t dd, float* out) {
+    at::parallel_for(0, bh_count, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t bh = begin; bh < end; ++bh) {
+            float* o = out + bh * dd;
+            std::fill(o, o + dd, 0.0f);
+            for (int64_t blk = 0; blk < blocks; ++blk) {
+                const float* p = parts.data() + (bh * blocks + blk) * dd;
+                for (int64_t i = 0; i < dd; ++i) o[i] += p[i];
+            }
+        }
+    });
+}
+
+// Raw inner gradients G1, G2: (B, h, d, d).
+void swiglu_gradients(const Heads& K, const Heads& V, const Tensor& w1, const Tensor& w2, const SwigluDims& s,
+                      float* g1, float* g2) {
+    const Kernels& kr = kernels();
+    const int64_t d = s.d, dd = d * d, tasks = s.B * s.h * s.blocks;
+    std::vector<float> parts1(tasks * dd), parts2(tasks * dd);
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> buf(6 * kTokenBlock * d);
+        float *z1 = buf.data(), *z2 = z1 + kTokenBlock * d, *sg = z2 + kTokenBlock * d, *e = sg + kTokenBlock * d,
+              *p1 = e + kTokenBlock * d, *p2 = p1 + kTokenBlock * d;
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bh = task / s.blocks, blk = task % s.blocks, b = bh / s.h, hh = bh % s.h;
+            const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0);
+            swiglu_inner_block(kr, K, V, b, hh, n0, T, weight_of(w1, b, hh, s.h, d), weight_of(w2, b, hh, s.h, d),
+                               s, z1, z2, sg, e, p1, p2);
+            const float* kb = K.row(b, hh, n0);
+            kr.gemm(d, d, T, kb, 1, K.sn, p1, d, parts1.data() + task * dd, d, false);
+            kr.gemm(d, d, T, kb, 1, K.sn, p2, d, parts2.data() + task * dd, d, false);
+        }
+    });
+    reduce_partials(parts1, s.B * s.h, s.blocks, dd, g1);
+    reduce_partials(parts2, s.B * s.h, s.blocks, dd, g2);
+}
+
+// W' = W - G/(||G||_col + 1) per (b, head); norms kept for the backward.
+void swiglu_updated_weights(const Tensor& w, const float* g, const SwigluDims& s, float* w_new, float* norms) {
+    const int64_t d = s.d, dd = d * d;
+    std::vector<float> gn(dd);
+    for (int64_t b = 0; b < s.B; ++b)
+        for (int64_t hh = 0; hh < s.h; ++hh) {
+            const int64_t bh = b * s.h + hh;
+            normalize_groups(g + bh * dd, d, d, d, /*columns_are_groups=*/true, gn.data(), norms + bh * d);
+            const float* wv = weight_of(w, b, hh, s.h, d);
+            for (int64_t i = 0; i < dd; ++i) w_new[bh * dd + i] = wv[i] - 1.0f * gn[i];
+        }
+}
+
+struct SwigluForwardResult {
+    Tensor out, g1, g2;
+};
+
+// out_heads: optional (B, h, N, d) float destination with unit channel stride (e.g. a view of
+// the mixer's output); allocated when undefined.
+SwigluForwardResult swiglu_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w1,
+                                   const Tensor& w2, double scale, Tensor out_heads = Tensor()) {
+    const int64_t B = q.size(0), h = q.size(1), N = q.size(2), d = q.size(3);
+    const SwigluDims s{B, h, N, d, (N + kTokenBlock - 1) / kTokenBlock, scale};
+    const Heads Q = heads_of(q), K = heads_of(k), V = heads_of(v);
+    Tensor g1 = torch::empty({B, h, d, d}, torch::kFloat32), g2 = torch::empty({B, h, d, d}, torch::kFloat32);
+    swiglu_gradients(K, V, w1, w2, s, g1.data_ptr<float>(), g2.data_ptr<float>());
+    std::vector<float> w1n(B * h * d * d), w2n(B * h * d * d), norms(B * h * d);
+    swiglu_updated_weights(w1, g1.data_ptr<float>(), s, w1n.data(), norms.data());
+    swiglu_updated_weights(w2, g2.data_ptr<float>(), s, w2n.data(), norms.data());
+
+    Tensor out = out_heads.defined() ? out_heads : new_heads_buffer(B, h, N, d);
+    const Heads O = heads_of(out);
+    const Kernels& kr = kernels();
+    at::parallel_for(0, B * h * s.blocks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> buf(3 * kTokenBlock * d);
+        float *y1 = buf.data(), *y2 = y1 + kTokenBlock * d, *sg = y2 + kTokenBlock * d;
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bh = task / s.blocks, blk = task % s.blocks, b = bh / h, hh = bh % h;
+            const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, N - n0);
+            const float* qb = Q.row(b, hh, n0);
+            kr.gemm(T, d, d, qb, Q.sn, 1, w1n.data() + bh * d * d, d, y1, d, false);
+            kr.gemm(T, d, d, qb, Q.sn, 1, w2n.data() + bh * d * d, d, y2, d, false);
+            kr.sigmoid(y2, sg, T * d);
+            readout(T, d, y1, y2, sg, O.row(b, hh, n0), O.sn);
+        }
+    });
+    // Inner products (4 of N x d x d per head) and the two read-out products.
+    flops::add(6 * B * h * N * d * d);
+    return {out, g1, g2};
+}
+
+// Returns dq, dk, dv (B, h, N, d) and per-sample dW1, dW2 (B, h, d, d).
+// dest: optional {dq, dk, dv} (B, h, N, d) float destinations with unit channel stride.
+std::vector<Tensor> swiglu_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w1,
+                                    const Tensor& w2, const Tensor& g1t, const Tensor& g2t, const Tensor& grad,
+                                    double scale, const std::vector<Tensor>& dest = {}) {
+    const int64_t B = q.size(0), h = q.size(1), N = q.size(2), d = q.size(3), dd = d * d;
+    const SwigluDims s{B, h, N, d, (N + kTokenBlock - 1) / kTokenBlock, scale};
+    const Heads Q = heads_of(q), K = heads_of(k), V = heads_of(v), dO = heads_of(grad);
+    const float *g1 = g1t.data_ptr<float>(), *g2 = g2t.data_ptr<float>();
+    const int64_t BH = B * h, tasks = BH * s.blocks;
+    std::vector<float> w1n(BH * dd), w2n(BH * dd), n1(BH * d), n2(BH * d);
+    swiglu_updated_weights(w1, g1, s, w1n.data(), n1.data());
+    swiglu_updated_weights(w2, g2, s, w2n.data(), n2.data());
+    // Transposed weights for the X·Wᵀ products.
+    std::vector<float> w1nT(BH * dd), w2nT(BH * dd), w1T(BH * dd), w2T(BH * dd);
+    for (int64_t bh = 0; bh < BH; ++bh) {
+        transpose(w1n.data() + bh * dd, d, d, d, w1nT.data() + bh * dd);
+        transpose(w2n.data() + bh * dd, d, d, d, w2nT.data() + bh * dd);
+        transpose(weight_of(w1, bh / h, bh % h, h, d), d, d, d, w1T.data() + bh * dd);
+        transpose(weight_of(w2, bh / h, bh % h, h, d), d, d, d, w2T.data() + bh * dd);
+    }
+    const Kernels& kr = kernels();
+
+    // Pass B: read-out backward.
+    Tensor dq = dest.empty() ? new_heads_buffer(B, h, N, d) : dest[0];
+    const Heads dQ = heads_of(dq);
+    std::vector<float> pa(tasks * dd), pb(tasks * dd);
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> buf(5 * kTokenBlock * d);
+        float *y1 = buf.data(), *y2 = y1 + kTokenBlock * d, *sg = y2 + kTokenBlock * d, *dy1 = sg + kTokenBlock * d,
+              *dy2 = dy1 + kTokenBlock * d;
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bh = task / s.blocks, blk = task % s.blocks, b = bh / h, hh = bh % h;
+            const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, N - n0);
+            const float* qb = Q.row(b, hh, n0);
+            kr.gemm(T, d, d, qb, Q.sn, 1, w1n.data() + bh * dd, d, y1, d, false);
+            kr.gemm(T, d, d, qb, Q.sn, 1, w2n.data() + bh * dd, d, y2, d, false);
+            kr.sigmoid(y2, sg, T * d);
+            readout_backward(T, d, dO.row(b, hh, n0), dO.sn, y1, y2, sg, dy1, dy2);
+            kr.gemm(d, d, T, qb, 1, Q.sn, dy1, d, pa.data() + task * dd, d, false);
+            kr.gemm(d, d, T, qb, 1, Q.sn, dy2, d, pb.data() + task * dd, d, false);
+            float* dqb = dQ.row(b, hh, n0);
+            kr.gemm(T, d, d, dy1, d, 1, w1nT.data() + bh * dd, d, dqb, dQ.sn, false);
+            kr.gemm(T, d, d, dy2, d, 1, w2nT.data() + bh * dd, d, dqb, dQ.sn, true);
+        }
+    });
+    Tensor dw1 = torch::empty({B, h, d, d}, torch::kFloat32), dw2 = torch::empty({B, h, d, d}, torch::kFloat32);
+    float *dw1p = dw1.data_ptr<float>(), *dw2p = dw2.data_ptr<float>();
+    reduce_partials(pa, BH, s.blocks, dd, dw1p);  // dW1' (the direct path of W1 - Ĝ1)
+    reduce_partials(pb, BH, s.blocks, dd, dw2p);
+    std::vector<float> dg1(BH * dd), dg2(BH * dd), dg1T(BH * dd), dg2T(BH * dd), neg(dd);
+    for (int64_t bh = 0; bh < BH; ++bh) {
+        for (int64_t i = 0; i < dd; ++i) neg[i] = -dw1p[bh * dd + i];
+        normalize_groups_backward(g1 + bh * dd, neg.data(), n1.data() + bh * d, d, d, d, true, dg1.data() + bh * dd);
+        for (int64_t i = 0; i < dd; ++i) neg[i] = -dw2p[bh * dd + i];
+        normalize_groups_backward(g2 + bh * dd, neg.data(), n2.data() + bh * d, d, d, d, true, dg2.data() + bh * dd);
+        transpose(dg1.data() + bh * dd, d, d, d, dg1T.data() + bh * dd);
+        transpose(dg2.data() + bh * dd, d, d, d, dg2T.data() + bh * dd);
+    }
+
+    // Pass C: inner-step backward.
+    Tensor dk = dest.empty() ? new_heads_buffer(B, h, N, d) : dest[1];
+    Tensor dv = dest.empty() ? new_heads_buffer(B, h, N, d) : dest[2];
+    const Heads dK = heads_of(dk), dV = heads_of(dv);
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> buf(10 * kTokenBlock * d);
+        float* arr[10];
+        for (int i = 0; i < 10; ++i) arr[i] = buf.data() + i * kTokenBlock * d;
+        float *z1 = arr[0], *z2 = arr[1], *sg = arr[2], *e = arr[3], *p1 = arr[4], *p2 = arr[5], *dp1 = arr[6],
+              *dp2 = arr[7], *dz1 = arr[8], *dz2 = arr[9];
+        const float dv_scale = static_cast<float>(-scale / static_cast<double>(N));
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bh = task / s.blocks, blk = task % s.blocks, b = bh / h, hh = bh % h;
+            const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, N - n0);
+            swiglu_inner_block(kr, K, V, b, hh, n0, T, weight_of(w1, b, hh, h, d), weight_of(w2, b, hh, h, d), s, z1,
+                               z2, sg, e, p1, p2);
+            const float* kb = K.row(b, hh, n0);
+            kr.gemm(T, d, d, kb, K.sn, 1, dg1.data() + bh * dd, d, dp1, d, false);
+            kr.gemm(T, d, d, kb, K.sn, 1, dg2.data() + bh * dd, d, dp2, d, false);
+            inner_backward(T, d, dv_scale, z1, z2, sg, e, dp1, dp2, dV.row(b, hh, n0), dV.sn, dz1, dz2);
+            float* dkb = dK.row(b, hh, n0);
+            kr.gemm(T, d, d, p1, d, 1, dg1T.data() + bh * dd, d, dkb, dK.sn, false);
+            kr.gemm(T, d, d, p2, d, 1, dg2T.data() + bh * dd, d, dkb, dK.sn, true);
+            kr.gemm(T, d, d, dz1, d, 1, w1T.data() + bh * dd, d, dkb, dK.sn, true);
+            kr.gemm(T, d, d, dz2, d, 1, w2T.data() + bh * dd, d, dkb, dK.sn, true);
+            kr.gemm(d, d, T, kb, 1, K.sn, dz1, d, pa.data() + task * dd, d, false);
+            kr.gemm(d, d, T, kb, 1, K.sn, dz2, d, pb.data() + task * dd, d, false);
+        }
+    });
+    std::vector<float> direct(BH * dd);
+    reduce_partials(pa, BH, s.blocks, dd, direct.data());
+    for (int64_t i = 0; i < BH * dd; ++i) dw1p[i] += direct[i];
+    reduce_partials(pb, BH, s.blocks, dd, direct.data());
+    for (int64_t i = 0; i < BH * dd; ++i) dw2p[i] += direct[i];
+    return {dq, dk, dv, dw1, dw2};
+}
+
+Tensor sum_to_weight(const Tensor& per_sample, const Tensor& w) {
+    Tensor g = w.size(0) == 1 && per_sample.size(0) != 1 ? per_sample.sum(0, true) : per_sample;
+    return g.to(w.scalar_type());
+}
+
+class Vit3SwigluFunction : public torch::autograd::Function<Vit3SwigluFunction> {
+public:
+    static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w1,
+                          const Tensor& w2, double scale) {
+        Tensor qf = f32_rows(q), kf = f32_rows(k), vf = f32_rows(v);
+        Tensor w1f = w1.to(torch::kFloat32).contiguous(), w2f = w2.to(torch::kFloat32).contiguous();
+        SwigluForwardResult r = swiglu_forward(qf, kf, vf, w1f, w2f, scale);
+        ctx->save_for_backward({q, k, v, w1, w2, r.g1, r.g2});
+        ctx->saved_data["scale"] = scale;
+        return r.out.to(q.scalar_type());
+    }
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        const auto saved = ctx->get_saved_variables();
+        const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &w1 = saved[3], &w2 = saved[4];
+        Tensor grad = grads[0].defined() ? f32_rows(grads[0]) : torch::zeros(q.sizes(), torch::kFloat32);
+        auto g = swiglu_backward(f32_rows(q), f32_rows(k), f32_rows(v), w1.to(torch::kFloat32).contiguous(),
+                                 w2.to(torch::kFloat32).contiguous(), saved[5], saved[6], grad,
+                                 ctx->saved_data["scale"].toDouble());
+        return {g[0].to(q.scalar_type()), g[1].to(k.scalar_type()), g[2].to(v.scalar_type()), sum_to_weight(g[3], w1),
+                sum_to_weight(g[4], w2), Tensor()};
+    }
+};
+
+// ---------------------------------------------------------------- depthwise-conv branch
+
+// (B, d, H, W) -> channels-last float view (B, H, W, d) with unit channel stride.
+Tensor channels_last(const Tensor& t) {
+    Tensor x = t.permute({0, 2, 3, 1});
+    if (x.scalar_type() != torch::kFloat32) x = x.to(torch::kFloat32);
+    if (x.stride(3) != 1) x = x.contiguous();
+    return x;
+}
+Image image_of(const Tensor& cl, int64_t b) {
+    return {cl.data_ptr<float>() + b * cl.stride(0), cl.stride(1), cl.stride(2), cl.size(1), cl.size(2), cl.size(3)};
+}
+MutImage mut_image_of(const Tensor& cl, int64_t b) {
+    return {cl.data_ptr<float>() + b * cl.stride(0), cl.stride(1), cl.stride(2), cl.size(1), cl.size(2), cl.size(3)};
+}
+
+struct GridTasks {
+    int64_t B, H, rows, chunks;
+    explicit GridTasks(int64_t B_, int64_t H_, int64_t W_)
+        : B(B_), H(H_), rows(std::max<int64_t>(1, kTokenBlock / std::max<int64_t>(W_, 1))),
+          chunks((H_ + rows - 1) / rows) {}
+    int64_t count() const { return B * chunks; }
+    int64_t sample(int64_t task) const { return task / chunks; }
+    int64_t y0(int64_t task) const { return (task % chunks) * rows; }
+    int64_t y1(int64_t task) const { return std::min(H, y0(task) + rows); }
+};
+
+// acc (B, 9, d) = Σ over the grid of stencil_reduce(a, b), chunk partials summed in fixed order.
+void grid_reduce(const Tensor& a, const Tensor& b, const GridTasks& g, int64_t d, float* acc) {
+    std::vector<float> parts(g.count() * 9 * d, 0.0f);
+    at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task)
+            stencil_reduce(image_of(a, g.sample(task)), image_of(b, g.sample(task)), parts.data() + task * 9 * d,
+                           g.y0(task), g.y1(task));
+    });
+    for (int64_t bb = 0; bb < g.B; ++bb) {
+        float* o = acc + bb * 9 * d;
+        std::fill(o, o + 9 * d, 0.0f);
+        for (int64_t c = 0; c < g.chunks; ++c) {
+            const float* p = parts.data() + (bb * g.chunks + c) * 9 * d;
+            for (int64_t i = 0; i < 9 * d; ++i) o[i] += p[i];
+        }
+    }
+}
+
+// dst (B, H, W, d) = stencil of src with per-sample taps (B, 9, d).
+void grid_apply(const Tensor& src, const float* taps, bool transpose_taps, const Tensor& dst, const GridTasks& g,
+                int64_t d) {
+    at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bb = g.sample(task);
+            stencil_apply(image_of(src, bb), taps + bb * 9 * d, transpose_taps, mut_image_of(dst, bb), g.y0(task),
+                          g.y1(task), false);
+        }
+    });
+}
+
+// Updated taps W3' (B, 9, d) from raw G (B, 9, d) and w3 (d, 1, 3, 3); norms (B, d).
+void dwconv_updated_taps(const Tensor& w3, const float* G, int64_t B, int64_t d, float* taps, float* norms) {
+    const float* w = w3.data_ptr<float>();
+    std::vector<float> gn(9 * d);
+    for (int64_t b = 0; b < B; ++b) {
+        normalize_groups(G + b * 9 * d, 9, d, d, /*columns_are_groups=*/true, gn.data(), norms + b * d);
+        for (int64_t t = 0; t < 9; ++t)
+            for (int64_t c = 0; c < d; ++c) taps[(b * 9 + t) * d + c] = w[c * 9 + t] - 1.0f * gn[t * d + c];
+    }
+}
+
+// Depthwise branch forward on channels-last float maps (B, H, W, d); writes out (channels-last,
+// unit channel stride) and returns the raw inner gradient G (B, 9, d).
+Tensor dwconv_forward_cl(const Tensor& qc, const Tensor& kc, const Tensor& vc, const Tensor& w3f, double scale,
+                         const Tensor& out) {
+    const int64_t B = qc.size(0), H = qc.size(1), W = qc.size(2), d = qc.size(3);
+    const GridTasks g(B, H, W);
+    Tensor G = torch::empty({B, 9, d}, torch::kFloat32);
+    grid_reduce(kc, vc, g, d, G.data_ptr<float>());
+    G.mul_(-scale / static_cast<double>(H * W));
+    std::vector<float> taps(B * 9 * d), norms(B * d);
+    dwconv_updated_taps(w3f, G.data_ptr<float>(), B, d, taps.data(), norms.data());
+    grid_apply(qc, taps.data(), false, out, g, d);
+    flops::add(2 * 9 * B * d * H * W);
+    return G;
+}
+
+// Backward of dwconv_forward_cl: writes dq, dk, dv (channels-last destinations), returns dw3 (d, 1, 3, 3).
+Tensor dwconv_backward_cl(const Tensor& qc, const Tensor& kc, const Tensor& vc, const Tensor& w3f, const Tensor& G,
+                          const Tensor& go, double scale, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+    const int64_t B = qc.size(0), H = qc.size(1), W = qc.size(2), d = qc.size(3);
+    const GridTasks g(B, H, W);
+    std::vector<float> taps(B * 9 * d), norms(B * d);
+    dwconv_updated_taps(w3f, G.data_ptr<float>(), B, d, taps.data(), norms.data());
+    grid_apply(go, taps.data(), true, dq, g, d);
+    std::vector<float> dtaps(B * 9 * d), dG(B * 9 * d), neg(9 * d);
+    grid_reduce(qc, go, g, d, dtaps.data());
+    const float alpha = static_cast<float>(-scale / static_cast<double>(H * W));
+    for (int64_t b = 0; b < B; ++b) {
+        for (int64_t i = 0; i < 9 * d; ++i) neg[i] = -dtaps[b * 9 * d + i];
+        normalize_groups_backward(G.data_ptr<float>() + b * 9 * d, neg.data(), norms.data() + b * d, 9, d, d, true,
+                                  dG.data() + b * 9 * d);
+        for (int64_t i = 0; i < 9 * d; ++i) dG[b * 9 * d + i] *= alpha;
+    }
+    // G = α Σ k(shift) v: dk = α·stencilᵀ(v, dG), dv = α·stencil(k, dG).
+    grid_apply(vc, dG.data(), true, dk, g, d);
+    grid_apply(kc, dG.data(), false, dv, g, d);
+    Tensor dw3 = torch::zeros({d, 1, 3, 3}, torch::kFloat32);
+    float* dw = dw3.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < 9; ++t)
+            for (int64_t c = 0; c < d; ++c) dw[c * 9 + t] += dtaps[(b * 9 + t) * d + c];
+    return dw3;
+}
+
+class Vit3DwconvFunction : public torch::autograd::Function<Vit3DwconvFunction> {
+public:
+    // Returns (out (B, d, H, W) in q's dtype, raw G (B, 9, d)).
+    static std::pair<Tensor, Tensor> run_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w3,
+                                                 double scale) {
+        const int64_t B = q.size(0), d = q.size(1), H = q.size(2), W = q.size(3);
+        Tensor out = torch::empty({B, H, W, d}, torch::kFloat32);
+        Tensor G = dwconv_forward_cl(channels_last(q), channels_last(k), channels_last(v),
+                                     w3.to(torch::kFloat32).contiguous(), scale, out);
+        return {out.permute({0, 3, 1, 2}).to(q.scalar_type()), G};
+    }
+    static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w3,
+                          double scale) {
+        auto r = run_forward(q, k, v, w3, scale);
+        ctx->save_for_backward({q, k, v, w3, r.second});
+        ctx->saved_data["scale"] = scale;
+        return r.first;
+    }
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        const auto saved = ctx->get_saved_variables();
+        const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &w3 = saved[3];
+        const int64_t B = q.size(0), d = q.size(1), H = q.size(2), W = q.size(3);
+        Tensor go = grads[0].defined() ? channels_last(grads[0]) : torch::zeros({B, H, W, d}, torch::kFloat32);
+        auto cl = [&] { return torch::empty({B, H, W, d}, torch::kFloat32); };
+        Tensor dq = cl(), dk = cl(), dv = cl();
+        Tensor dw3 = dwconv_backward_cl(channels_last(q), channels_last(k), channels_last(v),
+                                        w3.to(torch::kFloat32).contiguous(), saved[4], go,
+                                        ctx->saved_data["scale"].toDouble(), dq, dk, dv);
+        auto back = [](const Tensor& t, const Tensor& like) { return t.permute({0, 3, 1, 2}).to(like.scalar_type()); };
+        return {back(dq, q), back(dk, k), back(dv, v), dw3.to(w3.scalar_type()), Tensor()};
+    }
+};
+
+// The whole mixer without RoPE as one function of qkv (B, N, 3C+3d): reads q, k, v in place, writes
+// both branches into one (B, N, C+d) output and, in backward, every gradient into one dqkv buffer
+// (no split / cat / transpose copies).
+struct MixViews {
+    Tensor q, k, v;     // (B, h, N, d)
+    Tensor qc, kc, vc;  // (B, H, W, d) channels-last
+};
+MixViews mix_views(const Tensor& t, int64_t h, int64_t H, int64_t W, int64_t first_width) {
+    const int64_t B = t.size(0), N = t.size(1), C = first_width, d = C / h;
+    // view (never a copy): the same helper builds the write destinations of the backward.
+    auto heads = [&](int64_t i) { return t.narrow(2, i * C, C).view({B, N, h, d}).transpose(1, 2); };
+    auto map = [&](int64_t i) { return t.narrow(2, 3 * C + i * d, d).view({B, H, W, d}); };
+    return {heads(0), heads(1), heads(2), map(0), map(1), map(2)};
+}
+
+class Vit3MixFunction : public torch::autograd::Function<Vit3MixFunction> {
+public:
+    static Tensor run(const Tensor& qkv, const Tensor& w1, const Tensor& w2, const Tensor& w3, int64_t h, int64_t H,
+                      int64_t W, Tensor* g1, Tensor* g2, Tensor* G) {
+        Tensor x = f32_rows(qkv);
+        const int64_t B = x.size(0), N = x.size(1), d = x.size(2) / (3 * (h + 1)), C = h * d;
+        const MixViews m = mix_views(x, h, H, W, C);
+        Tensor out = torch::empty({B, N, C + d}, torch::kFloat32);
+        auto r = swiglu_forward(m.q, m.k, m.v, w1.to(torch::kFloat32).contiguous(),
+                                w2.to(torch::kFloat32).contiguous(), kVit3InnerScale,
+                                out.narrow(2, 0, C).view({B, N, h, d}).transpose(1, 2));
+        Tensor Gd = dwconv_forward_cl(m.qc, m.kc, m.vc, w3.to(torch::kFloat32).contiguous(), kVit3InnerScale,
+                                      out.narrow(2, C, d).view({B, H, W, d}));
+        if (g1 != nullptr) *g1 = r.g1, *g2 = r.g2, *G = Gd;
+        return out.to(qkv.scalar_type());
+    }
+    static Tensor forward(AutogradContext* ctx, const Tensor& qkv, const Tensor& w1, const Tensor& w2,
+                          const Tensor& w3, int64_t h, int64_t H, int64_t W) {
+        Tensor g1, g2, G;
+        Tensor out = run(qkv, w1, w2, w3, h, H, W, &g1, &g2, &G);
+        ctx->save_for_backward({qkv, w1, w2, w3, g1, g2, G});
+        ctx->saved_data["h"] = h;
+        ctx->saved_data["H"] = H;
+        ctx->saved_data["W"] = W;
+        return out;
+    }
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        const auto sv = ctx->get_saved_variables();
+        const int64_t h = ctx->saved_data["h"].toInt(), H = ctx->saved_data["H"].toInt(),
+                      W = ctx->saved_data["W"].toInt();
+        Tensor x = f32_rows(sv[0]);
+        const int64_t B = x.size(0), N = x.size(1), d = x.size(2) / (3 * (h + 1)), C = h * d;
+        Tensor grad = grads[0].defined() ? f32_rows(grads[0]) : torch::zeros({B, N, C + d}, torch::kFloat32);
+        const MixViews m = mix_views(x, h, H, W, C);
+        Tensor dqkv = torch::empty({B, N, 3 * C + 3 * d}, torch::kFloat32);
+        const MixViews dm = mix_views(dqkv, h, H, W, C);
+        auto g = swiglu_backward(m.q, m.k, m.v, sv[1].to(torch::kFloat32).contiguous(),
+                                 sv[2].to(torch::kFloat32).contiguous(), sv[4], sv[5],
+                                 grad.narrow(2, 0, C).reshape({B, N, h, d}).transpose(1, 2), kVit3InnerScale,
+                                 {dm.q, dm.k, dm.v});
+        Tensor dw3 = dwconv_backward_cl(m.qc, m.kc, m.vc, sv[3].to(torch::kFloat32).contiguous(), sv[6],
+                                        grad.narrow(2, C, d).reshape({B, H, W, d}), kVit3InnerScale, dm.qc, dm.kc,
+                                        dm.vc);
+        return {dqkv.to(sv[0].scalar_type()), sum_to_weight(g[3], sv[1]), sum_to_weight(g[4], sv[2]),
+                dw3.to(sv[3].scalar_type()), Tensor(), Tensor(), Tensor()};
+    }
+};
+
+bool needs_autograd(std::initializer_list<Tensor> ts) {
+    if (!torch::GradMode::is_enabled()) return false;
+    for (const auto& t : ts)
+        if (t.requires_grad()) return true;
+    return false;
+}
+
+}  // namespace
+
+Tensor vit3_swiglu_branch_fused(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w1, const Tensor& w2,
+                                double scale) {
+    if (needs_autograd({q, k, v, w1, w2})) return Vit3SwigluFunction::apply(q, k, v, w1, w2, scale);
+    torch::NoGradGuard no_grad;
+    Tensor w1f = w1.to(torch::kFloat32).contiguous(), w2f = w2.to(torch::kFloat32).contiguous();
+    return swiglu_forward(f32_rows(q), f32_rows(k), f32_rows(v), w1f, w2f, scale).out.to(q.scalar_type());
+}
+
+Tensor vit3_dwconv_branch_fused(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w3, double scale) {
+    if (needs_autograd({q, k, v, w3})) return Vit3DwconvFunction::apply(q, k, v, w3, scale);
+    torch::NoGradGuard no_grad;
+    return Vit3DwconvFunction::run_forward(q, k, v, w3, scale).first;
+}
+
+Tensor vit3_ttt_mix_fused(const Tensor& qkv, const Tensor& w1, const Tensor& w2, const Tensor& w3, int64_t num_heads,
+                          int64_t height, int64_t width) {
+    if (needs_autograd({qkv, w1, w2, w3})) return Vit3MixFunction::apply(qkv, w1, w2, w3, num_heads, height, width);
+    torch::NoGradGuard no_grad;
+    return Vit3MixFunction::run(qkv, w1, w2, w3, num_heads, height, width, nullptr, nullptr, nullptr);
+}
+
+}  // namespace linvis::ops::fused_detail

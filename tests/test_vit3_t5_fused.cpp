@@ -1,0 +1,397 @@
+// Fused CPU ViT³ / T⁵ kernels (src/ops/cpu/) against the reference ops: outputs and gradients with
+// respect to every input, float32 / bfloat16 / float64 (fallback), the portable (scalar) path, and
+// the models with impl=fused against impl=reference.
+//
+// Tolerances. float32: relative L2 error <= 1e-4 and elementwise rtol 1e-3 / atol 1e-5 (scaled).
+// Both sides accumulate N-term float32 sums (the d x d inner gradients) in different orders
+// (blocked partial sums here, BLAS there) and the AVX-512 sigmoid is within ~2 ulp of ATen's, so
+// per-element differences are ~1e-6 relative; the inner step divides by ||G|| + 1 and the read-out
+// multiplies three such factors, which leaves ~1e-5 relative at most in these tests.
+// bfloat16: the fused path computes in float32 and rounds once on output; compared with the
+// float32 reference on the same (bf16-rounded) inputs the error is the output rounding, 2^-8.
+#include <cstdlib>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "linvis/core/error.h"
+#include "linvis/models/registry.h"
+#include "linvis/ops/t5_ttt.h"
+#include "linvis/ops/vit3_ttt.h"
+#include "support/testing.h"
+
+namespace {
+
+using linvis::ops::Impl;
+using torch::Tensor;
+using linvis::testing::relative_error;
+
+constexpr double kF32RelTol = 1e-4;
+
+// Sets LINVIS_FORCE_SCALAR for the lifetime of the object.
+struct ForceScalar {
+    ForceScalar() { setenv("LINVIS_FORCE_SCALAR", "1", 1); }
+    ~ForceScalar() { unsetenv("LINVIS_FORCE_SCALAR"); }
+};
+
+// Runs f on leaf copies of `inputs` (requires_grad), back-propagates a fixed probe, returns
+// {output, grad_0, grad_1, ...}.
+template <typename F>
+std::vector<Tensor> run_with_grads(const std::vector<Tensor>& inputs, const Tensor& probe, F f) {
+    std::vector<Tensor> leaves;
+    for (const auto& t : inputs) leaves.push_back(t.detach().clone().requires_grad_(true));
+    Tensor out = f(leaves);
+    (out * probe).sum().backward();
+    std::vector<Tensor> res{out.detach()};
+    for (const auto& l : leaves) {
+        EXPECT_TRUE(l.grad().defined());
+        res.push_back(l.grad().defined() ? l.grad() : torch::zeros_like(l));
+    }
+    return res;
+}
+
+void expect_all_match(const std::vector<Tensor>& fused, const std::vector<Tensor>& ref, double tol,
+                      const std::string& what) {
+    ASSERT_EQ(fused.size(), ref.size());
+    for (size_t i = 0; i < ref.size(); ++i) {
+        EXPECT_EQ(fused[i].sizes(), ref[i].sizes()) << what << " tensor " << i;
+        EXPECT_EQ(fused[i].scalar_type(), ref[i].scalar_type()) << what << " tensor " << i;
+        const double err = relative_error(fused[i], ref[i]);
+        EXPECT_LT(err, tol) << what << ": tensor " << i << (i == 0 ? " (output)" : " (gradient)");
+        const double scale = ref[i].abs().max().item<double>();
+        EXPECT_TRUE(linvis::testing::all_close(fused[i], ref[i], 1e-3, 1e-5 * scale + 1e-12))
+            << what << ": tensor " << i;
+    }
+}
+
+// q, k, v as strided (B, h, N, d) views of one (B, N, 3*h*d + pad) buffer, like the model's qkv.
+std::vector<Tensor> swiglu_inputs(int64_t B, int64_t h, int64_t N, int64_t d, bool per_sample_w,
+                                  torch::Dtype dtype = torch::kFloat32) {
+    Tensor qkv = torch::randn({B, N, 3 * h * d + 5}, dtype);
+    auto heads = [&](int64_t i) { return qkv.narrow(2, i * h * d, h * d).reshape({B, N, h, d}).transpose(1, 2); };
+    const int64_t wb = per_sample_w ? B : 1;
+    Tensor w1 = (0.3 * torch::randn({wb, h, d, d})).to(dtype), w2 = (0.3 * torch::randn({wb, h, d, d})).to(dtype);
+    return {heads(0), heads(1), heads(2), w1, w2};
+}
+
+Tensor swiglu(const std::vector<Tensor>& x, Impl impl) {
+    return linvis::ops::vit3_ttt_swiglu_branch(x[0], x[1], x[2], x[3], x[4], linvis::ops::kVit3InnerScale, impl);
+}
+
+void check_swiglu(int64_t B, int64_t h, int64_t N, int64_t d, bool per_sample_w, const std::string& what) {
+    auto x = swiglu_inputs(B, h, N, d, per_sample_w);
+    Tensor probe = torch::randn({B, h, N, d});
+    auto ref = run_with_grads(x, probe, [](const std::vector<Tensor>& l) { return swiglu(l, Impl::Reference); });
+    auto fused = run_with_grads(x, probe, [](const std::vector<Tensor>& l) { return swiglu(l, Impl::Fused); });
+    expect_all_match(fused, ref, kF32RelTol, what);
+}
+
+TEST(Vit3TttFused, SwigluBranchMatchesReference) {
+    torch::manual_seed(0);
+    check_swiglu(1, 1, 37, 8, false, "B1 h1 N37 d8");
+    check_swiglu(2, 3, 300, 16, false, "B2 h3 N300 d16");           // two token blocks, partial last
+    check_swiglu(2, 2, 512, 64, true, "B2 h2 N512 d64 per-sample W");  // exact blocks, d = tiny width
+    check_swiglu(1, 2, 257, 20, false, "B1 h2 N257 d20");            // d not a multiple of 16
+}
+
+std::vector<Tensor> dwconv_inputs(int64_t B, int64_t d, int64_t H, int64_t W, torch::Dtype dtype = torch::kFloat32) {
+    // (B, H, W, 3d + 1) channels-last buffer viewed as three (B, d, H, W) maps, like vit3_ttt_mix.
+    Tensor buf = torch::randn({B, H, W, 3 * d + 1}, dtype);
+    auto map = [&](int64_t i) { return buf.narrow(3, i * d, d).permute({0, 3, 1, 2}); };
+    return {map(0), map(1), map(2), (0.3 * torch::randn({d, 1, 3, 3})).to(dtype)};
+}
+
+Tensor dwconv(const std::vector<Tensor>& x, Impl impl) {
+    return linvis::ops::vit3_ttt_dwconv_branch(x[0], x[1], x[2], x[3], linvis::ops::kVit3InnerScale, impl);
+}
+
+void check_dwconv(int64_t B, int64_t d, int64_t H, int64_t W, const std::string& what) {
+    auto x = dwconv_inputs(B, d, H, W);
+    Tensor probe = torch::randn({B, d, H, W});
+    auto ref = run_with_grads(x, probe, [](const std::vector<Tensor>& l) { return dwconv(l, Impl::Reference); });
+    auto fused = run_with_grads(x, probe, [](const std::vector<Tensor>& l) { return dwconv(l, Impl::Fused); });
+    expect_all_match(fused, ref, kF32RelTol, what);
+}
+
+TEST(Vit3TttFused, DwconvBranchMatchesReference) {
+    torch::manual_seed(1);
+    check_dwconv(1, 8, 5, 7, "B1 d8 5x7");
+    check_dwconv(2, 16, 20, 13, "B2 d16 20x13");
+    check_dwconv(2, 64, 17, 32, "B2 d64 17x32");
+    check_dwconv(1, 3, 1, 1, "1x1 grid");
+    // Contiguous (B, d, H, W) input (the non-channels-last layout is converted on entry).
+    torch::manual_seed(2);
+    std::vector<Tensor> x{torch::randn({2, 8, 9, 6}), torch::randn({2, 8, 9, 6}), torch::randn({2, 8, 9, 6}),
+                          0.3 * torch::randn({8, 1, 3, 3})};
+    Tensor probe = torch::randn({2, 8, 9, 6});
+    auto ref = run_with_grads(x, probe, [](const std::vector<Tensor>& l) { return dwconv(l, Impl::Reference); });
+    auto fused = run_with_grads(x, probe, [](const std::vector<Tensor>& l) { return dwconv(l, Impl::Fused); });
+    expect_all_match(fused, ref, kF32RelTol, "contiguous layout");
+}
+
+Tensor mix(const std::vector<Tensor>& x, int64_t heads, int64_t H, int64_t W, const Tensor& rope, Impl impl) {
+    return linvis::ops::vit3_ttt_mix(x[0], x[1], x[2], x[3], heads, H, W, rope, impl);
+}
+
+TEST(Vit3TttFused, MixMatchesReferenceWithAndWithoutRope) {
+    torch::manual_seed(3);
+    const int64_t B = 2, h = 2, d = 8, C = h * d, H = 6, W = 9;
+    std::vector<Tensor> x{torch::randn({B, H * W, 3 * C + 3 * d}), 0.3 * torch::randn({1, h, d, d}),
+                          0.3 * torch::randn({1, h, d, d}), 0.3 * torch::randn({d, 1, 3, 3})};
+    Tensor probe = torch::randn({B, H * W, C + d});
+    for (bool with_rope : {false, true}) {
+        Tensor rope = with_rope ? linvis::ops::vit3_rope_rotations(H, W, C) : Tensor();
+        auto ref = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) {
+            return mix(l, h, H, W, rope, Impl::Reference);
+        });
+        auto fused = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) {
+            return mix(l, h, H, W, rope, Impl::Fused);
+        });
+        expect_all_match(fused, ref, kF32RelTol, with_rope ? "mix with rope" : "mix");
+    }
+}
+
+TEST(Vit3TttFused, ScalarPathMatchesReference) {
+    ForceScalar scalar;
+    torch::manual_seed(4);
+    check_swiglu(2, 2, 300, 24, false, "scalar swiglu");
+    check_dwconv(2, 12, 11, 10, "scalar dwconv");
+}
+
+TEST(Vit3TttFused, SimdAndScalarPathsAgree) {
+    torch::manual_seed(5);
+    auto x = swiglu_inputs(1, 2, 400, 64, false);
+    auto c = dwconv_inputs(1, 64, 20, 20);
+    torch::NoGradGuard no_grad;
+    Tensor simd = swiglu(x, Impl::Fused), simd_c = dwconv(c, Impl::Fused);
+    ForceScalar scalar;
+    EXPECT_LT(relative_error(swiglu(x, Impl::Fused), simd), 1e-5);
+    EXPECT_LT(relative_error(dwconv(c, Impl::Fused), simd_c), 1e-6);
+}
+
+TEST(Vit3TttFused, BFloat16ComputesInFloat32) {
+    torch::manual_seed(6);
+    auto x = swiglu_inputs(1, 2, 300, 32, false, torch::kBFloat16);
+    std::vector<Tensor> xf;
+    for (const auto& t : x) xf.push_back(t.to(torch::kFloat32));
+    Tensor probe = torch::randn({1, 2, 300, 32});
+    auto ref = run_with_grads(xf, probe, [](const std::vector<Tensor>& l) { return swiglu(l, Impl::Reference); });
+    auto fused = run_with_grads(x, probe.to(torch::kBFloat16),
+                                [](const std::vector<Tensor>& l) { return swiglu(l, Impl::Fused); });
+    for (size_t i = 0; i < ref.size(); ++i) {
+        EXPECT_EQ(fused[i].scalar_type(), torch::kBFloat16);
+        // Output: one bf16 rounding; gradients: the bf16 probe and bf16-rounded gradients.
+        EXPECT_LT(relative_error(fused[i], ref[i]), 1e-2) << "tensor " << i;
+    }
+    auto c = dwconv_inputs(1, 16, 9, 11, torch::kBFloat16);
+    std::vector<Tensor> cf;
+    for (const auto& t : c) cf.push_back(t.to(torch::kFloat32));
+    torch::NoGradGuard no_grad;
+    EXPECT_LT(relative_error(dwconv(c, Impl::Fused), dwconv(cf, Impl::Reference)), 1e-2);
+}
+
+TEST(Vit3TttFused, MixBFloat16WithGradients) {
+    torch::manual_seed(15);
+    const int64_t B = 1, h = 2, d = 16, C = h * d, H = 8, W = 10;
+    std::vector<Tensor> x{torch::randn({B, H * W, 3 * C + 3 * d}).to(torch::kBFloat16),
+                          (0.3 * torch::randn({1, h, d, d})).to(torch::kBFloat16),
+                          (0.3 * torch::randn({1, h, d, d})).to(torch::kBFloat16),
+                          (0.3 * torch::randn({d, 1, 3, 3})).to(torch::kBFloat16)};
+    std::vector<Tensor> xf;
+    for (const auto& t : x) xf.push_back(t.to(torch::kFloat32));
+    Tensor probe = torch::randn({B, H * W, C + d});
+    auto ref = run_with_grads(xf, probe, [&](const std::vector<Tensor>& l) {
+        return mix(l, h, H, W, Tensor(), Impl::Reference);
+    });
+    auto fused = run_with_grads(x, probe.to(torch::kBFloat16), [&](const std::vector<Tensor>& l) {
+        return mix(l, h, H, W, Tensor(), Impl::Fused);
+    });
+    for (size_t i = 0; i < ref.size(); ++i) {
+        EXPECT_EQ(fused[i].scalar_type(), torch::kBFloat16) << "tensor " << i;
+        EXPECT_LT(relative_error(fused[i], ref[i]), 1e-2) << "tensor " << i;
+    }
+}
+
+TEST(Vit3TttFused, Float64FallsBackToReference) {
+    torch::manual_seed(7);
+    auto x = swiglu_inputs(1, 2, 40, 8, false, torch::kFloat64);
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::equal(swiglu(x, Impl::Fused), swiglu(x, Impl::Reference)));
+}
+
+TEST(Vit3TttFused, InferenceBuildsNoGraph) {
+    torch::manual_seed(8);
+    auto x = swiglu_inputs(1, 1, 50, 8, false);
+    for (auto& t : x) t = t.detach().requires_grad_(true);
+    {
+        torch::NoGradGuard no_grad;
+        EXPECT_FALSE(swiglu(x, Impl::Fused).grad_fn());
+    }
+    EXPECT_TRUE(swiglu(x, Impl::Fused).grad_fn());
+}
+
+TEST(Vit3TttFused, BadShapesThrow) {
+    auto x = swiglu_inputs(1, 2, 10, 8, false);
+    x[3] = torch::randn({1, 2, 8, 7});
+    EXPECT_THROW(swiglu(x, Impl::Fused), linvis::Error);
+    auto c = dwconv_inputs(1, 8, 4, 4);
+    c[3] = torch::randn({7, 1, 3, 3});
+    EXPECT_THROW(dwconv(c, Impl::Fused), linvis::Error);
+}
+
+// ---------------------------------------------------------------- models
+
+void copy_parameters(const linvis::models::ModelPtr& from, const linvis::models::ModelPtr& to) {
+    torch::NoGradGuard no_grad;
+    auto dst = to->named_parameters(true);
+    for (const auto& item : from->named_parameters(true)) dst[item.key()].copy_(item.value());
+    auto dst_buf = to->named_buffers(true);
+    for (const auto& item : from->named_buffers(true)) dst_buf[item.key()].copy_(item.value());
+}
+
+void check_model(const std::string& name, std::map<std::string, std::string> options, int64_t img) {
+    torch::manual_seed(9);
+    options["impl"] = "reference";
+    auto ref = linvis::models::create_model(name, linvis::models::ModelConfig(options));
+    options["impl"] = "fused";
+    auto fused = linvis::models::create_model(name, linvis::models::ModelConfig(options));
+    copy_parameters(ref, fused);
+    ref->eval();
+    fused->eval();
+    Tensor x = torch::randn({2, 3, img, img});
+    Tensor probe;
+    std::vector<Tensor> outs;
+    for (auto& m : {ref, fused}) {
+        Tensor xi = x.clone().requires_grad_(true);
+        Tensor logits = m->forward(xi);
+        if (!probe.defined()) probe = torch::randn(logits.sizes());
+        (logits * probe).sum().backward();
+        outs.push_back(logits.detach());
+        outs.push_back(xi.grad());
+    }
+    EXPECT_LT(relative_error(outs[2], outs[0]), kF32RelTol) << name << " logits";
+    EXPECT_LT(relative_error(outs[3], outs[1]), kF32RelTol) << name << " input gradient";
+    // Parameter gradients of the TTT weights also agree.
+    auto pr = ref->named_parameters(true), pf = fused->named_parameters(true);
+    int checked = 0;
+    for (const auto& item : pr) {
+        if (!item.value().grad().defined()) continue;
+        EXPECT_LT(relative_error(pf[item.key()].grad(), item.value().grad()), 1e-3) << name << " " << item.key();
+        ++checked;
+    }
+    EXPECT_GT(checked, 0);
+}
+
+TEST(Vit3TttFused, Vit3TinyModelMatchesReference) {
+    check_model("vit3_tiny", {{"depth", "2"}, {"img_size", "64"}, {"num_classes", "10"}}, 64);
+}
+
+TEST(Vit3TttFused, HVit3TinyModelMatchesReference) {
+    check_model("hvit3_tiny", {{"depths", "1,1,1,1"}, {"img_size", "64"}, {"num_classes", "10"}}, 64);
+}
+
+// ---------------------------------------------------------------- T5
+
+struct T5Case {
+    int64_t B, H, W, C, heads;
+};
+
+// q, k, v (B, N, C) chunks of one qkv buffer plus the seven parameters.
+std::vector<Tensor> t5_inputs(const T5Case& c, torch::Dtype dtype = torch::kFloat32) {
+    const int64_t N = c.H * c.W, d = c.C / c.heads;
+    Tensor qkv = torch::randn({c.B, N, 3 * c.C}, dtype);
+    auto chunks = qkv.chunk(3, -1);
+    auto p = [&](std::vector<int64_t> shape, double s) { return (s * torch::randn(shape)).to(dtype); };
+    return {chunks[0], chunks[1], chunks[2], p({1, c.heads, d, d}, 0.3), p({1, c.heads, d, d}, 0.3),
+            p({1, c.heads, d, d}, 0.3), p({c.C, 1, 3, 3}, 0.3), p({c.C}, 0.3), p({c.C, 1, 3, 3}, 0.3), p({c.C}, 0.3)};
+}
+
+Tensor t5(const std::vector<Tensor>& x, const T5Case& c, Impl impl) {
+    linvis::ops::T5TttParams p{x[3], x[4], x[5], x[6], x[7], x[8], x[9]};
+    return linvis::ops::t5_ttt_attention(x[0], x[1], x[2], p, c.heads, c.H, c.W, impl);
+}
+
+void check_t5(const T5Case& c, const std::string& what) {
+    auto x = t5_inputs(c);
+    Tensor probe = torch::randn({c.B, c.H * c.W, c.C});
+    auto ref = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) { return t5(l, c, Impl::Reference); });
+    auto fused = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) { return t5(l, c, Impl::Fused); });
+    expect_all_match(fused, ref, kF32RelTol, what);
+}
+
+TEST(T5TttFused, AttentionMatchesReference) {
+    torch::manual_seed(10);
+    check_t5({1, 4, 5, 16, 2}, "B1 4x5 C16 h2");
+    check_t5({2, 17, 19, 48, 3}, "B2 17x19 C48 h3");  // N = 323: two token blocks
+    check_t5({1, 16, 32, 128, 2}, "B1 16x32 C128 h2");  // d = 64, N = 512 exact blocks
+    check_t5({2, 3, 1, 12, 1}, "3x1 grid, one head");
+    check_t5({1, 33, 40, 16, 2}, "B1 33x40 C16 h2");  // N = 1320: 6 blocks, two reduction groups
+}
+
+TEST(T5TttFused, QkvEntryMatchesReference) {
+    torch::manual_seed(14);
+    const T5Case c{2, 9, 14, 32, 2};
+    auto x = t5_inputs(c);
+    x[0] = torch::randn({c.B, c.H * c.W, 3 * c.C});  // qkv
+    x.erase(x.begin() + 1, x.begin() + 3);
+    auto run = [&](const std::vector<Tensor>& l, Impl impl) {
+        linvis::ops::T5TttParams p{l[1], l[2], l[3], l[4], l[5], l[6], l[7]};
+        return linvis::ops::t5_ttt_attention_qkv(l[0], p, c.heads, c.H, c.W, impl);
+    };
+    Tensor probe = torch::randn({c.B, c.H * c.W, c.C});
+    auto ref = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) { return run(l, Impl::Reference); });
+    auto fused = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) { return run(l, Impl::Fused); });
+    expect_all_match(fused, ref, kF32RelTol, "qkv entry");
+    auto bad = x;
+    bad[0] = torch::randn({c.B, c.H * c.W, 3 * c.C - 1});  // not 3C wide
+    EXPECT_THROW(run(bad, Impl::Fused), linvis::Error);
+    bad[0] = torch::randn({c.B, c.H * c.W + 1, 3 * c.C});  // N != H*W
+    EXPECT_THROW(run(bad, Impl::Fused), linvis::Error);
+}
+
+TEST(T5TttFused, ScalarPathMatchesReference) {
+    ForceScalar scalar;
+    torch::manual_seed(11);
+    check_t5({2, 11, 13, 24, 2}, "scalar");
+}
+
+TEST(T5TttFused, BFloat16ComputesInFloat32) {
+    torch::manual_seed(12);
+    const T5Case c{1, 12, 12, 32, 2};
+    auto x = t5_inputs(c, torch::kBFloat16);
+    std::vector<Tensor> xf;
+    for (const auto& t : x) xf.push_back(t.to(torch::kFloat32));
+    Tensor probe = torch::randn({1, 144, 32});
+    auto ref = run_with_grads(xf, probe, [&](const std::vector<Tensor>& l) { return t5(l, c, Impl::Reference); });
+    auto fused = run_with_grads(x, probe.to(torch::kBFloat16),
+                                [&](const std::vector<Tensor>& l) { return t5(l, c, Impl::Fused); });
+    for (size_t i = 0; i < ref.size(); ++i) {
+        EXPECT_EQ(fused[i].scalar_type(), torch::kBFloat16);
+        EXPECT_LT(relative_error(fused[i], ref[i]), 1e-2) << "tensor " << i;
+    }
+}
+
+TEST(T5TttFused, Float64FallsBackAndInferenceBuildsNoGraph) {
+    torch::manual_seed(13);
+    const T5Case c{1, 5, 5, 8, 2};
+    auto x = t5_inputs(c, torch::kFloat64);
+    {
+        torch::NoGradGuard no_grad;
+        EXPECT_TRUE(torch::equal(t5(x, c, Impl::Fused), t5(x, c, Impl::Reference)));
+    }
+    auto y = t5_inputs(c);
+    for (auto& t : y) t = t.detach().requires_grad_(true);
+    {
+        torch::NoGradGuard no_grad;
+        EXPECT_FALSE(t5(y, c, Impl::Fused).grad_fn());
+    }
+    EXPECT_TRUE(t5(y, c, Impl::Fused).grad_fn());
+    y[6] = torch::randn({8, 1, 3, 2});
+    EXPECT_THROW(t5(y, c, Impl::Fused), linvis::Error);
+}
+
+TEST(T5TttFused, T5TinyModelMatchesReference) {
+    check_model("t5_tiny", {{"depth", "2"}, {"img_size", "64"}, {"num_classes", "10"}}, 64);
+}
+
+}  // namespace
