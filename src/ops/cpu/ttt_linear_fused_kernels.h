@@ -13,27 +13,47 @@
 // ---------------------------------------------------------------- small dense products
 
 // C[MR x NV*W] += A(MR x Kc) B(Kc x NV*W); A(i, k) = A[i*ars + k*acs], B and C row-major.
-// The last vector of a row holds `tail` valid columns.
+// The last vector of a row holds `tail` valid columns. The accumulators are named variables
+// (an array of them is spilled to the stack by GCC), expanded by the macros below.
+#define LINVIS_TTT_ROWS(X, v) X(0, v) X(1, v) X(2, v) X(3, v)
+#define LINVIS_TTT_ALL(X) LINVIS_TTT_ROWS(X, 0) LINVIS_TTT_ROWS(X, 1) LINVIS_TTT_ROWS(X, 2) LINVIS_TTT_ROWS(X, 3)
 template <class V, int MR, int NV>
 LINVIS_TTT_KATTR inline void gemm_tile(int64_t Kc, const typename V::T* A, int64_t ars, int64_t acs,
                                        const typename V::T* B, int64_t ldb, typename V::T* C, int64_t ldc,
                                        int tail) {
-    typename V::Mask masks[NV];
-    for (int v = 0; v < NV; ++v) masks[v] = V::mask(v == NV - 1 ? tail : V::W);
-    V acc[MR][NV];
-    for (int r = 0; r < MR; ++r)
-        for (int v = 0; v < NV; ++v) acc[r][v] = V::load(C + r * ldc + v * V::W, masks[v]);
+    const typename V::Mask m0 = V::mask(NV == 1 ? tail : V::W), m1 = V::mask(NV == 2 ? tail : V::W),
+                           m2 = V::mask(NV == 3 ? tail : V::W), m3 = V::mask(NV == 4 ? tail : V::W);
+    V b0 = V::zero(), b1 = V::zero(), b2 = V::zero(), b3 = V::zero();
+#define LINVIS_TTT_DECL(r, v) V c##r##v = (MR > r && NV > v) ? V::load(C + r * ldc + v * V::W, m##v) : V::zero();
+    LINVIS_TTT_ALL(LINVIS_TTT_DECL)
+#undef LINVIS_TTT_DECL
     for (int64_t k = 0; k < Kc; ++k) {
-        V b[NV];
-        for (int v = 0; v < NV; ++v) b[v] = V::load(B + k * ldb + v * V::W, masks[v]);
-        for (int r = 0; r < MR; ++r) {
-            const V a = V::set1(A[r * ars + k * acs]);
-            for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(a, b[v], acc[r][v]);
+        const typename V::T* Bk = B + k * ldb;
+        b0 = V::load(Bk, m0);
+        if constexpr (NV > 1) b1 = V::load(Bk + V::W, m1);
+        if constexpr (NV > 2) b2 = V::load(Bk + 2 * V::W, m2);
+        if constexpr (NV > 3) b3 = V::load(Bk + 3 * V::W, m3);
+#define LINVIS_TTT_ROW(r)                                                  \
+        if constexpr (MR > r) {                                            \
+            const V a = V::set1(A[r * ars + k * acs]);                     \
+            c##r##0 = V::fma(a, b0, c##r##0);                              \
+            if constexpr (NV > 1) c##r##1 = V::fma(a, b1, c##r##1);        \
+            if constexpr (NV > 2) c##r##2 = V::fma(a, b2, c##r##2);        \
+            if constexpr (NV > 3) c##r##3 = V::fma(a, b3, c##r##3);        \
         }
+        LINVIS_TTT_ROW(0)
+        LINVIS_TTT_ROW(1)
+        LINVIS_TTT_ROW(2)
+        LINVIS_TTT_ROW(3)
+#undef LINVIS_TTT_ROW
     }
-    for (int r = 0; r < MR; ++r)
-        for (int v = 0; v < NV; ++v) acc[r][v].store(C + r * ldc + v * V::W, masks[v]);
+#define LINVIS_TTT_STORE(r, v) \
+    if constexpr (MR > r && NV > v) c##r##v.store(C + r * ldc + v * V::W, m##v);
+    LINVIS_TTT_ALL(LINVIS_TTT_STORE)
+#undef LINVIS_TTT_STORE
 }
+#undef LINVIS_TTT_ALL
+#undef LINVIS_TTT_ROWS
 
 template <class V, int MR>
 LINVIS_TTT_KATTR inline void gemm_rows(int nv, int64_t Kc, const typename V::T* A, int64_t ars, int64_t acs,
