@@ -17,14 +17,23 @@
 // (an array of them is spilled to the stack by GCC), expanded by the macros below.
 #define LINVIS_TTT_ROWS(X, v) X(0, v) X(1, v) X(2, v) X(3, v)
 #define LINVIS_TTT_ALL(X) LINVIS_TTT_ROWS(X, 0) LINVIS_TTT_ROWS(X, 1) LINVIS_TTT_ROWS(X, 2) LINVIS_TTT_ROWS(X, 3)
+// Where the accumulators start: C itself (C += A B), zero (C = A B), or one row broadcast to
+// every row (C = row + A B, the bias rows of K W + b without materialising them).
+enum class GemmInit { Accumulate, Zero, Row };
+
 template <class V, int MR, int NV>
 LINVIS_TTT_KATTR inline void gemm_tile(int64_t Kc, const typename V::T* A, int64_t ars, int64_t acs,
                                        const typename V::T* B, int64_t ldb, typename V::T* C, int64_t ldc,
-                                       int tail) {
+                                       int tail, GemmInit init, const typename V::T* row) {
     const typename V::Mask m0 = V::mask(NV == 1 ? tail : V::W), m1 = V::mask(NV == 2 ? tail : V::W),
                            m2 = V::mask(NV == 3 ? tail : V::W), m3 = V::mask(NV == 4 ? tail : V::W);
     V b0 = V::zero(), b1 = V::zero(), b2 = V::zero(), b3 = V::zero();
-#define LINVIS_TTT_DECL(r, v) V c##r##v = (MR > r && NV > v) ? V::load(C + r * ldc + v * V::W, m##v) : V::zero();
+#define LINVIS_TTT_DECL(r, v)                                                                  \
+    V c##r##v = V::zero();                                                                     \
+    if constexpr (MR > r && NV > v) {                                                          \
+        if (init == GemmInit::Accumulate) c##r##v = V::load(C + r * ldc + v * V::W, m##v);    \
+        else if (init == GemmInit::Row) c##r##v = V::load(row + v * V::W, m##v);              \
+    }
     LINVIS_TTT_ALL(LINVIS_TTT_DECL)
 #undef LINVIS_TTT_DECL
     for (int64_t k = 0; k < Kc; ++k) {
@@ -58,32 +67,34 @@ LINVIS_TTT_KATTR inline void gemm_tile(int64_t Kc, const typename V::T* A, int64
 template <class V, int MR>
 LINVIS_TTT_KATTR inline void gemm_rows(int nv, int64_t Kc, const typename V::T* A, int64_t ars, int64_t acs,
                                        const typename V::T* B, int64_t ldb, typename V::T* C, int64_t ldc,
-                                       int tail) {
+                                       int tail, GemmInit init, const typename V::T* row) {
     switch (nv) {
-        case 1: gemm_tile<V, MR, 1>(Kc, A, ars, acs, B, ldb, C, ldc, tail); break;
-        case 2: gemm_tile<V, MR, 2>(Kc, A, ars, acs, B, ldb, C, ldc, tail); break;
-        case 3: gemm_tile<V, MR, 3>(Kc, A, ars, acs, B, ldb, C, ldc, tail); break;
-        default: gemm_tile<V, MR, 4>(Kc, A, ars, acs, B, ldb, C, ldc, tail); break;
+        case 1: gemm_tile<V, MR, 1>(Kc, A, ars, acs, B, ldb, C, ldc, tail, init, row); break;
+        case 2: gemm_tile<V, MR, 2>(Kc, A, ars, acs, B, ldb, C, ldc, tail, init, row); break;
+        case 3: gemm_tile<V, MR, 3>(Kc, A, ars, acs, B, ldb, C, ldc, tail, init, row); break;
+        default: gemm_tile<V, MR, 4>(Kc, A, ars, acs, B, ldb, C, ldc, tail, init, row); break;
     }
 }
 
-// C (M x N, row-major, ldc) += A (M x Kc, strides ars/acs) * B (Kc x N, row-major, ldb).
+// C (M x N, row-major, ldc) (+)= A (M x Kc, strides ars/acs) * B (Kc x N, row-major, ldb), see GemmInit.
 // Register tiles of 4 rows x 4 vectors; a transposed A is just other strides.
 template <class V>
 LINVIS_TTT_KATTR void gemm_acc(int64_t M, int64_t N, int64_t Kc, const typename V::T* A, int64_t ars, int64_t acs,
-                               const typename V::T* B, int64_t ldb, typename V::T* C, int64_t ldc) {
+                               const typename V::T* B, int64_t ldb, typename V::T* C, int64_t ldc,
+                               GemmInit init = GemmInit::Accumulate, const typename V::T* row = nullptr) {
     constexpr int64_t W = V::W;
     for (int64_t n0 = 0; n0 < N; n0 += 4 * W) {
+        const typename V::T* row_n0 = row != nullptr ? row + n0 : nullptr;
         const int64_t cols = std::min<int64_t>(4 * W, N - n0);
         const int nv = static_cast<int>((cols + W - 1) / W);
         const int tail = static_cast<int>(cols - (nv - 1) * W);
         int64_t i = 0;
         for (; i + 4 <= M; i += 4)
-            gemm_rows<V, 4>(nv, Kc, A + i * ars, ars, acs, B + n0, ldb, C + i * ldc + n0, ldc, tail);
+            gemm_rows<V, 4>(nv, Kc, A + i * ars, ars, acs, B + n0, ldb, C + i * ldc + n0, ldc, tail, init, row_n0);
         switch (M - i) {
-            case 3: gemm_rows<V, 3>(nv, Kc, A + i * ars, ars, acs, B + n0, ldb, C + i * ldc + n0, ldc, tail); break;
-            case 2: gemm_rows<V, 2>(nv, Kc, A + i * ars, ars, acs, B + n0, ldb, C + i * ldc + n0, ldc, tail); break;
-            case 1: gemm_rows<V, 1>(nv, Kc, A + i * ars, ars, acs, B + n0, ldb, C + i * ldc + n0, ldc, tail); break;
+            case 3: gemm_rows<V, 3>(nv, Kc, A + i * ars, ars, acs, B + n0, ldb, C + i * ldc + n0, ldc, tail, init, row_n0); break;
+            case 2: gemm_rows<V, 2>(nv, Kc, A + i * ars, ars, acs, B + n0, ldb, C + i * ldc + n0, ldc, tail, init, row_n0); break;
+            case 1: gemm_rows<V, 1>(nv, Kc, A + i * ars, ars, acs, B + n0, ldb, C + i * ldc + n0, ldc, tail, init, row_n0); break;
             default: break;
         }
     }
@@ -93,12 +104,6 @@ template <class V>
 LINVIS_TTT_KATTR inline void transpose(const typename V::T* src, int64_t rows, int64_t cols, typename V::T* dst) {
     for (int64_t i = 0; i < rows; ++i)
         for (int64_t j = 0; j < cols; ++j) dst[j * rows + i] = src[i * cols + j];
-}
-
-// Every row of dst (rows x d) = row.
-template <class V>
-LINVIS_TTT_KATTR inline void fill_rows(typename V::T* dst, int64_t rows, int64_t d, const typename V::T* row) {
-    for (int64_t i = 0; i < rows; ++i) std::copy(row, row + d, dst + i * d);
 }
 
 // acc (d) += sum over rows of src (rows x d).
@@ -318,8 +323,7 @@ LINVIS_TTT_KATTR void mini_batch_forward(MiniBatchWork<V>& w, int64_t M, const t
                                          bool causal, bool outputs) {
     using T = typename V::T;
     const int64_t d = w.d;
-    fill_rows<V>(w.z.data(), M, d, bias);
-    gemm_acc<V>(M, d, d, w.k.data(), d, 1, W, d, w.z.data(), d);
+    gemm_acc<V>(M, d, d, w.k.data(), d, 1, W, d, w.z.data(), d, GemmInit::Row, bias);
     for (int64_t i = 0; i < M; ++i)
         w.std1[i] = inner_grad_row<V>(w.z.data() + i * d, w.k.data() + i * d, w.v.data() + i * d, gamma, beta, d,
                                       eps, w.g.data() + i * d, w.G.data() + i * d);
@@ -332,8 +336,7 @@ LINVIS_TTT_KATTR void mini_batch_forward(MiniBatchWork<V>& w, int64_t M, const t
     }
     if (!outputs) return;
     transpose<V>(w.k.data(), M, d, w.kt.data());
-    std::fill(w.S.begin(), w.S.begin() + M * M, T(0));
-    gemm_acc<V>(M, M, d, w.q.data(), d, 1, w.kt.data(), M, w.S.data(), M);
+    gemm_acc<V>(M, M, d, w.q.data(), d, 1, w.kt.data(), M, w.S.data(), M, GemmInit::Zero);
     for (int64_t i = 0; i < M; ++i)
         for (int64_t j = 0; j < M; ++j) {
             // eta_ij = tau_i lr_j for j <= i (causal, tril with diagonal); tau_{M-1} lr_j (non-causal).
@@ -341,8 +344,7 @@ LINVIS_TTT_KATTR void mini_batch_forward(MiniBatchWork<V>& w, int64_t M, const t
             w.c[i * M + j] = cij;
             w.Pn[i * M + j] = -cij * (w.S[i * M + j] + T(1));
         }
-    fill_rows<V>(w.zb.data(), M, d, bias);
-    gemm_acc<V>(M, d, d, w.q.data(), d, 1, W, d, w.zb.data(), d);
+    gemm_acc<V>(M, d, d, w.q.data(), d, 1, W, d, w.zb.data(), d, GemmInit::Row, bias);
     gemm_acc<V>(M, d, M, w.Pn.data(), M, 1, w.G.data(), d, w.zb.data(), d);
     for (int64_t i = 0; i < M; ++i)
         w.std2[i] = ln_forward_row<V>(w.zb.data() + i * d, w.q.data() + i * d, gamma, beta, d, eps,
@@ -378,17 +380,13 @@ LINVIS_TTT_KATTR void mini_batch_backward(MiniBatchWork<V>& w, int64_t M, const 
     transpose<V>(W, d, d, w.Wt.data());
     gemm_acc<V>(M, d, d, w.dzb.data(), d, 1, w.Wt.data(), d, dq, d);
     transpose<V>(w.G.data(), M, d, w.Gt.data());
-    std::fill(w.dP.begin(), w.dP.begin() + M * M, T(0));
-    gemm_acc<V>(M, M, d, w.dzb.data(), d, 1, w.Gt.data(), M, w.dP.data(), M);  // d Pn
-    std::fill(w.dG.begin(), w.dG.begin() + M * d, T(0));
-    gemm_acc<V>(M, d, M, w.Pn.data(), 1, M, w.dzb.data(), d, w.dG.data(), d);  // Pn^T dZb
+    gemm_acc<V>(M, M, d, w.dzb.data(), d, 1, w.Gt.data(), M, w.dP.data(), M, GemmInit::Zero);  // d Pn
+    gemm_acc<V>(M, d, M, w.Pn.data(), 1, M, w.dzb.data(), d, w.dG.data(), d, GemmInit::Zero);  // Pn^T dZb
     // State update W' = W + K^T Gen, bias' = bias + sum Gen with Gen_j = -e_j G_j:
     // H = K dW' + dbias'; dG_j -= e_j H_j; de_j = -H_j . G_j; dK = Gen dW'^T.
-    fill_rows<V>(w.H.data(), M, d, dbias);
-    gemm_acc<V>(M, d, d, w.k.data(), d, 1, dW, d, w.H.data(), d);
+    gemm_acc<V>(M, d, d, w.k.data(), d, 1, dW, d, w.H.data(), d, GemmInit::Row, dbias);
     transpose<V>(dW, d, d, w.dWt.data());
-    std::fill(dk, dk + M * d, T(0));
-    gemm_acc<V>(M, d, d, w.Gen.data(), d, 1, w.dWt.data(), d, dk, d);
+    gemm_acc<V>(M, d, d, w.Gen.data(), d, 1, w.dWt.data(), d, dk, d, GemmInit::Zero);
     T de_lr_sum = T(0);  // sum_j de_j lr_j (-> dtau_{M-1})
     for (int64_t j = 0; j < M; ++j) {
         const T* Hj = w.H.data() + j * d;
