@@ -107,7 +107,8 @@ int run_bench(int argc, char** argv) {
         .option("--mini-batch", "B", "mini-batch size", "16")
         .option("--reps", "N", "timed repetitions (median)", "5")
         .option("--child", "IMPL", "internal: measure the peak memory of one case", "")
-        .flag("--train", "internal: with --child, forward + backward");
+        .flag("--train", "internal: with --child, forward + backward")
+        .option("--child-reps", "N", "internal: with --child, run the case N times (for profilers)", "1");
     if (!args.parse(argc, argv, 1)) return 0;
     const int threads = static_cast<int>(args.get_int("--threads"));
     const int64_t T = args.get_int("--tokens"), nh = args.get_int("--heads"), d = args.get_int("--head-dim"),
@@ -121,7 +122,7 @@ int run_bench(int argc, char** argv) {
         Inputs in = make_inputs(T, nh, d, b, train);
         torch::Tensor probe = torch::randn({1, nh, T, d});
         const int64_t base = linvis::tools::current_rss_bytes();
-        run_case(in, impl, b, train, probe);
+        for (int64_t i = 0; i < args.get_int("--child-reps"); ++i) run_case(in, impl, b, train, probe);
         std::printf("%.3f\n", static_cast<double>(linvis::tools::peak_rss_bytes() - base) / (1024.0 * 1024.0));
         return 0;
     }

@@ -56,6 +56,7 @@ struct ScalarVec {
     static ScalarVec keep(Mask, ScalarVec a) { return a; }
     static ScalarVec fma(ScalarVec a, ScalarVec b, ScalarVec c) { return {a.x * b.x + c.x}; }
     static S reduce(ScalarVec a) { return a.x; }
+    static void transpose_block(const S*, int64_t, S*, int64_t) {}  // unused (W = 1)
     friend ScalarVec operator+(ScalarVec a, ScalarVec b) { return {a.x + b.x}; }
     friend ScalarVec operator-(ScalarVec a, ScalarVec b) { return {a.x - b.x}; }
     friend ScalarVec operator*(ScalarVec a, ScalarVec b) { return {a.x * b.x}; }
@@ -100,6 +101,33 @@ struct Vec16f {
         t = _mm_add_ps(t, _mm_movehl_ps(t, t));
         t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
         return _mm_cvtss_f32(t);
+    }
+    // dst (16 x 16, row stride ldd) = src (16 x 16, row stride lds) transposed: 32-bit, 64-bit
+    // and two 128-bit-lane interleaving stages.
+    LINVIS_TTT_KATTR static void transpose_block(const float* src, int64_t lds, float* dst, int64_t ldd) {
+        __m512 r[16], t[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+        for (int i = 0; i < 8; ++i) {
+            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        for (int i = 0; i < 4; ++i) {
+            const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+            const __m512d c = _mm512_castps_pd(t[4 * i + 2]), e = _mm512_castps_pd(t[4 * i + 3]);
+            r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+            r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+            r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+            r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+        }
+        for (int i = 0; i < 2; ++i)
+            for (int j = 0; j < 4; ++j) {
+                t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+                t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+            }
+        for (int j = 0; j < 8; ++j) {
+            _mm512_storeu_ps(dst + j * ldd, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));
+            _mm512_storeu_ps(dst + (8 + j) * ldd, _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd));
+        }
     }
 };
 LINVIS_TTT_KATTR inline Vec16f operator+(Vec16f a, Vec16f b) { return {_mm512_add_ps(a.x, b.x)}; }

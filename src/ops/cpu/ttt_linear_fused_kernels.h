@@ -8,7 +8,7 @@
 //
 // V provides: T, W, Mask, mask(n) (first n lanes), load(p, mask) (masked lanes read 0),
 // store(p, mask), set1(x), zero(), keep(mask, v) (zero outside mask), fma(a, b, c) = a*b + c,
-// reduce(v) (sum of all lanes), and + - * /.
+// reduce(v) (sum of all lanes), transpose_block (W x W, strided), and + - *.
 
 // ---------------------------------------------------------------- small dense products
 
@@ -100,10 +100,15 @@ LINVIS_TTT_KATTR void gemm_acc(int64_t M, int64_t N, int64_t Kc, const typename 
     }
 }
 
+// dst (cols x rows) = src (rows x cols) transposed; W x W blocks through V::transpose_block.
 template <class V>
 LINVIS_TTT_KATTR inline void transpose(const typename V::T* src, int64_t rows, int64_t cols, typename V::T* dst) {
+    constexpr int64_t W = V::W;
+    const int64_t rows_full = W > 1 ? rows / W * W : 0, cols_full = W > 1 ? cols / W * W : 0;
+    for (int64_t i = 0; i < rows_full; i += W)
+        for (int64_t j = 0; j < cols_full; j += W) V::transpose_block(src + i * cols + j, cols, dst + j * rows + i, rows);
     for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = 0; j < cols; ++j) dst[j * rows + i] = src[i * cols + j];
+        for (int64_t j = (i < rows_full ? cols_full : 0); j < cols; ++j) dst[j * rows + i] = src[i * cols + j];
 }
 
 // acc (d) += sum over rows of src (rows x d).
