@@ -41,7 +41,15 @@ struct TttLinearOptions {
     double eps = 1e-6;              // inner LN eps (biased variance)
     bool return_final_state = false;
     bool return_grad_norms = false;
-    Impl impl = Impl::Reference;    // only Reference exists; Fused throws linvis::Error
+    // Reference: plain LibTorch ops with autograd. Fused: the CPU kernel of
+    // src/ops/cpu/ttt_linear_fused.cpp (docs/perf_ttt_linear.md) for the ResidualLayerNorm inner
+    // model on CPU tensors (causal or not, RoPE through ttt_rope first, dual_form ignored since
+    // dual and primal are the same function; grad_norms come back detached). The Linear inner
+    // model and non-CPU tensors fall back to the reference.
+    Impl impl = Impl::Reference;
+    // Fused only: (W, b) is checkpointed every this many mini-batches for the backward, which
+    // recomputes the states in between (memory ~ T/(b * checkpoint_every) * nh * d^2 values).
+    int64_t checkpoint_every = 4;
 };
 
 struct TttLinearResult {

@@ -6,6 +6,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "ops/cpu/ttt_linear_fused.h"
 
 namespace linvis::ops {
 namespace {
@@ -194,8 +195,6 @@ TttLinearResult ttt_linear(const torch::Tensor& xq_in, const torch::Tensor& xk_i
                            const torch::Tensor& lr, const torch::Tensor& learnable_token_idx,
                            const torch::Tensor& w0, const torch::Tensor& b0, const torch::Tensor& ln_weight,
                            const torch::Tensor& ln_bias, const TttLinearOptions& opt) {
-    LINVIS_CHECK(opt.impl == Impl::Reference,
-                 "ttt_linear: impl 'fused' is not implemented yet; use impl=reference");
     LINVIS_CHECK(xq_in.dim() == 4, "ttt_linear: xq: expected (B, nh, T, d), got ", shape_string(xq_in.sizes()));
     const int64_t B = xq_in.size(0), nh = xq_in.size(1), T = xq_in.size(2), d = xq_in.size(3);
     LINVIS_CHECK(xk_in.sizes() == xq_in.sizes(), "ttt_linear: xk: expected shape ", shape_string(xq_in.sizes()),
@@ -241,6 +240,21 @@ TttLinearResult ttt_linear(const torch::Tensor& xq_in, const torch::Tensor& xk_i
 
     torch::Tensor xq = opt.use_rope ? ttt_rope(xq_in, opt.mini_batch_size, opt.rope_theta) : xq_in;
     torch::Tensor xk = opt.use_rope ? ttt_rope(xk_in, opt.mini_batch_size, opt.rope_theta) : xk_in;
+
+    if (opt.impl == Impl::Fused && ln_model && xq.device().is_cpu()) {
+        torch::Tensor tau = opt.use_token_coefficient ? ttt_token_coefficient(learnable_token_idx, opt.mini_batch_size)
+                                                      : torch::ones({opt.mini_batch_size}, xq.options());
+        if (flops::counting()) {
+            // Same products as the reference (see mini_batch_step).
+            int64_t macs = 0;
+            for (int64_t start = 0; start < T; start += opt.mini_batch_size) {
+                const int64_t M = std::min(opt.mini_batch_size, T - start);
+                macs += 3 * M * d * d + (opt.causal ? 2 * M * M * d : 0);
+            }
+            flops::add(B * nh * macs);
+        }
+        return cpu::ttt_linear_fused(xq, xk, xv, lr, tau, w0, b0, ln_weight, ln_bias, opt);
+    }
 
     InnerState state;
     state.W = w0_batched ? w0 : w0.unsqueeze(0).expand({B, nh, d, d});
