@@ -22,6 +22,7 @@
 namespace fs = std::filesystem;
 using namespace linvis;
 namespace explain = linvis::tools::explain;
+using linvis::testing::all_close;
 
 namespace {
 
@@ -59,7 +60,7 @@ private:
 void expect_support_is_square(const torch::Tensor& erf, int64_t lo, int64_t hi) {
     torch::Tensor inside = torch::zeros_like(erf, torch::kBool);
     inside.index_put_({torch::indexing::Slice(lo, hi), torch::indexing::Slice(lo, hi)}, true);
-    EXPECT_TRUE((erf.masked_select(inside) > 0).all().item<bool>());
+    EXPECT_TRUE((erf.masked_select(inside) > 0).all().item<bool>()) << erf.slice(0, lo, hi).slice(1, lo, hi);
     EXPECT_EQ(erf.masked_select(inside.logical_not()).abs().max().item<float>(), 0.0f);
 }
 
@@ -94,13 +95,18 @@ TEST(Explain, ErfOfPatchOnlyModelIsTheCentrePatch) {
     torch::manual_seed(0);
     PatchOnlyModel model(false, false);
     // 64x64: a 4x4 grid, centre cell (2, 2) = pixels [32, 48).
-    torch::Tensor erf = explain::effective_receptive_field(model, random_images(2, 64, 1));
-    ASSERT_EQ(erf.sizes(), (std::vector<int64_t>{64, 64}));
+    ASSERT_EQ(explain::effective_receptive_field(model, random_images(2, 64, 1)).sizes(),
+              (std::vector<int64_t>{64, 64}));
+    expect_support_is_square(explain::effective_receptive_field(model, random_images(2, 64, 1)), 32, 48);
+    explain::ErfOptions plain_sum;
+    plain_sum.rectify_features = false;
+    torch::Tensor erf = explain::effective_receptive_field(model, random_images(2, 64, 1), plain_sum);
     expect_support_is_square(erf, 32, 48);
     // The gradient of sum(features) w.r.t. pixel (c, y, x) is sum_o W[o, c, y mod 16, x mod 16]:
     // independent of the image, so the ERF equals sum_c |sum_o W| on the patch.
     torch::Tensor expected = model.proj->weight.sum(0).abs().sum(0).detach();
-    EXPECT_TRUE(all_close(erf.slice(0, 32, 48).slice(1, 32, 48), expected, 1e-5, 1e-7));
+    EXPECT_TRUE(all_close(erf.slice(0, 32, 48).slice(1, 32, 48), expected, 1e-5, 1e-7))
+        << erf.slice(0, 32, 36).slice(1, 32, 36) << expected.slice(0, 0, 4).slice(1, 0, 4);
 }
 
 TEST(Explain, ErfSkipsClassTokenAndHandlesFeatureMaps) {
@@ -136,6 +142,12 @@ TEST(Explain, ErfOfGlobalMixersSpreadsBeyondTheCentrePatch) {
         torch::Tensor per_patch = erf.reshape({4, 16, 4, 16}).sum({1, 3});
         EXPECT_TRUE((per_patch > 0).all().item<bool>()) << name << "\n" << per_patch;
         EXPECT_GT(per_patch[2][2].item<float>(), per_patch[0][0].item<float>()) << name;
+        // The final LayerNorm (gamma = 1 untrained) makes the plain channel sum constant: no gradient.
+        explain::ErfOptions plain_sum;
+        plain_sum.rectify_features = false;
+        EXPECT_LT(explain::effective_receptive_field(*model, random_images(2, 64, 4), plain_sum).max().item<float>(),
+                  1e-3f * erf.max().item<float>())
+            << name;
         torch::Tensor shown = explain::erf_display_map(erf, 3.0);
         EXPECT_NEAR(shown.max().item<float>(), 0.0f, 1e-6);
         EXPECT_GE(shown.min().item<float>(), -3.0f);

@@ -138,9 +138,9 @@ torch::Tensor effective_receptive_field(models::VisionModel& model, const torch:
             }
             centre = f.index({0, prefix + (h / 2) * w + w / 2});
         }
-        torch::Tensor s = options.rectify ? torch::relu(centre).sum() : centre.sum();
+        torch::Tensor s = options.rectify_features ? torch::relu(centre).sum() : centre.sum();
         torch::Tensor g = torch::autograd::grad({s}, {x})[0][0];  // (C, H, W)
-        total += (options.rectify ? torch::relu(g) : g.abs()).sum(0).to(torch::kFloat64);
+        total += (options.rectify_gradient ? torch::relu(g) : g.abs()).sum(0).to(torch::kFloat64);
     }
     return (total / static_cast<double>(B)).to(torch::kFloat32);
 }

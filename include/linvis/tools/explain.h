@@ -29,18 +29,21 @@ struct ErfOptions {
     // the smallest p in [0, 8] for which T - p tokens form an h x w grid of square patches that
     // tile the image (H % h == 0, W % w == 0, H / h == W / w).
     int64_t prefix_tokens = -1;
-    // false (default): s = sum over channels of the centre features, map = sum_c |ds/dx_c|.
-    // true: the RepLKNet analysis script's variant, s = sum relu(centre features),
-    // map = sum_c relu(ds/dx_c).
-    bool rectify = false;
+    // s = sum over channels of relu(centre features) (default, as RepLKNet's analysis script), or
+    // of the features themselves (false). The plain sum is degenerate after a final LayerNorm:
+    // sum_c LN(x)_c = sum_c (gamma_c xhat_c + beta_c) is constant when gamma is (e.g. untrained,
+    // gamma = 1), so its gradient vanishes; the rectified sum has no such cancellation.
+    bool rectify_features = true;
+    // map = sum_c |ds/dx_c| (default) or sum_c relu(ds/dx_c) (true: RepLKNet's script exactly).
+    bool rectify_gradient = false;
 };
 
 // ERF of `model` over `images` (B, in_chans, H, W), already normalised as the model expects.
 // For each image separately (eval mode): the features at the central output position, i.e.
 // the token at grid cell (h / 2, w / 2) of forward_features (B, T, D) after skipping the prefix
 // tokens, or position (H' / 2, W' / 2) of a hierarchical model's last feature map (B, C, H', W');
-// s = their sum over channels; the gradient ds/dimage by autograd; |.| summed over the input
-// channels. Returns the mean over the B images: float32 (H, W), raw (not normalised).
+// s = their (rectified, see ErfOptions) sum over channels; the gradient ds/dimage by autograd;
+// |.| summed over the input channels. Returns the mean over the B images: float32 (H, W), raw (not normalised).
 torch::Tensor effective_receptive_field(models::VisionModel& model, const torch::Tensor& images,
                                         const ErfOptions& options = {});
 
