@@ -24,8 +24,6 @@ namespace {
 namespace plot = tools::plot;
 namespace explain = tools::explain;
 
-constexpr int kCellWidth = 380;
-constexpr int kCellHeight = 400;
 
 std::vector<std::string> split_commas(const std::string& text) {
     std::vector<std::string> parts;
@@ -70,9 +68,14 @@ int run_explain(int argc, const char* const* argv) {
         .option("--query", "Y,X", "attention: query patch (row, column); default the grid centre", "")
         .option("--img-size", "N", "crop size (the model is built for it)", "224")
         .option("--decades", "F", "erf: decades shown by the log colour scale", "3")
+        .option("--erf-cells", "N", "erf: show the map as means over square pixel blocks, about N per side "
+                                    "(0: every pixel)", "56")
         .option("--save-map", "FILE.safetensors", "also write the raw map(s) as float32 tensors", "")
+        .option("--panel-size", "W,H", "pixels of each panel of the picture", "340,360")
+        .option("--seed", "N", "seed of the random initialisation (untrained models)", "0")
         .option("--threads", "N", "threads (0: all cores)", "0");
     if (!args.parse(argc, argv, 1)) return 0;
+    torch::manual_seed(static_cast<uint64_t>(args.get_int("--seed")));
     runtime::configure_threads(static_cast<int>(args.get_int("--threads")));
 
     const std::string what = args.get("--what");
@@ -85,6 +88,19 @@ int run_explain(int argc, const char* const* argv) {
     const explain::TttBranch branch = explain::parse_ttt_branch(branch_name);
     const double decades = args.get_double("--decades");
     LINVIS_CHECK(decades > 0 && decades <= 12, "--decades must be in (0, 12], got ", decades);
+    const auto panel_size = split_commas(args.get("--panel-size"));
+    int cell_width = 0, cell_height = 0;
+    try {
+        if (panel_size.size() == 2) {
+            cell_width = std::stoi(panel_size[0]);
+            cell_height = std::stoi(panel_size[1]);
+        }
+    } catch (const std::exception&) {
+    }
+    LINVIS_CHECK(cell_width >= 160 && cell_height >= 160 && cell_width <= 4000 && cell_height <= 4000,
+                 "--panel-size must be W,H with each in [160, 4000], got '", args.get("--panel-size"), "'");
+    const int64_t erf_cells = args.get_int("--erf-cells");
+    LINVIS_CHECK(erf_cells >= 0, "--erf-cells must be >= 0, got ", erf_cells);
     const std::vector<std::string> model_names = split_commas(args.get("--model"));
     LINVIS_CHECK(!model_names.empty(), "--model is empty");
     LINVIS_CHECK(model_names.size() == 1 || what == "erf", "--model: several models (", args.get("--model"),
@@ -123,9 +139,16 @@ int run_explain(int argc, const char* const* argv) {
             }
             torch::Tensor erf = explain::effective_receptive_field(*model, images);
             saved["erf." + name] = erf;
-            torch::Tensor shown = explain::erf_display_map(erf, decades);
+            // Block means tame the pixel-level noise of a single-image ERF (and keep the PNG small).
+            const int64_t block_size = erf_cells > 0 ? std::max<int64_t>(1, erf.size(0) / erf_cells) : 1;
+            torch::Tensor pooled = block_size > 1 ? torch::avg_pool2d(erf.unsqueeze(0), {block_size, block_size},
+                                                                      {block_size, block_size}, {0, 0}, true)[0]
+                                                  : erf;
+            torch::Tensor shown = explain::erf_display_map(pooled, decades);
             plot::HeatmapPanel panel(to_vector(shown), static_cast<int>(shown.size(0)), static_cast<int>(shown.size(1)));
-            panel.title(name + trained)
+            panel.title(name + trained + (block_size > 1 ? ", " + std::to_string(block_size) + "x" +
+                                                               std::to_string(block_size) + "-pixel means"
+                                                         : std::string()))
                 .colormap(plot::Colormap::Viridis)
                 .range({-decades, 0.0})
                 .colorbar(true, "log10(ERF / max)");
@@ -140,7 +163,7 @@ int run_explain(int argc, const char* const* argv) {
         int col = 0;
         if (with_input) figure.set(0, col++, image_panel(input, input_title));
         for (auto& panel : panels) figure.set(0, col++, panel);
-        figure.save_png(output, kCellWidth * figure.cols(), kCellHeight);
+        figure.save_png(output, cell_width * figure.cols(), cell_height);
     } else {
         LINVIS_CHECK(images.size(0) == 1, "--what ", what, ": give one IMAGE, got ", images.size(0));
         models::ModelPtr model = build_model_from_args(args, defaults);
@@ -201,7 +224,7 @@ int run_explain(int argc, const char* const* argv) {
         plot::HeatmapPanel alone(values, h, w);
         alone.title(map_title).colorbar(true, bar_label);
         figure.set(0, 2, alone);
-        figure.save_png(output, kCellWidth * 3, kCellHeight);
+        figure.save_png(output, cell_width * 3, cell_height);
         std::cerr << what << ": " << h << "x" << w << " map, min " << map.min().item<float>() << ", max "
                   << map.max().item<float>() << "\n";
     }
