@@ -158,8 +158,8 @@ int run_explain(int argc, const char* const* argv) {
         }
         const bool with_input = model_names.size() == 1;
         plot::Figure figure(1, static_cast<int>(panels.size()) + (with_input ? 1 : 0));
-        figure.title("Effective receptive field of the central output position (|d features / d pixels|, " +
-                     std::to_string(images.size(0)) + " image" + (images.size(0) > 1 ? "s" : "") + ")");
+        figure.title("Effective receptive field: |d sum relu(centre features) / d pixels|, " +
+                     std::to_string(images.size(0)) + " image" + (images.size(0) > 1 ? "s" : ""));
         int col = 0;
         if (with_input) figure.set(0, col++, image_panel(input, input_title));
         for (auto& panel : panels) figure.set(0, col++, panel);
