@@ -154,6 +154,14 @@ TEST(Explain, ErfOfGlobalMixersSpreadsBeyondTheCentrePatch) {
     }
 }
 
+TEST(Explain, ErfDisplayMapIsRelativeLogWithFloor) {
+    torch::Tensor map = torch::tensor({4.0f, 0.4f, 0.004f, 0.0f}).view({2, 2});
+    EXPECT_TRUE(all_close(explain::erf_display_map(map, 2.0),
+                          torch::tensor({0.0f, -1.0f, -2.0f, -2.0f}).view({2, 2}), 1e-6, 1e-6));
+    EXPECT_TRUE(all_close(explain::erf_display_map(torch::zeros({3, 3}), 3.0), torch::full({3, 3}, -3.0f), 0, 0));
+    EXPECT_THROW(explain::erf_display_map(torch::tensor({1.0f, -1.0f}), 3.0), Error);
+}
+
 // ---------------------------------------------------------------- Gradient Magnitude Map
 
 TEST(Explain, GradientMapEqualsTheBranchGradNorms) {

@@ -50,8 +50,8 @@ torch::Tensor effective_receptive_field(models::VisionModel& model, const torch:
 // The display transform of an ERF (or any non-negative map): log10(map / max(map)) clamped below
 // at -decades, so 0 is the strongest pixel and -decades means "decades weaker or less". A log
 // scale is needed because the gradient falls off by orders of magnitude away from the centre
-// (RepLKNet's script shows log10(map + 1) / max instead; with the tiny raw gradients of a
-// normalised input that is nearly linear, so the relative form is used here). An all-zero map
+// (RepLKNet's script shows log10(map + 1) / max instead; with raw values of order 1 or below
+// that compresses little, so the relative form is used here). An all-zero map
 // gives all -decades. float32, same shape.
 torch::Tensor erf_display_map(const torch::Tensor& map, double decades = 3.0);
 
