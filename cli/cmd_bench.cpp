@@ -133,11 +133,12 @@ void print_table(const std::vector<BenchResult>& results, const std::string& bas
         if (r.config.model == baseline && r.status == "ok") base_at[r.config.res] = &r;
     if (base_at.empty()) return;
     std::printf("\nratios to %s at the same resolution (speed: images/s ratio; memory: peak ratio)\n", baseline.c_str());
-    std::printf("%-14s %5s %10s %10s\n", "model", "res", "speed", "memory");
+    std::printf("%-14s %-9s %5s %10s %10s\n", "model", "impl", "res", "speed", "memory");
     for (const auto& r : results) {
         if (r.config.model == baseline || r.status != "ok" || !base_at.count(r.config.res)) continue;
         const BenchResult& b = *base_at[r.config.res];
-        std::printf("%-14s %5lld %9.2fx %9.1f%%\n", r.config.model.c_str(), static_cast<long long>(r.config.res),
+        std::printf("%-14s %-9s %5lld %9.2fx %9.1f%%\n", r.config.model.c_str(), r.config.impl.c_str(),
+                    static_cast<long long>(r.config.res),
                     r.images_per_s / b.images_per_s,
                     100.0 * static_cast<double>(r.peak_mem_bytes) / static_cast<double>(b.peak_mem_bytes));
     }
@@ -161,9 +162,15 @@ void write_csv(const std::string& path, const std::vector<BenchResult>& results,
 // Throughput and peak memory against resolution, one line per model (the papers' figures).
 void draw_figure(const std::string& path, const std::vector<BenchResult>& results, const std::string& subtitle) {
     namespace plot = tools::plot;
+    // One line per (model, implementation); the implementation is named when the run mixes them.
+    auto label = [&](const BenchResult& r) {
+        bool mixed = false;
+        for (const auto& other : results) mixed = mixed || other.config.impl != results.front().config.impl;
+        return mixed ? r.config.model + " (" + r.config.impl + ")" : r.config.model;
+    };
     std::vector<std::string> order;
     for (const auto& r : results)
-        if (std::find(order.begin(), order.end(), r.config.model) == order.end()) order.push_back(r.config.model);
+        if (std::find(order.begin(), order.end(), label(r)) == order.end()) order.push_back(label(r));
     plot::Figure figure(1, 2);
     figure.title("linvis bench: " + subtitle);
     auto& speed = figure.set(0, 0, plot::LineChart());
@@ -173,7 +180,7 @@ void draw_figure(const std::string& path, const std::vector<BenchResult>& result
     for (const auto& model : order) {
         std::vector<double> xs, images, mem;
         for (const auto& r : results) {
-            if (r.config.model != model) continue;
+            if (label(r) != model) continue;
             xs.push_back(static_cast<double>(r.config.res));
             images.push_back(r.status == "ok" ? r.images_per_s : std::nan(""));
             mem.push_back(r.status == "ok" ? static_cast<double>(r.peak_mem_bytes) / (1024.0 * 1024.0) : std::nan(""));
@@ -188,7 +195,8 @@ int run_bench(int argc, const char* const* argv) {
     tools::ArgParser args("bench",
                           "Measure throughput (images/s, median and spread), latency, peak memory and GFLOPs of "
                           "models side by side, each (model, resolution) in its own child process.");
-    args.option("--models", "A,B,...", "models to measure", "deit_tiny,vittt_tiny,vit3_tiny,vil_tiny")
+    args.option("--models", "A,B,...", "models to measure; NAME@reference or NAME@fused overrides --impl for one",
+                "deit_tiny,vittt_tiny,vit3_tiny,vil_tiny")
         .multi_option("--model-kwargs", "K=V", "options passed to every model")
         .option("--res", "R1,R2,...", "square input resolutions", "224,384,512,768,1024,1280")
         .option("--batch", "N", "images per pass", "1")
@@ -212,9 +220,18 @@ int run_bench(int argc, const char* const* argv) {
     const std::string dtype = args.get("--dtype"), impl = args.get("--impl");
     LINVIS_CHECK(dtype == "f32" || dtype == "bf16", "--dtype must be f32 or bf16, got '", dtype, "'");
     LINVIS_CHECK(impl == "reference" || impl == "fused", "--impl must be reference or fused, got '", impl, "'");
-    const auto model_names = args.get_list("--models");
-    for (const auto& name : model_names)
+    // "name@impl" overrides --impl for one model, so a fused model can be compared with a baseline
+    // that has no fused kernel (e.g. --impl fused --models deit_tiny@reference,vittt_tiny).
+    std::vector<std::pair<std::string, std::string>> model_impls;
+    for (const auto& token : args.get_list("--models")) {
+        const auto at = token.find('@');
+        const std::string name = token.substr(0, at);
+        const std::string model_impl = at == std::string::npos ? impl : token.substr(at + 1);
         LINVIS_CHECK(models::has_model(name), "--models: unknown model '", name, "' (see 'linvis models')");
+        LINVIS_CHECK(model_impl == "reference" || model_impl == "fused", "--models: '", token,
+                     "': the implementation after '@' must be reference or fused");
+        model_impls.push_back({name, model_impl});
+    }
 
     runtime::configure_threads(static_cast<int>(args.get_int("--threads")));
     const runtime::Info info = runtime::query();
@@ -229,7 +246,7 @@ int run_bench(int argc, const char* const* argv) {
 
     std::vector<BenchResult> results;
     for (const int64_t res : args.get_int_list("--res")) {
-        for (const auto& name : model_names) {
+        for (const auto& [name, model_impl] : model_impls) {
             BenchCase c;
             c.model = name;
             c.model_kwargs = tools::parse_key_values(args.get_all("--model-kwargs"), "--model-kwargs");
@@ -237,7 +254,7 @@ int run_bench(int argc, const char* const* argv) {
             c.batch = args.get_int("--batch");
             c.threads = static_cast<int>(args.get_int("--threads"));
             c.dtype = dtype;
-            c.impl = impl;
+            c.impl = model_impl;
             c.train = args.get_flag("--train");
             c.warmup = static_cast<int>(args.get_int("--warmup"));
             c.iters = static_cast<int>(args.get_int("--iters"));
