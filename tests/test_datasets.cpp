@@ -18,49 +18,20 @@
 #include "linvis/io/image.h"
 #include "linvis/io/transforms.h"
 #include "linvis/train/datasets.h"
+#include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
 using linvis::Error;
 using namespace linvis::train;
 
+using linvis::testing::TempDir;
+using linvis::testing::expect_error_containing;
+using linvis::testing::write_bytes;
+
 namespace {
 
-class TempDir {
-public:
-    TempDir() {
-        const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-        path_ = fs::temp_directory_path() /
-                ("linvis_" + std::string(info->test_suite_name()) + "_" + info->name() + "_" + std::to_string(::getpid()));
-        fs::remove_all(path_);
-        fs::create_directories(path_);
-    }
-    ~TempDir() {
-        std::error_code ec;
-        fs::remove_all(path_, ec);
-    }
-    std::string file(const std::string& name) const { return (path_ / name).string(); }
-    std::string path() const { return path_.string(); }
 
-private:
-    fs::path path_;
-};
 
-void write_bytes(const std::string& path, const std::vector<uint8_t>& bytes) {
-    std::ofstream out(path, std::ios::binary);
-    out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
-}
-
-template <typename F>
-void expect_error_containing(F&& f, const std::vector<std::string>& needles) {
-    try {
-        f();
-        ADD_FAILURE() << "no linvis::Error thrown";
-    } catch (const Error& e) {
-        for (const auto& needle : needles)
-            EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-                << "message '" << e.what() << "' lacks '" << needle << "'";
-    }
-}
 
 // An IDX file's bytes: magic 0 0 8 ndims, big-endian dims, values.
 std::vector<uint8_t> idx_bytes(const std::vector<uint32_t>& dims, const std::vector<uint8_t>& values) {
@@ -161,8 +132,8 @@ TEST(Datasets, IdxErrorsNameTheFile) {
 
 TEST(Datasets, FashionMnistLayoutFromGeneratedFiles) {
     TempDir dir;
-    write_fake_mnist(dir.path(), "t10k", 12, 12);
-    const auto data = load_fashion_mnist(dir.path(), Split::Test);
+    write_fake_mnist(dir.path.string(), "t10k", 12, 12);
+    const auto data = load_fashion_mnist(dir.path.string(), Split::Test);
     ASSERT_EQ(data->size(), 12);
     EXPECT_EQ(data->num_classes(), 10);
     EXPECT_EQ(data->class_names()[9], "Ankle boot");
@@ -175,11 +146,11 @@ TEST(Datasets, FashionMnistLayoutFromGeneratedFiles) {
     EXPECT_FLOAT_EQ(example.image[0][5][5].item<float>(), 7.0f / 255.0f);
     EXPECT_THROW(data->get_raw(12), Error);
     // The train split is missing: the message names the file and the package.
-    expect_error_containing([&] { load_fashion_mnist(dir.path(), Split::Train); },
+    expect_error_containing([&] { load_fashion_mnist(dir.path.string(), Split::Train); },
                             {"train-images-idx3-ubyte.gz", "dataset-fashion-mnist"});
     // Count mismatch between images and labels.
-    write_fake_mnist(dir.path(), "train", 12, 11);
-    expect_error_containing([&] { load_fashion_mnist(dir.path(), Split::Train); }, {"12 images", "11 labels"});
+    write_fake_mnist(dir.path.string(), "train", 12, 11);
+    expect_error_containing([&] { load_fashion_mnist(dir.path.string(), Split::Train); }, {"12 images", "11 labels"});
 }
 
 TEST(Datasets, RealFashionMnistTestSplit) {
@@ -203,10 +174,10 @@ TEST(Datasets, Cifar10BinaryLayout) {
     TempDir dir;
     for (int b = 1; b <= 5; ++b) write_bytes(dir.file("data_batch_" + std::to_string(b) + ".bin"), cifar_records({{uint8_t(b)}, {9}}));
     write_bytes(dir.file("test_batch.bin"), cifar_records({{3}, {0}, {7}}));
-    const auto train = load_cifar10(dir.path(), Split::Train);
+    const auto train = load_cifar10(dir.path.string(), Split::Train);
     ASSERT_EQ(train->size(), 10);
     EXPECT_EQ(train->labels()[4].item<int64_t>(), 3);  // batch 3, first record
-    const auto test = load_cifar10(dir.path(), Split::Test);
+    const auto test = load_cifar10(dir.path.string(), Split::Test);
     ASSERT_EQ(test->size(), 3);
     EXPECT_EQ(test->class_names()[3], "cat");
     const auto raw = test->get_raw(2);
@@ -218,34 +189,34 @@ TEST(Datasets, Cifar10BinaryLayout) {
 
     // Class names from batches.meta.txt.
     std::ofstream(dir.file("batches.meta.txt")) << "a\nb\nc\nd\ne\nf\ng\nh\ni\nj\n\n";
-    EXPECT_EQ(load_cifar10(dir.path(), Split::Test)->class_names()[9], "j");
+    EXPECT_EQ(load_cifar10(dir.path.string(), Split::Test)->class_names()[9], "j");
     fs::remove(dir.file("batches.meta.txt"));
 
     // Wrong size, bad label, missing file.
     auto records = cifar_records({{1}});
     records.pop_back();
     write_bytes(dir.file("test_batch.bin"), records);
-    expect_error_containing([&] { load_cifar10(dir.path(), Split::Test); }, {dir.file("test_batch.bin"), "3073-byte records"});
+    expect_error_containing([&] { load_cifar10(dir.path.string(), Split::Test); }, {dir.file("test_batch.bin"), "3073-byte records"});
     write_bytes(dir.file("test_batch.bin"), cifar_records({{1}, {10}}));
-    expect_error_containing([&] { load_cifar10(dir.path(), Split::Test); }, {dir.file("test_batch.bin"), "label 10"});
+    expect_error_containing([&] { load_cifar10(dir.path.string(), Split::Test); }, {dir.file("test_batch.bin"), "label 10"});
     fs::remove(dir.file("data_batch_4.bin"));
-    expect_error_containing([&] { load_cifar10(dir.path(), Split::Train); }, {dir.file("data_batch_4.bin"), "no such file"});
+    expect_error_containing([&] { load_cifar10(dir.path.string(), Split::Train); }, {dir.file("data_batch_4.bin"), "no such file"});
 }
 
 TEST(Datasets, Cifar100UsesFineLabels) {
     TempDir dir;
     write_bytes(dir.file("train.bin"), cifar_records({{3, 42}, {19, 99}, {0, 0}}));
-    const auto data = load_cifar100(dir.path(), Split::Train);
+    const auto data = load_cifar100(dir.path.string(), Split::Train);
     ASSERT_EQ(data->size(), 3);
     EXPECT_EQ(data->num_classes(), 100);
     EXPECT_EQ(data->labels()[0].item<int64_t>(), 42);
     EXPECT_EQ(data->labels()[1].item<int64_t>(), 99);
     EXPECT_EQ(data->get_raw(1).image[0][0][0].item<int>(), 7);
     write_bytes(dir.file("test.bin"), cifar_records({{3, 100}}));
-    expect_error_containing([&] { load_cifar100(dir.path(), Split::Test); }, {dir.file("test.bin"), "label 100"});
+    expect_error_containing([&] { load_cifar100(dir.path.string(), Split::Test); }, {dir.file("test.bin"), "label 100"});
     // A CIFAR-10 file (3073-byte records) is not a CIFAR-100 file (3074).
     write_bytes(dir.file("test.bin"), cifar_records({{3}, {4}}));
-    expect_error_containing([&] { load_cifar100(dir.path(), Split::Test); }, {dir.file("test.bin"), "3074-byte"});
+    expect_error_containing([&] { load_cifar100(dir.path.string(), Split::Test); }, {dir.file("test.bin"), "3074-byte"});
 }
 
 // ------------------------------------------------------------------ ImageFolder
@@ -261,7 +232,7 @@ TEST(Datasets, ImageFolderSortsClassesAndSkipsCorruptImages) {
     write_bytes(dir.file("zebra/broken.jpg"), {0xff, 0xd8, 0xff, 0xe0, 0x00, 0x10, 'J'});  // truncated
     write_bytes(dir.file("zebra/notes.txt"), {'h', 'i'});                                  // not an image: not listed
 
-    ImageFolder folder(dir.path());
+    ImageFolder folder(dir.path.string());
     EXPECT_EQ(folder.class_names(), (std::vector<std::string>{"cat", "zebra"}));
     ASSERT_EQ(folder.size(), 5);
     EXPECT_EQ(folder.samples()[0], (std::pair<std::string, int64_t>{dir.file("cat/nested/y.png"), 0}));
@@ -283,7 +254,7 @@ TEST(Datasets, ImageFolderSortsClassesAndSkipsCorruptImages) {
     EXPECT_EQ(folder.skipped_count(), 1);
 
     // A whole epoch through the loader with the skipping dataset: no failure.
-    auto shared = std::make_shared<ImageFolder>(dir.path());
+    auto shared = std::make_shared<ImageFolder>(dir.path.string());
     shared->set_transform([](const torch::Tensor& image, std::mt19937_64&) {
         return linvis::io::resize(image.permute({2, 0, 1}), 8, 8).to(torch::kFloat32).div(255.0);
     });
@@ -301,12 +272,12 @@ TEST(Datasets, ImageFolderSortsClassesAndSkipsCorruptImages) {
 TEST(Datasets, ImageFolderRejectsBadLayouts) {
     TempDir dir;
     expect_error_containing([&] { ImageFolder folder(dir.file("missing")); }, {dir.file("missing"), "not a directory"});
-    expect_error_containing([&] { ImageFolder folder(dir.path()); }, {dir.path(), "no class"});
+    expect_error_containing([&] { ImageFolder folder(dir.path.string()); }, {dir.path.string(), "no class"});
     fs::create_directories(dir.file("empty_class"));
-    expect_error_containing([&] { ImageFolder folder(dir.path()); }, {"empty_class", "no .jpg"});
+    expect_error_containing([&] { ImageFolder folder(dir.path.string()); }, {"empty_class", "no .jpg"});
     // Every file unreadable: get_raw fails with a clear message instead of looping.
     write_bytes(dir.file("empty_class/a.png"), {1, 2, 3});
-    ImageFolder folder(dir.path());
+    ImageFolder folder(dir.path.string());
     expect_error_containing([&] { folder.get_raw(0); }, {"none of the 1 image files"});
 }
 

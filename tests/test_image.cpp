@@ -13,51 +13,21 @@
 #include "linvis/core/error.h"
 #include "linvis/io/image.h"
 #include "linvis/io/transforms.h"
+#include "support/temp_dir.h"
 #include "support/testing.h"
 
 namespace fs = std::filesystem;
 using linvis::Error;
 using namespace linvis::io;
 
+using linvis::testing::TempDir;
+using linvis::testing::expect_error_containing;
+using linvis::testing::write_bytes;
+
 namespace {
 
-// A fresh directory per test, removed afterwards.
-class TempDir {
-public:
-    TempDir() {
-        const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-        path_ = fs::temp_directory_path() /
-                ("linvis_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-        fs::remove_all(path_);
-        fs::create_directories(path_);
-    }
-    ~TempDir() {
-        std::error_code ec;
-        fs::remove_all(path_, ec);
-    }
-    std::string file(const std::string& name) const { return (path_ / name).string(); }
 
-private:
-    fs::path path_;
-};
 
-void write_bytes(const std::string& path, const std::vector<uint8_t>& bytes) {
-    std::ofstream out(path, std::ios::binary);
-    out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
-}
-
-// Runs `f`, expects linvis::Error whose message contains every needle.
-template <typename F>
-void expect_error_containing(F&& f, const std::vector<std::string>& needles) {
-    try {
-        f();
-        ADD_FAILURE() << "no linvis::Error thrown";
-    } catch (const Error& e) {
-        for (const auto& needle : needles)
-            EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-                << "message '" << e.what() << "' lacks '" << needle << "'";
-    }
-}
 
 // A smooth colour image (JPEG-friendly), uint8 (h, w, 3).
 torch::Tensor smooth_image(int64_t h, int64_t w) {

@@ -15,25 +15,18 @@
 
 #include "linvis/core/error.h"
 #include "linvis/tools/plot.h"
+#include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
 using linvis::Error;
 using namespace linvis::tools::plot;
 
+using linvis::testing::TempDir;
+
 namespace {
 
 const double NaN = std::nan("");
 
-// A fresh directory under the system temp dir, removed at scope exit.
-struct TempDir {
-    fs::path path;
-    TempDir() {
-        path = fs::temp_directory_path() / ("linvis_plot_test_" + std::to_string(::getpid()));
-        fs::remove_all(path);
-        fs::create_directories(path);
-    }
-    ~TempDir() { fs::remove_all(path); }
-};
 
 // Restores the default font whatever the test does.
 struct FontGuard {

@@ -20,10 +20,15 @@
 
 #include "linvis/core/error.h"
 #include "linvis/io/safetensors.h"
+#include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
 using linvis::Error;
 using namespace linvis::io;
+
+using linvis::testing::write_file;
+
+using linvis::testing::TempDir;
 
 namespace {
 
@@ -57,26 +62,7 @@ std::string read_bytes(const fs::path& path) {
     return out.str();
 }
 
-void write_bytes(const fs::path& path, const std::string& bytes) {
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    ASSERT_TRUE(out.good()) << path;
-}
 
-// A fresh directory, removed at the end of the test.
-struct TempDir {
-    fs::path path;
-    TempDir() {
-        std::string pattern = (fs::temp_directory_path() / "linvis_st_XXXXXX").string();
-        char* made = ::mkdtemp(pattern.data());
-        if (made == nullptr) throw std::runtime_error("mkdtemp failed");
-        path = made;
-    }
-    ~TempDir() {
-        std::error_code ignored;
-        fs::remove_all(path, ignored);
-    }
-};
 
 // Same dtype, shape and bytes (NaN payloads and -0.0 included).
 ::testing::AssertionResult same_bytes(const torch::Tensor& a, const torch::Tensor& b) {
@@ -340,7 +326,7 @@ TEST(Safetensors, ReaderAcceptsForeignOrderAndWhitespacePaddedHeader) {
     TempDir dir;
     const auto path = (dir.path / "f.safetensors").string();
     // b (I16 x2) at [0,4), a (F32 x1) at [4,8); JSON in name order with whitespace around it.
-    write_bytes(path, file_with(" \n{" + entry("a", "F32", "[1]", 4, 8) + "," + entry("b", "I16", "[2]", 0, 4) + "}\t  ", 8));
+    write_file(path, file_with(" \n{" + entry("a", "F32", "[1]", 4, 8) + "," + entry("b", "I16", "[2]", 0, 4) + "}\t  ", 8));
     const SafetensorsFile file = SafetensorsFile::open(path);
     ASSERT_EQ(file.entries().size(), 2u);
     EXPECT_EQ(file.entries()[0].name, "b");  // offset order
@@ -356,7 +342,7 @@ TEST(Safetensors, BoolBytesOtherThanOneReadAsTrue) {
     const auto path = (dir.path / "b.safetensors").string();
     const std::string json = R"({"m":{"dtype":"BOOL","shape":[3],"data_offsets":[0,3]}})";
     const std::string bytes = le64(json.size()) + json + std::string("\x00\x02\x01", 3);
-    write_bytes(path, bytes);
+    write_file(path, bytes);
     const auto m = SafetensorsFile::open(path).tensor("m");
     EXPECT_EQ(m.scalar_type(), torch::kBool);
     EXPECT_TRUE(torch::equal(m, torch::tensor({false, true, true})));
@@ -365,7 +351,7 @@ TEST(Safetensors, BoolBytesOtherThanOneReadAsTrue) {
 TEST(Safetensors, MissingKeyAndUnsupportedDtypeNameFileAndKey) {
     TempDir dir;
     const auto path = (dir.path / "u.safetensors").string();
-    write_bytes(path, file_with("{" + entry("u", "U16", "[2]", 0, 4) + "," + entry("w", "F32", "[1]", 4, 8) + "}", 8));
+    write_file(path, file_with("{" + entry("u", "U16", "[2]", 0, 4) + "," + entry("w", "F32", "[1]", 4, 8) + "}", 8));
     const SafetensorsFile file = SafetensorsFile::open(path);  // valid safetensors
     EXPECT_EQ(file.entries()[0].dtype, DType::U16);
     std::string msg = expect_error([&] { file.tensor("nope"); });
@@ -436,7 +422,7 @@ TEST(Safetensors, GoldenGoodFilesMatchWriterAndParse) {
     if (write_golden()) fs::create_directories(good_dir());
     for (const auto& c : good_cases()) {
         const fs::path path = good_dir() / (c.name + ".safetensors");
-        if (write_golden()) write_bytes(path, c.bytes());
+        if (write_golden()) write_file(path, c.bytes());
         ASSERT_TRUE(fs::exists(path)) << path << " (regenerate with LINVIS_WRITE_GOLDEN=1)";
         EXPECT_EQ(read_bytes(path), c.bytes()) << path;
         EXPECT_NO_THROW(SafetensorsFile::open(path.string()).load_all()) << path;
@@ -459,8 +445,8 @@ TEST(Safetensors, GoldenBadFilesMatchGeneratorAndReadme) {
     }
     if (write_golden()) {
         fs::create_directories(bad_dir());
-        for (const auto& c : bad_cases()) write_bytes(bad_dir() / (c.name + ".safetensors"), c.bytes);
-        write_bytes(bad_dir() / "README.md", readme);
+        for (const auto& c : bad_cases()) write_file(bad_dir() / (c.name + ".safetensors"), c.bytes);
+        write_file(bad_dir() / "README.md", readme);
     }
     EXPECT_EQ(read_bytes(bad_dir() / "README.md"), readme);
     size_t files = 0;
@@ -474,7 +460,7 @@ TEST_P(SafetensorsBadFile, RejectedWithErrorNamingFileAndProblem) {
     const BadCase& c = GetParam();
     TempDir dir;
     const std::string generated = (dir.path / (c.name + ".safetensors")).string();
-    write_bytes(generated, c.bytes);
+    write_file(generated, c.bytes);
     const std::string golden = (bad_dir() / (c.name + ".safetensors")).string();
     for (const std::string& path : {generated, golden}) {
         const std::string msg = expect_error([&] { SafetensorsFile::open(path); });

@@ -8,10 +8,13 @@
 #include "linvis/core/error.h"
 #include "linvis/io/safetensors.h"
 #include "linvis/io/state_dict.h"
+#include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
 using linvis::Error;
 using namespace linvis::io;
+
+using linvis::testing::TempDir;
 
 namespace {
 
@@ -47,19 +50,6 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-struct TempDir {
-    fs::path path;
-    TempDir() {
-        std::string pattern = (fs::temp_directory_path() / "linvis_sd_XXXXXX").string();
-        char* made = ::mkdtemp(pattern.data());
-        if (made == nullptr) throw std::runtime_error("mkdtemp failed");
-        path = made;
-    }
-    ~TempDir() {
-        std::error_code ignored;
-        fs::remove_all(path, ignored);
-    }
-};
 
 // Randomises every parameter and buffer so that a load that does nothing cannot pass.
 void randomise(torch::nn::Module& m) {
