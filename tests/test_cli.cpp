@@ -14,29 +14,15 @@
 #include "linvis/io/safetensors.h"
 #include "linvis/io/state_dict.h"
 #include "linvis/models/registry.h"
+#include "support/cli.h"
 #include "support/testing.h"
 
 namespace fs = std::filesystem;
 
+using linvis::testing::run_cli;
+
 namespace {
 
-struct CommandResult {
-    int status = -1;
-    std::string output;  // stdout and stderr
-};
-
-CommandResult run_cli(const std::string& arguments) {
-    const std::string command = std::string(LINVIS_CLI_PATH) + " " + arguments + " 2>&1";
-    CommandResult result;
-    FILE* pipe = popen(command.c_str(), "r");
-    if (pipe == nullptr) return result;
-    std::array<char, 4096> buffer{};
-    size_t n;
-    while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
-    const int status = pclose(pipe);
-    result.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    return result;
-}
 
 std::string last_line(const std::string& text) {
     std::string trimmed = text;

@@ -17,12 +17,15 @@
 #include "linvis/ops/ttt_linear.h"
 #include "linvis/tools/explain.h"
 #include "linvis/tools/plot.h"
+#include "support/cli.h"
 #include "support/testing.h"
 
 namespace fs = std::filesystem;
 using namespace linvis;
 namespace explain = linvis::tools::explain;
 using linvis::testing::all_close;
+
+using linvis::testing::run_cli;
 
 namespace {
 
@@ -69,23 +72,6 @@ torch::Tensor random_images(int64_t b, int64_t size, uint64_t seed) {
     return torch::randn({b, 3, size, size});
 }
 
-struct CommandResult {
-    int status = -1;
-    std::string output;
-};
-
-CommandResult run_cli(const std::string& arguments) {
-    const std::string command = std::string(LINVIS_CLI_PATH) + " " + arguments + " 2>&1";
-    CommandResult result;
-    FILE* pipe = popen(command.c_str(), "r");
-    if (pipe == nullptr) return result;
-    std::array<char, 4096> buffer{};
-    size_t n;
-    while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
-    const int status = pclose(pipe);
-    result.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    return result;
-}
 
 }  // namespace
 
