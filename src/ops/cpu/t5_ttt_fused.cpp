@@ -109,35 +109,7 @@ void key_stats(const Tokens& k, const Dims& s, double eps, float* mean, float* r
     }
 }
 
-// kn = (k - mean) * rstd; k2 = kn + dwconv(kn) + bias. All (B, N, C).
-void key_locality(const Tokens& k, const float* mean, const float* rstd, const std::vector<float>& ktaps,
-                  const float* kbias, const Dims& s, const Tokens& kn, const Tokens& k2) {
-    const GridTasks g(s.B, s.H, s.W);
-    at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
-        for (int64_t task = begin; task < end; ++task) {
-            const int64_t b = g.sample(task);
-            for (int64_t n = g.y0(task) * s.W; n < g.y1(task) * s.W; ++n) {
-                const float* r = k.row(b, n);
-                float* o = kn.row(b, n);
-                for (int64_t c = 0; c < s.C; ++c) o[c] = (r[c] - mean[b * s.C + c]) * rstd[b * s.C + c];
-            }
-        }
-    });
-    at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
-        for (int64_t task = begin; task < end; ++task) {
-            const int64_t b = g.sample(task);
-            stencil_apply(image_of(kn, b, s), ktaps.data(), false, mut_image_of(k2, b, s), g.y0(task), g.y1(task),
-                          false);
-            for (int64_t n = g.y0(task) * s.W; n < g.y1(task) * s.W; ++n) {
-                const float* kr = kn.row(b, n);
-                float* ko = k2.row(b, n);
-                for (int64_t c = 0; c < s.C; ++c) ko[c] = kr[c] + (ko[c] + kbias[c]);
-            }
-        }
-    });
-}
-
-// q2 = q + dwconv(q) + bias, (B, N, C).
+// q2 = q + dwconv(q) + bias, (B, N, C); also used for the normalised keys.
 void query_locality(const Tokens& q, const std::vector<float>& qtaps, const float* qbias, const Dims& s,
                     const Tokens& q2) {
     const GridTasks g(s.B, s.H, s.W);
@@ -154,6 +126,24 @@ void query_locality(const Tokens& q, const std::vector<float>& qtaps, const floa
         }
     });
 }
+
+// kn = (k - mean) * rstd; k2 = kn + dwconv(kn) + bias. All (B, N, C).
+void key_locality(const Tokens& k, const float* mean, const float* rstd, const std::vector<float>& ktaps,
+                  const float* kbias, const Dims& s, const Tokens& kn, const Tokens& k2) {
+    const GridTasks g(s.B, s.H, s.W);
+    at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = g.sample(task);
+            for (int64_t n = g.y0(task) * s.W; n < g.y1(task) * s.W; ++n) {
+                const float* r = k.row(b, n);
+                float* o = kn.row(b, n);
+                for (int64_t c = 0; c < s.C; ++c) o[c] = (r[c] - mean[b * s.C + c]) * rstd[b * s.C + c];
+            }
+        }
+    });
+    query_locality(kn, ktaps, kbias, s, k2);  // the same residual depthwise conv, on normalised keys
+}
+
 
 void reduce_partials(const std::vector<float>& parts, int64_t bh_count, int64_t blocks, int64_t dd, float* out) {
     for (int64_t bh = 0; bh < bh_count; ++bh) {
