@@ -54,7 +54,7 @@ std::map<std::string, std::string> model_defaults_for(const train::DataSources& 
     return d;
 }
 
-void draw_curves(const std::string& path, const std::vector<train::EpochRecord>& history) {
+void draw_curves(const std::string& path, const std::string& title, const std::vector<train::EpochRecord>& history) {
     namespace plot = tools::plot;
     std::vector<double> epochs, train_loss, eval_loss, train_acc, eval_acc, lr;
     for (const auto& r : history) {
@@ -66,10 +66,11 @@ void draw_curves(const std::string& path, const std::vector<train::EpochRecord>&
         eval_acc.push_back(r.has_eval ? r.eval.top1 : std::nan(""));
     }
     plot::Figure figure(1, 3);
-    figure.title("linvis train");
+    figure.title(title);
     auto& loss = figure.set(0, 0, plot::LineChart());
     loss.title("loss").x_label("epoch").y_label("cross-entropy");
-    loss.add("train (mixed targets)", epochs, train_loss).add("eval", epochs, eval_loss);
+    // The training loss is taken against smoothed (and, with mixup/cutmix, mixed) targets: it cannot reach 0.
+    loss.add("train (smoothed targets)", epochs, train_loss).add("eval", epochs, eval_loss);
     auto& acc = figure.set(0, 1, plot::LineChart());
     acc.title("accuracy").x_label("epoch").y_label("%");
     acc.add("train", epochs, train_acc).add("eval top-1", epochs, eval_acc);
@@ -180,7 +181,10 @@ int run_train(int argc, const char* const* argv) {
         io::save_weights(module, path, {{"model", args.get("--model")}});
     };
     const std::string curves = (fs::path(config.output_dir) / "curves.png").string();
-    trainer.on_epoch_end = [&](const std::vector<train::EpochRecord>& history) { draw_curves(curves, history); };
+    const std::string title = "linvis train: " + args.get("--model") + " on " + args.get("--dataset");
+    trainer.on_epoch_end = [&](const std::vector<train::EpochRecord>& history) {
+        draw_curves(curves, title, history);
+    };
     const bool finished = trainer.fit(*data.train, data.eval.get());
     if (!finished) return 130;
     const auto& last = trainer.history().back();
