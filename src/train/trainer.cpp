@@ -235,7 +235,9 @@ bool Trainer::fit(BatchSource& train_data, BatchSource* eval_data) {
             const double loss_value = loss.item<double>();
             if (!std::isfinite(loss_value)) {
                 bar.finish();
-                fail("loss became ", loss_value, " at epoch ", epoch + 1, ", batch ", b + 1,
+                // Spelled out: printing a NaN gives "nan" or "-nan" depending on the BLAS that produced it.
+                const char* what = std::isnan(loss_value) ? "nan" : (loss_value > 0 ? "inf" : "-inf");
+                fail("loss became ", what, " at epoch ", epoch + 1, ", batch ", b + 1,
                      "; stopped. The last good checkpoint is ", checkpoint_path,
                      " (lower --lr, or enable --clip-grad)");
             }
