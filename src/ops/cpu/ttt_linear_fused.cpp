@@ -242,6 +242,19 @@ void dispatch_dtype(torch::ScalarType st, F&& f) {
     }
 }
 
+// The scan's inputs, shared by the forward pass and the recomputing backward pass.
+ScanArgs scan_inputs(const torch::Tensor& xq, const torch::Tensor& xk, const torch::Tensor& xv,
+                     const SmallInputs& s, const Config& cfg) {
+    ScanArgs a;
+    a.B = xq.size(0); a.nh = xq.size(1); a.T = xq.size(2); a.d = xq.size(3);
+    a.bmax = cfg.bmax; a.ckpt_every = cfg.ckpt_every; a.causal = cfg.causal; a.eps = cfg.eps;
+    a.q = xq.data_ptr(); a.k = xk.data_ptr(); a.v = xv.data_ptr();
+    copy_strides(xq, a.qs); copy_strides(xk, a.ks); copy_strides(xv, a.vs);
+    a.lr = s.lr.data_ptr(); a.tau = s.tau.data_ptr(); a.gamma = s.gamma.data_ptr(); a.beta = s.beta.data_ptr();
+    a.w0 = s.w0.data_ptr(); a.b0 = s.b0.data_ptr();
+    return a;
+}
+
 ForwardOut run_forward(const torch::Tensor& xq, const torch::Tensor& xk, const torch::Tensor& xv,
                        const SmallInputs& s, const Config& cfg, bool checkpoints) {
     const int64_t B = xq.size(0), nh = xq.size(1), T = xq.size(2), d = xq.size(3);
@@ -256,13 +269,7 @@ ForwardOut run_forward(const torch::Tensor& xq, const torch::Tensor& xk, const t
     const int64_t ngroups = (nmb + cfg.ckpt_every - 1) / cfg.ckpt_every;
     if (checkpoints) r.ckpt = torch::empty({B * nh, ngroups, d * d + d}, copt);
 
-    ScanArgs a;
-    a.B = B; a.nh = nh; a.T = T; a.d = d; a.bmax = cfg.bmax; a.ckpt_every = cfg.ckpt_every;
-    a.causal = cfg.causal; a.eps = cfg.eps;
-    a.q = xq.data_ptr(); a.k = xk.data_ptr(); a.v = xv.data_ptr();
-    copy_strides(xq, a.qs); copy_strides(xk, a.ks); copy_strides(xv, a.vs);
-    a.lr = s.lr.data_ptr(); a.tau = s.tau.data_ptr(); a.gamma = s.gamma.data_ptr(); a.beta = s.beta.data_ptr();
-    a.w0 = s.w0.data_ptr(); a.b0 = s.b0.data_ptr();
+    ScanArgs a = scan_inputs(xq, xk, xv, s, cfg);
     a.out = r.out.data_ptr(); copy_strides(r.out, a.outs);
     a.final_W = r.final_W.data_ptr(); a.final_b = r.final_b.data_ptr();
     a.grad_norms = cfg.want_norms ? r.norms.data_ptr() : nullptr;
@@ -322,13 +329,7 @@ public:
         torch::Tensor dgamma = torch::zeros({B, nh, d}, copt), dbeta = torch::zeros({B, nh, d}, copt);
         torch::Tensor dtau = torch::zeros({B * nh, cfg.bmax}, copt);
 
-        ScanArgs a;
-        a.B = B; a.nh = nh; a.T = T; a.d = d; a.bmax = cfg.bmax; a.ckpt_every = cfg.ckpt_every;
-        a.causal = cfg.causal; a.eps = cfg.eps;
-        a.q = xq.data_ptr(); a.k = xk.data_ptr(); a.v = xv.data_ptr();
-        copy_strides(xq, a.qs); copy_strides(xk, a.ks); copy_strides(xv, a.vs);
-        a.lr = s.lr.data_ptr(); a.tau = s.tau.data_ptr(); a.gamma = s.gamma.data_ptr(); a.beta = s.beta.data_ptr();
-        a.w0 = s.w0.data_ptr(); a.b0 = s.b0.data_ptr();
+        ScanArgs a = scan_inputs(xq, xk, xv, s, cfg);
         a.ckpt = ckpt.data_ptr();
         a.dout = dout.data_ptr(); copy_strides(dout, a.douts);
         a.dq = dq.data_ptr(); a.dk = dk.data_ptr(); a.dv = dv.data_ptr();
