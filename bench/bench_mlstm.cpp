@@ -1,6 +1,8 @@
 // Benchmark of the fused CPU chunkwise mLSTM against the reference forms, at the size of a
 // 1024x1024 image with patch 16 (S = 4096 tokens) and ViL-T's mLSTM widths (4 heads, DH = DV = 96),
-// batch 1; plus the whole vil_tiny at 1024x1024 (chunkwise fused vs the official parallel form).
+// batch 1; the head-wise q/k/v projection of the same layer (S x 384, 96 blocks of 4 x 4: fused
+// kernel vs the official einsum); plus the whole vil_tiny at 1024x1024 (chunkwise fused vs the
+// official parallel form).
 //
 //   OMP_WAIT_POLICY=PASSIVE build/bench/bench_mlstm --threads 2 [--reps 5] [--model-reps 3] [--tokens 4096]
 //                                                   [--skip-model]
@@ -27,6 +29,7 @@
 #include "../src/ops/cpu/mlstm_fused.h"
 #include "linvis/core/runtime.h"
 #include "linvis/models/registry.h"
+#include "linvis/ops/linear_headwise.h"
 #include "linvis/ops/mlstm.h"
 #include "linvis/tools/bench.h"
 
@@ -44,6 +47,23 @@ struct Options {
 };
 
 constexpr int64_t kHeads = 4, kDim = 96, kChunk = 64;
+constexpr int64_t kBlocks = kHeads * kDim / 4;  // head-wise projection: I = 384 features in 4 x 4 blocks
+
+struct HeadwiseInputs {
+    torch::Tensor x, w, b, probe;
+};
+
+HeadwiseInputs headwise_inputs(int64_t S, bool requires_grad) {
+    torch::manual_seed(8);
+    HeadwiseInputs in{torch::randn({1, S, kBlocks * 4}), 0.3f * torch::randn({kBlocks, 4, 4}), torch::randn({kBlocks * 4}),
+                      torch::randn({1, S, kBlocks * 4})};
+    for (auto* t : {&in.x, &in.w, &in.b}) t->set_requires_grad(requires_grad);
+    return in;
+}
+
+torch::Tensor run_headwise(const HeadwiseInputs& in, const std::string& impl) {
+    return ops::linear_headwise(in.x, in.w, in.b, impl == "fused" ? ops::Impl::Fused : ops::Impl::Reference);
+}
 
 struct OpInputs {
     torch::Tensor q, k, v, i, f;
@@ -100,7 +120,28 @@ int run_child(const std::string& name, const Options& o, const std::string& out_
     linvis::runtime::configure_threads(o.threads);
     std::vector<double> ms;
     int64_t base_kb = 0;
-    if (name.rfind("op_", 0) == 0) {
+    if (name.rfind("hw_", 0) == 0) {
+        // hw_<fwd|fwdbwd>_<reference|fused>
+        const bool train = name.find("fwdbwd") != std::string::npos;
+        const std::string impl = name.substr(name.rfind('_') + 1);
+        HeadwiseInputs in = headwise_inputs(o.tokens, train);
+        reset_peak_rss();
+        base_kb = status_kb("VmRSS:");
+        // The op takes well under a millisecond per call at small S: time batches of 20 calls.
+        for (int r = 0; r < o.reps + 1; ++r) {
+            const auto t0 = Clock::now();
+            for (int k = 0; k < 20; ++k) {
+                if (train) {
+                    (run_headwise(in, impl) * in.probe).sum().backward();
+                    for (auto* t : {&in.x, &in.w, &in.b}) t->mutable_grad() = torch::Tensor();
+                } else {
+                    torch::NoGradGuard no_grad;
+                    run_headwise(in, impl);
+                }
+            }
+            if (r > 0) ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / 20);
+        }
+    } else if (name.rfind("op_", 0) == 0) {
         // op_<fwd|fwdbwd>_<parallel|chunkwise|fused>
         const bool train = name.find("fwdbwd") != std::string::npos;
         const std::string form = name.substr(name.rfind('_') + 1);
@@ -210,6 +251,35 @@ bool check_op(const Options& o) {
     return ok;
 }
 
+// Head-wise projection, fused vs reference (the official einsum) in float32, both against the
+// float64 reference: output and the three gradients. Pass: error below 1e-5 or at most 2x the
+// float32 reference's own.
+bool check_headwise(const Options& o) {
+    HeadwiseInputs in = headwise_inputs(o.tokens, true);
+    HeadwiseInputs in64{in.x.detach().to(torch::kFloat64).set_requires_grad(true),
+                        in.w.detach().to(torch::kFloat64).set_requires_grad(true),
+                        in.b.detach().to(torch::kFloat64).set_requires_grad(true), in.probe.to(torch::kFloat64)};
+    auto grads_of = [](const HeadwiseInputs& x, const std::string& impl) {
+        torch::Tensor y = run_headwise(x, impl);
+        auto g = torch::autograd::grad({(y * x.probe).sum()}, {x.x, x.w, x.b});
+        g.insert(g.begin(), y.detach());
+        return g;
+    };
+    auto truth = grads_of(in64, "reference");
+    auto ref = grads_of(in, "reference");
+    auto fused = grads_of(in, "fused");
+    bool ok = true;
+    const char* names[] = {"y", "dx", "dweight", "dbias"};
+    for (size_t t = 0; t < ref.size(); ++t) {
+        const double e = rel_err(fused[t], truth[t]), r = rel_err(ref[t], truth[t]);
+        const bool pass = e < 1e-5 || e <= 2 * r;
+        std::printf("  check %-7s rel L2 err vs float64 truth: fused %.2e, reference f32 %.2e %s\n", names[t], e, r,
+                    pass ? "ok" : "FAIL");
+        ok = ok && pass;
+    }
+    return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -288,7 +358,23 @@ int main(int argc, char** argv) {
                     "(%.0f%% of SGEMM)\n", fwd_flops * 1e-9, rate, 100.0 * rate / sgemm);
     }
 
-    if (o.skip_model) return 0;
+    std::printf("\nhead-wise q/k/v projection: x (%lld, %lld), %lld blocks of 4 x 4, float32\n",
+                static_cast<long long>(o.tokens), static_cast<long long>(kBlocks * 4), static_cast<long long>(kBlocks));
+    const bool hw_ok = check_headwise(o);
+    std::printf("head-wise check: %s\n", hw_ok ? "PASS" : "FAIL: fused numbers withheld");
+    std::vector<CaseResult> hw;
+    for (const char* c : {"hw_fwd_reference", "hw_fwd_fused", "hw_fwdbwd_reference", "hw_fwdbwd_fused"}) {
+        const bool is_fused = std::strstr(c, "fused") != nullptr;
+        CaseResult r = (is_fused && !hw_ok) ? CaseResult{} : spawn(self_path, c, o);
+        hw.push_back(r);
+        if (is_fused && !hw_ok) std::printf("%-28s %12s\n", c, "withheld");
+        else std::printf("%-28s %12.3f ms\n", c, r.ms);
+    }
+    if (hw_ok)
+        std::printf("head-wise speedup fused vs einsum: forward %.2fx, fwd+bwd %.2fx\n", hw[0].ms / hw[1].ms,
+                    hw[2].ms / hw[3].ms);
+
+    if (o.skip_model) return op_ok && hw_ok ? 0 : 1;
     const std::string ref_out = "/tmp/bench_mlstm_ref_" + std::to_string(getpid()) + ".bin";
     const std::string fused_out = "/tmp/bench_mlstm_fused_" + std::to_string(getpid()) + ".bin";
     std::printf("\nmodel: vil_tiny 1024x1024 (4096 tokens), batch 1, inference forward, median of %d\n", o.model_reps);
@@ -311,5 +397,5 @@ int main(int argc, char** argv) {
     if (!model_ok) return 1;
     std::printf("%-40s %12.1f ms %10.1f MiB\n", "fused (mlstm_mode chunkwise, impl fused)", fused.ms, fused.peak_mb);
     std::printf("model forward speedup fused chunkwise vs reference parallel: %.2fx\n", ref.ms / fused.ms);
-    return op_ok ? 0 : 1;
+    return op_ok && hw_ok ? 0 : 1;
 }

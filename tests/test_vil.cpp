@@ -296,12 +296,14 @@ TEST(Vil, BatchIndependence) {
     auto x = torch::randn({3, 3, 32, 32});
     torch::NoGradGuard no_grad;
     auto full = model->forward(x);
+    // float32: a batch of 1 and of 3 take different GEMM blockings, so rounding differs (~1e-6 relative);
+    // a leak between samples would show at the scale of the logits (~1).
     for (int64_t b = 0; b < 3; ++b)
-        EXPECT_TRUE(all_close(model->forward(x.narrow(0, b, 1)), full.narrow(0, b, 1), 1e-5, 1e-6)) << b;
+        EXPECT_TRUE(all_close(model->forward(x.narrow(0, b, 1)), full.narrow(0, b, 1), 1e-4, 1e-5)) << b;
     auto x2 = x.clone();
     x2[0].add_(1.0);
     auto changed = model->forward(x2);
-    EXPECT_TRUE(all_close(changed.slice(0, 1), full.slice(0, 1), 1e-5, 1e-6));
+    EXPECT_TRUE(all_close(changed.slice(0, 1), full.slice(0, 1), 1e-4, 1e-5));
     EXPECT_FALSE(torch::allclose(changed[0], full[0]));
 }
 

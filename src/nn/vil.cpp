@@ -6,6 +6,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "linvis/ops/linear_headwise.h"
 
 namespace linvis::nn {
 namespace {
@@ -46,29 +47,23 @@ torch::Tensor MultiHeadLayerNormImpl::forward(const torch::Tensor& x) {
     LINVIS_CHECK(x.dim() == 4 && x.size(1) * x.size(3) == weight.size(0),
                  "MultiHeadLayerNorm: input: expected (B, NH, S, DH) with NH*DH = ", weight.size(0), ", got ",
                  shape_string(x.sizes()));
-    const int64_t B = x.size(0), NH = x.size(1), S = x.size(2), DH = x.size(3);
-    torch::Tensor flat = x.transpose(1, 2).reshape({B * S, NH * DH});
-    torch::Tensor out = torch::group_norm(flat, NH, 1.0 + weight, bias, eps);
-    return out.view({B, S, NH, DH}).transpose(1, 2);
+    // The official group_norm over (B*S, NH*DH) with NH groups normalises each head's DH features of
+    // a token: the same statistics as a layer_norm over the last dim of (B, NH, S, DH), which needs
+    // no transpose copy and is several times faster on CPU. The affine is per channel (h, d).
+    const int64_t NH = x.size(1), DH = x.size(3);
+    torch::Tensor normed = torch::layer_norm(x, {DH}, {}, {}, eps);
+    return torch::addcmul(bias.view({NH, 1, DH}), normed, 1.0 + weight.view({NH, 1, DH}));
 }
 
-LinearHeadwiseImpl::LinearHeadwiseImpl(int64_t dim, int64_t block_) : heads(dim / block_), block(block_) {
+LinearHeadwiseImpl::LinearHeadwiseImpl(int64_t dim, int64_t block_, ops::Impl impl_)
+    : heads(dim / block_), block(block_), impl(impl_) {
     LINVIS_CHECK(dim % block_ == 0, "LinearHeadwise: dim ", dim, " is not a multiple of the block size ", block_);
     weight = register_parameter("weight", torch::empty({heads, block, block}));
     bias = register_parameter("bias", torch::zeros({dim}));
 }
 
 torch::Tensor LinearHeadwiseImpl::forward(const torch::Tensor& x) {
-    const int64_t dim = heads * block;
-    LINVIS_CHECK(x.size(-1) == dim, "LinearHeadwise: input: expected last dim ", dim, ", got ",
-                 shape_string(x.sizes()));
-    std::vector<int64_t> split(x.sizes().begin(), x.sizes().end() - 1);
-    split.push_back(heads);
-    split.push_back(block);
-    torch::Tensor y = torch::einsum("...hd,hod->...ho", {x.reshape(split), weight});
-    flops::add(x.numel() * block);
-    std::vector<int64_t> merged(x.sizes().begin(), x.sizes().end());
-    return y.reshape(merged) + bias;
+    return ops::linear_headwise(x, weight, bias, impl);
 }
 
 MatrixLstmCellImpl::MatrixLstmCellImpl(int64_t dim, int64_t num_heads_, ops::MlstmMode mode_, int64_t chunk_size_,
@@ -87,8 +82,13 @@ MatrixLstmCellImpl::MatrixLstmCellImpl(int64_t dim, int64_t num_heads_, ops::Mls
 torch::Tensor MatrixLstmCellImpl::forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
     const int64_t B = q.size(0), S = q.size(1), I = q.size(2), DH = I / num_heads;
     torch::Tensor qkv = torch::cat({q, k, v}, -1);
-    torch::Tensor ig = flops::linear(qkv, igate->weight, igate->bias).transpose(-1, -2).unsqueeze(-1);  // (B,NH,S,1)
-    torch::Tensor fg = flops::linear(qkv, fgate->weight, fgate->bias).transpose(-1, -2).unsqueeze(-1);
+    // Both gates in one product: (B, S, 2 NH), then (B, NH, S, 1) each.
+    torch::Tensor gates = flops::linear(qkv, torch::cat({igate->weight, fgate->weight}),
+                                        torch::cat({igate->bias, fgate->bias}))
+                              .transpose(-1, -2)
+                              .unsqueeze(-1);
+    torch::Tensor ig = gates.narrow(1, 0, num_heads);
+    torch::Tensor fg = gates.narrow(1, num_heads, num_heads);
     auto heads = [&](const torch::Tensor& t) { return t.view({B, S, num_heads, DH}).transpose(1, 2); };
     torch::Tensor h = ops::mlstm(heads(q), heads(k), heads(v), ig, fg, mode, chunk_size, ops::kMlstmEps, impl);
     return outnorm->forward(h).transpose(1, 2).reshape({B, S, I});
@@ -99,9 +99,9 @@ VilLayerImpl::VilLayerImpl(int64_t dim, bool reversed_, ops::MlstmMode mode, int
     const int64_t I = inner_dim;
     learnable_skip = register_parameter("learnable_skip", torch::ones({I}));
     proj_up = register_module("proj_up", torch::nn::Linear(dim, 2 * I));
-    q_proj = register_module("q_proj", LinearHeadwise(I, kQkvBlock));
-    k_proj = register_module("k_proj", LinearHeadwise(I, kQkvBlock));
-    v_proj = register_module("v_proj", LinearHeadwise(I, kQkvBlock));
+    q_proj = register_module("q_proj", LinearHeadwise(I, kQkvBlock, impl));
+    k_proj = register_module("k_proj", LinearHeadwise(I, kQkvBlock, impl));
+    v_proj = register_module("v_proj", LinearHeadwise(I, kQkvBlock, impl));
     conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(I, I, 3).padding(1).groups(I)));
     mlstm_cell = register_module("mlstm_cell", MatrixLstmCell(I, kQkvBlock, mode, chunk_size, impl));
     proj_down = register_module("proj_down", torch::nn::Linear(I, dim));

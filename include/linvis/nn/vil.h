@@ -38,13 +38,15 @@ public:
 TORCH_MODULE(MultiHeadLayerNorm);
 
 // LinearHeadwiseExpand (1.6 step 6): block-diagonal linear with blocks of `block` x `block`;
-// weight (dim / block, block, block) in (head, out, in) layout, bias (dim,).
+// weight (dim / block, block, block) in (head, out, in) layout, bias (dim,). ops::linear_headwise
+// with the given impl (Fused: the fused CPU kernel).
 class LinearHeadwiseImpl : public torch::nn::Module {
 public:
-    LinearHeadwiseImpl(int64_t dim, int64_t block);
+    LinearHeadwiseImpl(int64_t dim, int64_t block, ops::Impl impl = ops::Impl::Reference);
     torch::Tensor forward(const torch::Tensor& x);  // (..., dim) -> (..., dim)
     torch::Tensor weight, bias;
     int64_t heads, block;
+    ops::Impl impl;
 };
 TORCH_MODULE(LinearHeadwise);
 

@@ -1,0 +1,153 @@
+// Fused CPU head-wise linear: one pass over the rows for the forward and for the input gradient,
+// and a pass per group of heads for the weight and bias gradients. No layout copies (x is read in
+// its (N, H, I) layout) and no batched GEMM of tiny blocks; see linvis/ops/linear_headwise.h.
+#include "linear_headwise_fused.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include "linvis/core/error.h"
+
+namespace linvis::ops::cpu {
+namespace {
+
+// Rows per parallel task: enough work per task to amortise the scheduling on small inputs.
+constexpr int64_t kRowGrain = 64;
+
+template <typename T, int kO, int kI>
+void forward_rows(const T* x, const T* w, const T* b, T* y, int64_t N, int64_t H, int64_t O_, int64_t I_) {
+    const int64_t O = kO ? kO : O_, I = kI ? kI : I_;
+    at::parallel_for(0, N, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n) {
+            const T* xr = x + n * H * I;
+            T* yr = y + n * H * O;
+            for (int64_t h = 0; h < H; ++h) {
+                const T* xh = xr + h * I;
+                const T* wh = w + h * O * I;
+                for (int64_t o = 0; o < O; ++o) {
+                    T acc = b[h * O + o];
+                    for (int64_t i = 0; i < I; ++i) acc += xh[i] * wh[o * I + i];
+                    yr[h * O + o] = acc;
+                }
+            }
+        }
+    });
+}
+
+// dx[n, h, i] = sum_o dy[n, h, o] w[h, o, i]
+template <typename T, int kO, int kI>
+void input_grad_rows(const T* dy, const T* w, T* dx, int64_t N, int64_t H, int64_t O_, int64_t I_) {
+    const int64_t O = kO ? kO : O_, I = kI ? kI : I_;
+    at::parallel_for(0, N, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n) {
+            const T* dyr = dy + n * H * O;
+            T* dxr = dx + n * H * I;
+            for (int64_t h = 0; h < H; ++h) {
+                const T* wh = w + h * O * I;
+                T* dxh = dxr + h * I;
+                for (int64_t i = 0; i < I; ++i) dxh[i] = T(0);
+                for (int64_t o = 0; o < O; ++o) {
+                    const T g = dyr[h * O + o];
+                    for (int64_t i = 0; i < I; ++i) dxh[i] += g * wh[o * I + i];
+                }
+            }
+        }
+    });
+}
+
+// dw[h, o, i] = sum_n dy[n, h, o] x[n, h, i];  db[h O + o] = sum_n dy[n, h, o]. Parallel over heads,
+// so each task owns its slice of dw / db and sums over all rows in the same order on any thread count.
+template <typename T, int kO, int kI>
+void weight_grad_heads(const T* dy, const T* x, T* dw, T* db, int64_t N, int64_t H, int64_t O_, int64_t I_) {
+    const int64_t O = kO ? kO : O_, I = kI ? kI : I_;
+    at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t h = begin; h < end; ++h) {
+            T* dwh = dw + h * O * I;
+            std::fill(dwh, dwh + O * I, T(0));
+            std::fill(db + h * O, db + (h + 1) * O, T(0));
+            for (int64_t n = 0; n < N; ++n) {
+                const T* dyh = dy + n * H * O + h * O;
+                const T* xh = x + n * H * I + h * I;
+                for (int64_t o = 0; o < O; ++o) {
+                    const T g = dyh[o];
+                    db[h * O + o] += g;
+                    for (int64_t i = 0; i < I; ++i) dwh[o * I + i] += g * xh[i];
+                }
+            }
+        }
+    });
+}
+
+// Calls kernel<T, 4, 4> for ViL's 4 x 4 blocks (fully unrolled inner loops), kernel<T, 0, 0> otherwise.
+#define LINVIS_HEADWISE_CALL(kernel, T, O, I, ...) \
+    ((O) == 4 && (I) == 4 ? kernel<T, 4, 4>(__VA_ARGS__) : kernel<T, 0, 0>(__VA_ARGS__))
+
+torch::ScalarType compute_type(const torch::Tensor& x) {
+    return x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+}
+
+// x as (N, H * I) rows in the compute dtype, contiguous.
+torch::Tensor rows(const torch::Tensor& x, torch::ScalarType type) {
+    return x.to(type).contiguous().view({-1, x.size(-1)});
+}
+
+class LinearHeadwiseFunction : public torch::autograd::Function<LinearHeadwiseFunction> {
+public:
+    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x2d,
+                                 const torch::Tensor& weight, const torch::Tensor& bias) {
+        ctx->save_for_backward({x2d, weight});
+        const int64_t N = x2d.size(0), H = weight.size(0), O = weight.size(1), I = weight.size(2);
+        torch::Tensor y = torch::empty({N, H * O}, x2d.options());
+        AT_DISPATCH_FLOATING_TYPES(x2d.scalar_type(), "linear_headwise_fused", [&] {
+            LINVIS_HEADWISE_CALL(forward_rows, scalar_t, O, I, x2d.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                                 bias.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), N, H, O, I);
+        });
+        return y;
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grad_outputs) {
+        const auto saved = ctx->get_saved_variables();
+        const torch::Tensor& x2d = saved[0];
+        const torch::Tensor& weight = saved[1];
+        const int64_t N = x2d.size(0), H = weight.size(0), O = weight.size(1), I = weight.size(2);
+        torch::Tensor dy = grad_outputs[0].to(x2d.scalar_type()).contiguous();
+        torch::Tensor dx, dw, db;
+        AT_DISPATCH_FLOATING_TYPES(x2d.scalar_type(), "linear_headwise_fused_backward", [&] {
+            if (ctx->needs_input_grad(0)) {
+                dx = torch::empty_like(x2d);
+                LINVIS_HEADWISE_CALL(input_grad_rows, scalar_t, O, I, dy.data_ptr<scalar_t>(),
+                                     weight.data_ptr<scalar_t>(), dx.data_ptr<scalar_t>(), N, H, O, I);
+            }
+            if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
+                dw = torch::empty_like(weight);
+                db = torch::empty({H * O}, weight.options());
+                LINVIS_HEADWISE_CALL(weight_grad_heads, scalar_t, O, I, dy.data_ptr<scalar_t>(),
+                                     x2d.data_ptr<scalar_t>(), dw.data_ptr<scalar_t>(),
+                                     db.data_ptr<scalar_t>(), N, H, O, I);
+            }
+        });
+        if (!ctx->needs_input_grad(1)) dw = torch::Tensor();
+        if (!ctx->needs_input_grad(2)) db = torch::Tensor();
+        return {dx, dw, db};
+    }
+};
+
+}  // namespace
+
+torch::Tensor linear_headwise_fused(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+    LINVIS_CHECK(x.device().is_cpu() && weight.device().is_cpu(),
+                 "linear_headwise (fused): only CPU tensors are supported, got ", x.device().str());
+    LINVIS_CHECK(x.is_floating_point() && weight.is_floating_point(),
+                 "linear_headwise (fused): x and weight must be floating-point");
+    const auto type = compute_type(x);
+    const torch::Tensor w = weight.to(type).contiguous();
+    // A missing bias is a zero vector: LibTorch 1.13's autograd functions reject undefined inputs.
+    const torch::Tensor b = bias.defined() ? bias.to(type).contiguous() : torch::zeros({w.size(0) * w.size(1)}, w.options());
+    torch::Tensor y = LinearHeadwiseFunction::apply(rows(x, type), w, b);
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = weight.size(0) * weight.size(1);
+    return y.view(shape).to(x.scalar_type());
+}
+
+}  // namespace linvis::ops::cpu
