@@ -56,24 +56,26 @@ std::map<std::string, std::string> model_defaults_for(const train::DataSources& 
 
 void draw_curves(const std::string& path, const std::string& title, const std::vector<train::EpochRecord>& history) {
     namespace plot = tools::plot;
-    std::vector<double> epochs, train_loss, eval_loss, train_acc, eval_acc, lr;
+    std::vector<double> epochs, train_loss, train_acc, lr, eval_epochs, eval_loss, eval_acc;
     for (const auto& r : history) {
         epochs.push_back(static_cast<double>(r.epoch + 1));
         train_loss.push_back(r.train_loss);
         train_acc.push_back(r.train_acc);
         lr.push_back(r.lr);
-        eval_loss.push_back(r.has_eval ? r.eval.loss : std::nan(""));
-        eval_acc.push_back(r.has_eval ? r.eval.top1 : std::nan(""));
+        if (!r.has_eval) continue;  // --eval-every > 1: the evaluated epochs are joined
+        eval_epochs.push_back(static_cast<double>(r.epoch + 1));
+        eval_loss.push_back(r.eval.loss);
+        eval_acc.push_back(r.eval.top1);
     }
     plot::Figure figure(1, 3);
     figure.title(title);
     auto& loss = figure.set(0, 0, plot::LineChart());
     loss.title("loss").x_label("epoch").y_label("cross-entropy");
     // The training loss is taken against smoothed (and, with mixup/cutmix, mixed) targets: it cannot reach 0.
-    loss.add("train (smoothed targets)", epochs, train_loss).add("eval", epochs, eval_loss);
+    loss.add("train (smoothed targets)", epochs, train_loss).add("eval", eval_epochs, eval_loss);
     auto& acc = figure.set(0, 1, plot::LineChart());
     acc.title("accuracy").x_label("epoch").y_label("%");
-    acc.add("train", epochs, train_acc).add("eval top-1", epochs, eval_acc);
+    acc.add("train", epochs, train_acc).add("eval top-1", eval_epochs, eval_acc);
     auto& rate = figure.set(0, 2, plot::LineChart());
     rate.title("learning rate (end of epoch)").x_label("epoch").y_label("lr");
     rate.add("lr", epochs, lr);
@@ -105,7 +107,10 @@ int run_train(int argc, const char* const* argv) {
         .option("--drop-path", "F", "stochastic depth rate (model option drop_path_rate)", "0.1")
         .option("--clip-grad", "F", "clip the global gradient norm (0: off)", "0")
         .option("--ema-decay", "F", "EMA of the weights (0: off; DeiT uses 0.99996)", "0")
-        .flag("--no-augment", "no random crop/flip/RandAugment")
+        .option("--augment", "MODE", "full: random crop + flip (DeiT recipe for folders) | flip: horizontal flip only | none",
+                "full")
+        .flag("--no-augment", "same as --augment none")
+        .option("--eval-every", "N", "evaluate after every N-th epoch (and always after the last)", "1")
         .flag("--bf16", "bfloat16 autocast")
         .option("--seed", "N", "seed of initialisation, data order and augmentation", "0")
         .flag("--resume", "continue from OUTPUT/checkpoint.pt exactly where it stopped")
@@ -121,7 +126,8 @@ int run_train(int argc, const char* const* argv) {
     data_config.batch_size = args.get_int("--batch-size");
     data_config.limit_train = args.get_int("--limit-train");
     data_config.seed = static_cast<uint64_t>(args.get_int("--seed"));
-    data_config.augment = !args.get_flag("--no-augment");
+    data_config.augment =
+        args.get_flag("--no-augment") ? train::DataConfig::Augment::None : train::parse_augment(args.get("--augment"));
     train::DataSources data = train::make_data_sources(data_config);
     std::cerr << data.description << "\n";
 
@@ -144,6 +150,7 @@ int run_train(int argc, const char* const* argv) {
     config.warmup_epochs = args.get_double("--warmup-epochs");
     config.clip_grad = args.get_double("--clip-grad");
     config.ema_decay = args.get_double("--ema-decay");
+    config.eval_every = args.get_int("--eval-every");
     config.mixup.mixup_alpha = args.get_double("--mixup");
     config.mixup.cutmix_alpha = args.get_double("--cutmix");
     config.mixup.prob = args.get_double("--mixup-prob");

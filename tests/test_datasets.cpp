@@ -17,6 +17,7 @@
 #include "linvis/io/gzip.h"
 #include "linvis/io/image.h"
 #include "linvis/io/transforms.h"
+#include "linvis/train/data_sources.h"
 #include "linvis/train/datasets.h"
 #include "support/temp_dir.h"
 
@@ -411,4 +412,60 @@ TEST(DataLoader, WorkerErrorsReachTheCallerAndEpochsRestart) {
     loader.start_epoch(1);
     EXPECT_TRUE(loader.next().has_value());
     EXPECT_THROW(DataLoader(std::make_shared<RaggedDataset>(), {0, true, false, 1, 1, 0}), Error);  // batch 0
+}
+
+// ------------------------------------------------------------------ --augment levels
+
+TEST(DataSources, AugmentLevelsNoneFlipFull) {
+    TempDir dir;
+    for (int b = 1; b <= 5; ++b) {
+        std::vector<std::vector<uint8_t>> labels;
+        for (int r = 0; r < 8; ++r) labels.push_back({uint8_t((b + r) % 10)});
+        write_bytes(dir.file("data_batch_" + std::to_string(b) + ".bin"), cifar_records(labels));
+    }
+    write_bytes(dir.file("test_batch.bin"), cifar_records({{3}, {0}}));
+    // Every training image of epoch 0 at the given level, as (C, H, W) tensors.
+    auto epoch_images = [&](DataConfig::Augment level) {
+        DataConfig c;
+        c.dataset = "cifar10";
+        c.data_dir = dir.path.string();
+        c.batch_size = 8;
+        c.seed = 3;
+        c.augment = level;
+        DataSources sources = make_data_sources(c, true);
+        sources.train->start_epoch(0);
+        std::vector<torch::Tensor> out;
+        torch::Tensor images, labels;
+        while (sources.train->next(images, labels))
+            for (int64_t i = 0; i < images.size(0); ++i) out.push_back(images[i].clone());
+        return out;
+    };
+    const auto plain = epoch_images(DataConfig::Augment::None);
+    ASSERT_EQ(plain.size(), 40u);
+    auto count = [&](const std::vector<torch::Tensor>& images, bool mirrored) {
+        int64_t n = 0;
+        for (const auto& image : images) {
+            const torch::Tensor probe = mirrored ? image.flip({2}) : image;
+            for (const auto& p : plain)
+                if (torch::equal(probe, p)) {
+                    ++n;
+                    break;
+                }
+        }
+        return n;
+    };
+    EXPECT_EQ(count(plain, false), 40);
+    EXPECT_EQ(count(plain, true), 0);  // the generated images are not mirror-symmetric
+    // flip: every image is an original or its mirror image, and both occur (p(all same) = 2^-39).
+    const auto flipped = epoch_images(DataConfig::Augment::Flip);
+    const int64_t as_is = count(flipped, false), mirrored = count(flipped, true);
+    EXPECT_EQ(as_is + mirrored, 40);
+    EXPECT_GT(as_is, 0);
+    EXPECT_GT(mirrored, 0);
+    // full: random crops after 4-pixel padding move most images off the originals.
+    const auto full = epoch_images(DataConfig::Augment::Full);
+    EXPECT_LT(count(full, false) + count(full, true), 20);
+
+    EXPECT_EQ(parse_augment("flip"), DataConfig::Augment::Flip);
+    expect_error_containing([] { parse_augment("sideways"); }, {"--augment", "none, flip or full", "sideways"});
 }

@@ -298,3 +298,20 @@ TEST(Finetune, InheritsMatchingTensorsAndReportsTheRest) {
     weights.erase("conv.bias");
     EXPECT_EQ(train::inherit_weights(target, weights).new_parameters, (std::vector<std::string>{"conv.bias"}));
 }
+
+TEST(Train, EvalEveryEvaluatesEveryNthAndTheLastEpoch) {
+    auto [images, labels] = synthetic_data(32, 4);
+    torch::manual_seed(0);
+    auto model = std::make_shared<TinyNet>();
+    train::TensorBatchSource data(images, labels, 16, true, 7);
+    train::TensorBatchSource eval_data(images, labels, 32, false, 7);
+    train::TrainConfig config = quiet_config(temp_dir("eval_every"), 5);
+    config.eval_every = 2;
+    train::Trainer trainer(model, config);
+    ASSERT_TRUE(trainer.fit(data, &eval_data));
+    std::vector<bool> evaluated;
+    for (const auto& r : trainer.history()) evaluated.push_back(r.has_eval);
+    EXPECT_EQ(evaluated, (std::vector<bool>{false, true, false, true, true}));
+    config.eval_every = 0;
+    EXPECT_THROW(train::Trainer(std::make_shared<TinyNet>(), config), linvis::Error);
+}

@@ -93,7 +93,8 @@ DataSources small_sources(const DataConfig& c, bool with_train, const std::strin
     out.img_size = c.img_size > 0 ? c.img_size : native_size;
     out.num_classes = test->num_classes();
     out.in_chans = test->images().size(3);
-    const TensorAugment augment{c.augment ? pad * out.img_size / native_size : 0, c.augment};
+    const bool full = c.augment == DataConfig::Augment::Full;
+    const TensorAugment augment{full ? pad * out.img_size / native_size : 0, c.augment != DataConfig::Augment::None};
     if (with_train) {
         out.train = std::make_unique<TensorBatchSource>(prepare(train->images(), norm, out.img_size, c.limit_train),
                                                         limited(train->labels(), c.limit_train), c.batch_size, true,
@@ -109,6 +110,13 @@ DataSources small_sources(const DataConfig& c, bool with_train, const std::strin
 }
 
 }  // namespace
+
+DataConfig::Augment parse_augment(const std::string& name) {
+    if (name == "none") return DataConfig::Augment::None;
+    if (name == "flip") return DataConfig::Augment::Flip;
+    if (name == "full") return DataConfig::Augment::Full;
+    throw Error(str_cat("--augment: expected none, flip or full, got '", name, "'"));
+}
 
 DataSources make_data_sources(const DataConfig& c, bool with_train) {
     if (c.dataset == "fashion-mnist") {
@@ -146,9 +154,13 @@ DataSources make_data_sources(const DataConfig& c, bool with_train) {
         if (with_train) {
             auto folder = std::make_shared<ImageFolder>(train_dir.string());
             auto subset = std::make_shared<SubsetDataset>(folder, c.limit_train);
-            const bool use_augment = c.augment;
-            subset->set_transform([augment, eval_transform, use_augment](const torch::Tensor& hwc, std::mt19937_64& rng) {
-                if (!use_augment) return eval_transform(hwc);
+            const DataConfig::Augment level = c.augment;
+            subset->set_transform([augment, eval_transform, level](const torch::Tensor& hwc, std::mt19937_64& rng) {
+                if (level == DataConfig::Augment::None) return eval_transform(hwc);
+                if (level == DataConfig::Augment::Flip) {
+                    torch::Tensor image = eval_transform(hwc);
+                    return std::bernoulli_distribution(0.5)(rng) ? image.flip({2}) : image;
+                }
                 return train_transform(hwc.permute({2, 0, 1}).to(torch::kFloat32).div(255.0), augment, rng);
             });
             options.batch_size = c.batch_size;

@@ -153,6 +153,7 @@ EvalResult evaluate(models::VisionModel& model, BatchSource& data, bool bf16, bo
 Trainer::Trainer(models::ModelPtr model, TrainConfig config) : model_(std::move(model)), config_(std::move(config)) {
     LINVIS_CHECK(model_ != nullptr, "trainer: no model");
     LINVIS_CHECK(config_.epochs > 0, "--epochs must be positive, got ", config_.epochs);
+    LINVIS_CHECK(config_.eval_every > 0, "--eval-every must be positive, got ", config_.eval_every);
     LINVIS_CHECK(config_.accumulation_steps > 0, "--accum-steps must be positive, got ", config_.accumulation_steps);
     LINVIS_CHECK(!config_.output_dir.empty(), "trainer: an output directory is required");
 }
@@ -280,7 +281,9 @@ bool Trainer::fit(BatchSource& train_data, BatchSource* eval_data) {
         record.lr = lr;
         record.images_per_s = seen / std::max(record.seconds, 1e-9);
         record.skipped_images = train_data.skipped_images();
-        if (eval_data != nullptr) {
+        const bool eval_now = eval_data != nullptr &&
+                              ((epoch + 1) % config_.eval_every == 0 || epoch + 1 == config_.epochs);
+        if (eval_now) {
             record.eval = evaluate(*model_, *eval_data, config_.bf16);
             record.has_eval = true;
             if (ema) {
@@ -304,8 +307,9 @@ bool Trainer::fit(BatchSource& train_data, BatchSource* eval_data) {
                 std::fprintf(stderr, " | %lld unreadable images skipped", static_cast<long long>(record.skipped_images));
             std::fprintf(stderr, " | %.0f s\n", record.seconds);
         }
+        // Without eval data the lowest training loss stands in; epochs skipped by eval_every do not compete.
         const double top1 = record.has_eval ? record.eval.top1 : -record.train_loss;
-        if (save_weights && top1 > state.best_top1) {
+        if (save_weights && (record.has_eval || eval_data == nullptr) && top1 > state.best_top1) {
             state.best_top1 = top1;
             save_weights((fs::path(config_.output_dir) / "best.safetensors").string(), *model_);
         }

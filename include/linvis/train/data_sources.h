@@ -26,9 +26,16 @@ struct DataConfig {
     int64_t limit_eval = 0;
     int workers = 2;            // decoding threads for folders
     uint64_t seed = 0;
-    bool augment = true;        // training augmentation on/off
+    // Training augmentation. Full: random crop (after padding) + horizontal flip for the small sets,
+    // the DeiT recipe (RandomResizedCrop, flip, RandAugment, erasing) for folders. Flip: horizontal
+    // flip only (folders: the eval transform, then the flip). None: the eval images.
+    enum class Augment { None, Flip, Full };
+    Augment augment = Augment::Full;
     TrainAugmentConfig folder_augment;  // used for folders (img_size is overwritten)
 };
+
+// "none" | "flip" | "full"; throws linvis::Error naming the accepted values otherwise.
+DataConfig::Augment parse_augment(const std::string& name);
 
 struct DataSources {
     std::unique_ptr<BatchSource> train;

@@ -27,6 +27,7 @@ struct TrainConfig {
     double warmup_epochs = 1.0;
     double clip_grad = 0.0;           // global-norm clipping, 0: off
     double ema_decay = 0.0;           // 0: no EMA
+    int64_t eval_every = 1;           // evaluate after every N-th epoch; the last epoch always
     MixupConfig mixup;
     bool bf16 = false;                // bfloat16 autocast (CPU)
     uint64_t seed = 0;
@@ -59,7 +60,8 @@ public:
     Trainer(models::ModelPtr model, TrainConfig config);
 
     // Trains for config.epochs epochs (continuing from output_dir/checkpoint.pt when resume
-    // is set), evaluating on `eval_data` (may be null) after every epoch. Throws
+    // is set), evaluating on `eval_data` (may be null) after every config.eval_every-th epoch and
+    // the last; best.safetensors is the best evaluated epoch (lowest train loss without eval data). Throws
     // linvis::Error when the loss becomes NaN/Inf (the last good checkpoint stays).
     // Returns false when interrupted by SIGINT (a checkpoint was saved first).
     bool fit(BatchSource& train_data, BatchSource* eval_data);
