@@ -61,13 +61,17 @@ template <typename T, int kO, int kI>
 void weight_grad_heads(const T* dy, const T* x, T* dw, T* db, int64_t N, int64_t H, int64_t O_, int64_t I_) {
     const int64_t O = kO ? kO : O_, I = kI ? kI : I_;
     at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t h = begin; h < end; ++h) {
-            T* dwh = dw + h * O * I;
-            std::fill(dwh, dwh + O * I, T(0));
-            std::fill(db + h * O, db + (h + 1) * O, T(0));
-            for (int64_t n = 0; n < N; ++n) {
-                const T* dyh = dy + n * H * O + h * O;
-                const T* xh = x + n * H * I + h * I;
+        std::fill(dw + begin * O * I, dw + end * O * I, T(0));
+        std::fill(db + begin * O, db + end * O, T(0));
+        // Rows outer, this task's blocks inner: x and dy are read a row segment at a time and the
+        // task's accumulators stay in cache; each entry still sums over n in ascending order.
+        for (int64_t n = 0; n < N; ++n) {
+            const T* dyr = dy + n * H * O;
+            const T* xr = x + n * H * I;
+            for (int64_t h = begin; h < end; ++h) {
+                const T* dyh = dyr + h * O;
+                const T* xh = xr + h * I;
+                T* dwh = dw + h * O * I;
                 for (int64_t o = 0; o < O; ++o) {
                     const T g = dyh[o];
                     db[h * O + o] += g;
