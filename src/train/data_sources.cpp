@@ -159,7 +159,7 @@ DataSources make_data_sources(const DataConfig& c, bool with_train) {
                 if (level == DataConfig::Augment::None) return eval_transform(hwc);
                 if (level == DataConfig::Augment::Flip) {
                     torch::Tensor image = eval_transform(hwc);
-                    return std::bernoulli_distribution(0.5)(rng) ? image.flip({2}) : image;
+                    return std::bernoulli_distribution(augment.hflip)(rng) ? image.flip({2}) : image;
                 }
                 return train_transform(hwc.permute({2, 0, 1}).to(torch::kFloat32).div(255.0), augment, rng);
             });
