@@ -10,6 +10,7 @@ packages=(
   libgtest-dev libgmock-dev                             # unit tests
   clang libclang-rt-14-dev                              # libFuzzer target for the safetensors reader
   dataset-fashion-mnist                                 # training data used by 'linvis train'
+  qemu-user                                             # emulated AVX2-only CPU for ISA-sensitive tests
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -238,12 +238,15 @@ double bf16_error(const std::function<torch::Tensor(const std::vector<torch::Ten
 
 // Tolerance 1e-2 relative L2 (bf16 has an 8-bit mantissa, unit roundoff 2^-8 = 3.9e-3; the
 // outputs pass through a few rounded products and sums). Measured values are printed.
+// Softmax attention keeps scores, softmax and the weighted sum in float32 and rounds once at the end:
+// each output element is off by at most 2^-9 relative, so the relative L2 error is below 2^-9 on every
+// ISA (it was 0.0169 on AVX2 when LibTorch 1.13 accumulated the bf16 products in bf16). Bound 2^-8.
 TEST(SoftmaxAttention, Bfloat16WithinTolerance) {
     torch::manual_seed(10);
     double err = bf16_error([](const auto& t) { return softmax_attention(t[0], t[1], t[2], 0.125); },
                             {torch::randn({2, 3, 197, 64}), torch::randn({2, 3, 197, 64}), torch::randn({2, 3, 197, 64})});
     std::cout << "[measure] softmax attention bf16 rel err " << err << "\n";
-    EXPECT_LT(err, 1e-2);
+    EXPECT_LT(err, 1.0 / 256);
 }
 
 TEST(LinearAttention, Bfloat16WithinTolerance) {

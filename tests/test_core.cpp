@@ -4,6 +4,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "linvis/core/precision.h"
 #include "linvis/core/runtime.h"
 #include "linvis/tools/args.h"
 
@@ -70,6 +71,31 @@ TEST(Flops, CountsMultiplyAddsOfLinearMatmulAndConv) {
     linvis::flops::conv2d(img, cw, {}, {16, 16}, {0, 0}, {1, 1}, 1);
     EXPECT_EQ(conv_counter.macs(), 8 * 2 * 2 * 3 * 16 * 16);
     EXPECT_TRUE(torch::allclose(y, torch::matmul(x, w.t())));
+}
+
+// pytorch/pytorch issue 83863: a bf16 product of ones accumulated in bf16 stops growing at 256
+// (256 + 1 rounds back to 256). Every linvis product must accumulate in float32 on every CPU.
+TEST(Precision, ReducedPrecisionProductsAccumulateInFloat32) {
+    for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
+        const int64_t k = 1024;
+        auto ones = torch::ones({8, k}, torch::TensorOptions().dtype(dtype));
+        auto mm = linvis::flops::matmul(ones, ones.t());
+        EXPECT_EQ(mm.scalar_type(), dtype);
+        EXPECT_TRUE(torch::all(mm.to(torch::kFloat32) == static_cast<float>(k)).item<bool>()) << mm[0][0];
+        auto lin = linvis::flops::linear(ones, ones.narrow(0, 0, 4));
+        EXPECT_TRUE(torch::all(lin.to(torch::kFloat32) == static_cast<float>(k)).item<bool>()) << lin[0][0];
+        auto image = torch::ones({1, k, 3, 3}, torch::TensorOptions().dtype(dtype));
+        auto conv = linvis::flops::conv2d(image, torch::ones({2, k, 1, 1}, image.options()), {}, {1, 1}, {0, 0}, {1, 1}, 1);
+        EXPECT_TRUE(torch::all(conv.to(torch::kFloat32) == static_cast<float>(k)).item<bool>()) << conv[0][0][0][0];
+        // Gradients flow through the widened product and come back in the input dtype.
+        auto a = ones.clone().requires_grad_(true);
+        linvis::flops::matmul(a, ones.t()).sum().backward();
+        EXPECT_EQ(a.grad().scalar_type(), dtype);
+        EXPECT_TRUE(torch::all(a.grad().to(torch::kFloat32) == 8.0f).item<bool>());
+    }
+    EXPECT_EQ(linvis::precision::accumulation_dtype(torch::ones({1}, torch::kBFloat16)), torch::kFloat32);
+    EXPECT_EQ(linvis::precision::accumulation_dtype(torch::ones({1}, torch::kFloat64)), torch::kFloat64);
+    EXPECT_FALSE(linvis::precision::product_needs_f32(torch::ones({1})));
 }
 
 TEST(Runtime, ReportsVersionsAndAnOptimizedBlas) {

@@ -5,6 +5,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "linvis/core/precision.h"
 
 namespace linvis::ops {
 namespace {
@@ -41,6 +42,10 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k, 
                                 double scale, const torch::Tensor& allowed, Impl impl) {
     require_reference(impl, "softmax_attention");
     check_qkv("softmax_attention", q, k, v);
+    // bf16 / f16: scores, softmax and the weighted sum in float32, one rounding at the end.
+    const auto acc = precision::accumulation_dtype(q);
+    if (acc != q.scalar_type())
+        return softmax_attention(q.to(acc), k.to(acc), v.to(acc), scale, allowed, impl).to(q.scalar_type());
     // timm DeiT order: (q @ k^T) * scale, then softmax over keys.
     torch::Tensor attn = flops::matmul(q, k.transpose(-2, -1)) * scale;
     if (allowed.defined()) {
