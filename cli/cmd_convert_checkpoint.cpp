@@ -3,19 +3,11 @@
 
 #include "command.h"
 #include "linvis/core/error.h"
+#include "linvis/io/safetensors.h"
 #include "linvis/io/torch_checkpoint.h"
+#include "linvis/models/pretrained.h"
 #include "linvis/models/registry.h"
 #include "linvis/tools/args.h"
-
-// The safetensors writer lives on another branch; its expected signature is
-//   void linvis::io::save_safetensors(const std::string& path,
-//                                     const std::map<std::string, torch::Tensor>& tensors,
-//                                     const std::map<std::string, std::string>& metadata);
-// Until both are merged this command can only --dry-run.
-#if __has_include("linvis/io/safetensors.h")
-#include "linvis/io/safetensors.h"
-#define LINVIS_HAVE_SAFETENSORS_WRITER 1
-#endif
 
 namespace linvis::cli {
 namespace {
@@ -43,11 +35,6 @@ int run_convert_checkpoint(int argc, const char* const* argv) {
     if (!args.parse(argc, argv, 1)) return 0;
     const std::string in = args.positionals().at(0);
     const std::string out = args.positionals().at(1);
-#ifndef LINVIS_HAVE_SAFETENSORS_WRITER
-    LINVIS_CHECK(args.get_flag("--dry-run"), "this build has no safetensors writer "
-                                             "(include/linvis/io/safetensors.h); only --dry-run works");
-#endif
-
     const io::CheckpointContents contents = io::read_torch_checkpoint(in);
     io::StateDictReport extract;
     std::string chosen;
@@ -70,8 +57,8 @@ int run_convert_checkpoint(int argc, const char* const* argv) {
         const std::string name = args.get("--model");
         models::ModelConfig config(tools::parse_key_values(args.get_all("--model-kwargs"), "--model-kwargs"));
         models::ModelPtr model = models::create_model(name, config);
-        io::ModelMappingReport mapping;
-        tensors = io::map_state_dict_to_model(tensors, *model, !args.get_flag("--non-strict"), &mapping);
+        models::ModelMappingReport mapping;
+        tensors = models::map_state_dict_to_model(tensors, *model, !args.get_flag("--non-strict"), &mapping);
         std::vector<std::string> renames;
         for (const auto& [from, to] : mapping.renamed) renames.push_back(from + " -> " + to);
         std::cout << "model       " << name << ": " << tensors.size() << " tensors match, " << renames.size()
@@ -91,14 +78,9 @@ int run_convert_checkpoint(int argc, const char* const* argv) {
         std::cout << "dry run: nothing written\n";
         return 0;
     }
-#ifdef LINVIS_HAVE_SAFETENSORS_WRITER
     io::save_safetensors(out, tensors, metadata);
     std::cout << "wrote       " << out << " (" << tensors.size() << " tensors)\n";
     return 0;
-#else
-    (void)out;
-    return 0;
-#endif
 }
 
 CommandRegistrar registrar("convert-checkpoint",

@@ -16,6 +16,7 @@
 #include "linvis/core/error.h"
 #include "linvis/io/torch_checkpoint.h"
 #include "linvis/models/model.h"
+#include "linvis/models/pretrained.h"
 
 using linvis::Error;
 using linvis::io::Value;
@@ -878,8 +879,8 @@ TEST(TorchCheckpoint, MapsRawKeysOntoAModelAndChecksShapes) {
                                                 {"head.1.weight", torch::randn({2, 4})},
                                                 {"blocks.0.causal_mask", torch::ones({4, 4})},
                                                 {"norm.num_batches_tracked", torch::tensor(int64_t{9})}};
-    linvis::io::ModelMappingReport report;
-    const auto out = linvis::io::map_state_dict_to_model(raw, model, true, &report);
+    linvis::models::ModelMappingReport report;
+    const auto out = linvis::models::map_state_dict_to_model(raw, model, true, &report);
     EXPECT_TRUE(report.complete());
     ASSERT_EQ(out.size(), 4u);
     EXPECT_TRUE(same_tensor(out.at("head.weight"), raw.at("head.1.weight")));
@@ -894,11 +895,11 @@ TEST(TorchCheckpoint, MapsRawKeysOntoAModelAndChecksShapes) {
     std::map<std::string, torch::Tensor> bad = {{"proj.weight", torch::randn({4, 5})},
                                                 {"head.1.weight", torch::randn({2, 4})},
                                                 {"extra.bias", torch::randn({3})}};
-    const std::string msg = expect_error([&] { linvis::io::map_state_dict_to_model(bad, model, true); });
+    const std::string msg = expect_error([&] { linvis::models::map_state_dict_to_model(bad, model, true); });
     EXPECT_NE(msg.find("missing keys (2): norm.num_batches_tracked, pos_embed"), std::string::npos) << msg;
     EXPECT_NE(msg.find("unexpected keys (1): extra.bias"), std::string::npos) << msg;
     EXPECT_NE(msg.find("proj.weight: checkpoint [4, 5] vs model [4, 3]"), std::string::npos) << msg;
-    const auto partial = linvis::io::map_state_dict_to_model(bad, model, false, &report);
+    const auto partial = linvis::models::map_state_dict_to_model(bad, model, false, &report);
     ASSERT_EQ(partial.size(), 1u);
     EXPECT_TRUE(partial.count("head.weight"));
     EXPECT_FALSE(report.complete());
@@ -906,7 +907,7 @@ TEST(TorchCheckpoint, MapsRawKeysOntoAModelAndChecksShapes) {
     // two raw keys landing on one model key
     std::map<std::string, torch::Tensor> twice = {{"head.1.weight", torch::randn({2, 4})},
                                                   {"head.weight", torch::randn({2, 4})}};
-    EXPECT_NE(expect_error([&] { linvis::io::map_state_dict_to_model(twice, model, false); }).find("both map to"),
+    EXPECT_NE(expect_error([&] { linvis::models::map_state_dict_to_model(twice, model, false); }).find("both map to"),
               std::string::npos);
 }
 

@@ -14,7 +14,6 @@
 #include <c10/util/Exception.h>
 
 #include "linvis/core/error.h"
-#include "linvis/models/model.h"
 
 namespace linvis::io {
 
@@ -1072,69 +1071,6 @@ std::map<std::string, torch::Tensor> extract_state_dict(const CheckpointContents
     rep.chosen_key = key;
     rep.kept = static_cast<int64_t>(out.size());
     if (chosen_key) *chosen_key = key;
-    return out;
-}
-
-// ------------------------------------------------------------------ mapping onto a model
-
-namespace {
-std::string name_list(const std::vector<std::string>& names, size_t limit = 20) {
-    std::string s;
-    for (size_t i = 0; i < names.size() && i < limit; ++i) s += str_cat(i ? ", " : "", names[i]);
-    if (names.size() > limit) s += str_cat(", ... (", names.size() - limit, " more)");
-    return s;
-}
-}  // namespace
-
-std::map<std::string, torch::Tensor> map_state_dict_to_model(const std::map<std::string, torch::Tensor>& raw,
-                                                             const models::VisionModel& model, bool strict,
-                                                             ModelMappingReport* report) {
-    ModelMappingReport local;
-    ModelMappingReport& rep = report ? *report : local;
-    rep = ModelMappingReport();
-    std::map<std::string, torch::Tensor> expected;
-    for (const auto& item : model.named_parameters(true)) expected[item.key()] = item.value();
-    for (const auto& item : model.named_buffers(true)) expected[item.key()] = item.value();
-
-    std::map<std::string, torch::Tensor> out;
-    std::map<std::string, std::string> source_of;
-    for (const auto& [raw_key, tensor] : raw) {
-        const std::string key = model.map_checkpoint_key(raw_key);
-        if (key.empty()) {
-            rep.dropped.push_back(raw_key);
-            continue;
-        }
-        if (key != raw_key) rep.renamed.emplace_back(raw_key, key);
-        auto seen = source_of.find(key);
-        LINVIS_CHECK(seen == source_of.end(), "checkpoint keys '", seen == source_of.end() ? "" : seen->second,
-                     "' and '", raw_key, "' both map to model key '", key, "'");
-        source_of[key] = raw_key;
-        const torch::Tensor adapted = model.adapt_checkpoint_tensor(key, tensor);
-        if (adapted.sizes() != tensor.sizes())
-            rep.adapted.push_back(str_cat(key, ": ", shape_string(tensor.sizes()), " -> ", shape_string(adapted.sizes())));
-        auto target = expected.find(key);
-        if (target == expected.end()) {
-            rep.unexpected.push_back(key == raw_key ? key : str_cat(key, " (from ", raw_key, ")"));
-            continue;
-        }
-        if (adapted.sizes() != target->second.sizes()) {
-            rep.mismatched.push_back(str_cat(key, ": checkpoint ", shape_string(adapted.sizes()), " vs model ",
-                                             shape_string(target->second.sizes())));
-            continue;
-        }
-        out[key] = adapted;
-    }
-    for (const auto& [key, t] : expected)
-        if (!source_of.count(key)) rep.missing.push_back(key);
-    if (strict && !rep.complete()) {
-        std::string msg = "checkpoint does not match the model:";
-        if (!rep.missing.empty()) msg += str_cat(" missing keys (", rep.missing.size(), "): ", name_list(rep.missing), ";");
-        if (!rep.unexpected.empty())
-            msg += str_cat(" unexpected keys (", rep.unexpected.size(), "): ", name_list(rep.unexpected), ";");
-        if (!rep.mismatched.empty())
-            msg += str_cat(" shape mismatches (", rep.mismatched.size(), "): ", name_list(rep.mismatched), ";");
-        fail(msg);
-    }
     return out;
 }
 

@@ -21,9 +21,6 @@
 
 #include <torch/torch.h>
 
-namespace linvis::models {
-class VisionModel;
-}
 
 namespace linvis::io {
 
@@ -123,34 +120,5 @@ struct StateDictReport {
 // the key used ("" for the top level).
 std::map<std::string, torch::Tensor> extract_state_dict(const CheckpointContents& contents, bool prefer_ema,
                                                         std::string* chosen_key, StateDictReport* report = nullptr);
-
-// Outcome of mapping a raw state dict onto a model.
-struct ModelMappingReport {
-    std::vector<std::pair<std::string, std::string>> renamed;  // raw key -> model key (only changed ones)
-    std::vector<std::string> dropped;     // raw keys map_checkpoint_key maps to "" (e.g. legacy buffers)
-    std::vector<std::string> adapted;     // "key: [1, 196, 192] -> [1, 576, 192]" (adapt_checkpoint_tensor)
-    std::vector<std::string> missing;     // model keys the checkpoint does not provide
-    std::vector<std::string> unexpected;  // mapped keys the model does not have
-    std::vector<std::string> mismatched;  // "key: checkpoint [a] vs model [b]"
-    bool complete() const { return missing.empty() && unexpected.empty() && mismatched.empty(); }
-};
-
-// Renames raw keys with model.map_checkpoint_key (an empty result drops the key), adapts
-// resolution-dependent tensors with model.adapt_checkpoint_tensor, and compares names and
-// shapes with the model's parameters and buffers. Returns the tensors that match the model
-// (unexpected and mismatched ones are left out), in the checkpoint's dtype. When `strict`,
-// any missing/unexpected/mismatched key throws linvis::Error naming them all. Two raw keys
-// mapping to the same model key always throw.
-std::map<std::string, torch::Tensor> map_state_dict_to_model(const std::map<std::string, torch::Tensor>& raw,
-                                                             const models::VisionModel& model, bool strict,
-                                                             ModelMappingReport* report = nullptr);
-
-// How converted tensors are written. The CLI uses linvis::io::save_safetensors with exactly
-// this signature (include/linvis/io/safetensors.h, from the safetensors branch):
-//   void save_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
-//                         const std::map<std::string, std::string>& metadata);
-// Tensors may be non-contiguous views (as in the checkpoint); the writer must make them contiguous.
-using TensorWriter = std::function<void(const std::string& path, const std::map<std::string, torch::Tensor>&,
-                                        const std::map<std::string, std::string>& metadata)>;
 
 }  // namespace linvis::io
