@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "linvis/core/error.h"
+#include "linvis/io/atomic_file.h"
 #include "linvis/models/model.h"
 #include "linvis/train/checkpoint.h"
 #include "linvis/train/ema.h"
@@ -149,11 +150,11 @@ TEST(Train, InterruptedCheckpointWriteKeepsPreviousCheckpoint) {
     state.epoch = 3;
     train::save_checkpoint(path, state, model, *optimizer, nullptr);
     const auto size_before = fs::file_size(path);
-    EXPECT_THROW(train::write_atomically(path,
-                                         [](const std::string& temp) {
-                                             std::ofstream(temp) << "half a checkpoint";
-                                             throw linvis::Error("disk full (simulated)");
-                                         }),
+    EXPECT_THROW(linvis::io::write_file_atomically_via(path,
+                                                     [](const std::string& temp) {
+                                                         std::ofstream(temp) << "half a checkpoint";
+                                                         throw linvis::Error("disk full (simulated)");
+                                                     }),
                  linvis::Error);
     EXPECT_EQ(fs::file_size(path), size_before);
     for (const auto& entry : fs::directory_iterator(dir))

@@ -7,13 +7,13 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <functional>
 #include <limits>
 
 #include "linvis/core/error.h"
+#include "linvis/io/atomic_file.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "safetensors data is little-endian; big-endian hosts would need byte swapping");
@@ -43,21 +43,6 @@ struct FdGuard {
     }
 };
 
-void write_all(int fd, const void* data, size_t size, const std::string& path) {
-    const char* bytes = static_cast<const char*>(data);
-    while (size > 0) {
-        // Linux writes at most ~2 GiB per call.
-        const size_t chunk = std::min<size_t>(size, size_t{1} << 30);
-        const ssize_t written = ::write(fd, bytes, chunk);
-        if (written < 0) {
-            if (errno == EINTR) continue;
-            fail(path, ": write failed: ", errno_text(errno));
-        }
-        bytes += written;
-        size -= static_cast<size_t>(written);
-    }
-}
-
 // Serialises `tensors` through `sink` (called with the prefix, then each tensor's bytes).
 void write_safetensors(const std::map<std::string, torch::Tensor>& tensors,
                        const std::map<std::string, std::string>& metadata,
@@ -81,13 +66,6 @@ void write_safetensors(const std::map<std::string, torch::Tensor>& tensors,
                      " bytes, expected ", info.byte_size());
         if (bytes > 0) sink(dense.data_ptr(), bytes);
     }
-}
-
-std::string directory_of(const std::string& path) {
-    const size_t slash = path.find_last_of('/');
-    if (slash == std::string::npos) return ".";
-    if (slash == 0) return "/";
-    return path.substr(0, slash);
 }
 
 }  // namespace
@@ -206,35 +184,7 @@ std::string serialize_safetensors(const std::map<std::string, torch::Tensor>& te
 
 void save_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata) {
-    static std::atomic<uint64_t> counter{0};
-    const std::string directory = directory_of(path);
-    const std::string base = path.substr(path.find_last_of('/') == std::string::npos ? 0 : path.find_last_of('/') + 1);
-    LINVIS_CHECK(!base.empty(), path, ": not a file path");
-
-    std::string temp;
-    FdGuard file;
-    for (int attempt = 0; attempt < 100 && file.fd < 0; ++attempt) {
-        temp = directory + "/." + base + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
-        file.fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-        if (file.fd < 0 && errno != EEXIST) fail(path, ": cannot create temporary file ", temp, ": ", errno_text(errno));
-    }
-    LINVIS_CHECK(file.fd >= 0, path, ": cannot create a temporary file in ", directory);
-    try {
-        write_safetensors(tensors, metadata, [&](const void* data, size_t size) { write_all(file.fd, data, size, temp); });
-        LINVIS_CHECK(::fsync(file.fd) == 0, temp, ": fsync failed: ", errno_text(errno));
-        const int fd = file.fd;
-        file.fd = -1;
-        LINVIS_CHECK(::close(fd) == 0, temp, ": close failed: ", errno_text(errno));
-        LINVIS_CHECK(::rename(temp.c_str(), path.c_str()) == 0, path, ": cannot rename ", temp, " over it: ",
-                     errno_text(errno));
-    } catch (...) {
-        ::unlink(temp.c_str());
-        throw;
-    }
-    // Make the rename itself durable.
-    FdGuard dir;
-    dir.fd = ::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dir.fd >= 0) ::fsync(dir.fd);
+    write_file_atomically(path, [&](const ByteSink& sink) { write_safetensors(tensors, metadata, sink); });
 }
 
 }  // namespace linvis::io

@@ -1,10 +1,6 @@
 // Canvas, text, PNG output, line charts, figures and heat maps (see linvis/tools/plot.h).
 #include "linvis/tools/plot.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -30,6 +26,7 @@
 #pragma GCC diagnostic pop
 
 #include "linvis/core/error.h"
+#include "linvis/io/atomic_file.h"
 
 namespace linvis::tools::plot {
 
@@ -718,31 +715,10 @@ void Canvas::save_png(const std::string& path) const {
     };
     if (!stbi_write_png_to_func(sink, &png, width_, height_, 3, rgb_.data(), width_ * 3))
         fail("plot: cannot encode PNG for '", path, "'");
-    std::string tmp = path + ".tmp-XXXXXX";
-    int fd = mkstemp(tmp.data());
-    if (fd < 0) fail("plot: cannot write '", path, "': cannot create a temporary file next to it: ", std::strerror(errno));
-    size_t done = 0;
-    while (done < png.size()) {
-        ssize_t n = ::write(fd, png.data() + done, png.size() - done);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-            int err = errno;
-            ::close(fd);
-            ::unlink(tmp.c_str());
-            fail("plot: cannot write '", path, "': ", std::strerror(err));
-        }
-        done += static_cast<size_t>(n);
-    }
-    ::fchmod(fd, 0644);  // mkstemp creates 0600; a picture is meant to be shared
-    if (::close(fd) != 0) {
-        int err = errno;
-        ::unlink(tmp.c_str());
-        fail("plot: cannot write '", path, "': ", std::strerror(err));
-    }
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-        int err = errno;
-        ::unlink(tmp.c_str());
-        fail("plot: cannot write '", path, "': rename from temporary file failed: ", std::strerror(err));
+    try {
+        io::write_file_atomically(path, std::string_view(reinterpret_cast<const char*>(png.data()), png.size()));
+    } catch (const Error& e) {
+        fail("plot: cannot write '", path, "': ", e.what());
     }
 }
 

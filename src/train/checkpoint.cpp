@@ -1,24 +1,15 @@
 #include "linvis/train/checkpoint.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <filesystem>
 
 #include "linvis/core/error.h"
+#include "linvis/io/atomic_file.h"
 
 namespace linvis::train {
 namespace {
-
-void fsync_path(const std::string& path, bool directory) {
-    const int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
-    if (fd < 0) return;
-    ::fsync(fd);
-    ::close(fd);
-}
 
 torch::Tensor string_tensor(const std::string& text) {
     torch::Tensor t = torch::empty({static_cast<int64_t>(text.size())}, torch::kUInt8);
@@ -32,30 +23,9 @@ std::string tensor_string(const torch::Tensor& t) {
 
 }  // namespace
 
-void write_atomically(const std::string& path, const std::function<void(const std::string&)>& write) {
-    namespace fs = std::filesystem;
-    const fs::path target(path);
-    const fs::path temp = target.parent_path() / ("." + target.filename().string() + ".tmp-" + std::to_string(::getpid()));
-    try {
-        write(temp.string());
-    } catch (...) {
-        std::error_code ignored;
-        fs::remove(temp, ignored);
-        throw;
-    }
-    fsync_path(temp.string(), false);
-    std::error_code error;
-    fs::rename(temp, target, error);
-    if (error) {
-        fs::remove(temp, error);
-        fail(path, ": cannot replace checkpoint: ", error.message());
-    }
-    fsync_path(target.parent_path().empty() ? "." : target.parent_path().string(), true);
-}
-
 void save_checkpoint(const std::string& path, const TrainingState& state, const torch::nn::Module& model,
                      const torch::optim::Optimizer& optimizer, const std::map<std::string, torch::Tensor>* ema) {
-    write_atomically(path, [&](const std::string& temp) {
+    io::write_file_atomically_via(path, [&](const std::string& temp) {
         torch::serialize::OutputArchive archive;
         torch::serialize::OutputArchive model_archive, optimizer_archive, ema_archive;
         for (const auto& item : model.named_parameters(true)) model_archive.write(item.key(), item.value());

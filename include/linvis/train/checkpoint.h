@@ -20,11 +20,7 @@ struct TrainingState {
     std::string config_json;     // the run's configuration, to refuse resuming a different run
 };
 
-// Writes `path` by calling write(temp_path), fsync-ing it, renaming it over `path` and
-// fsync-ing the directory. If write throws, the temporary file is removed, `path` is left
-// as it was and the exception propagates.
-void write_atomically(const std::string& path, const std::function<void(const std::string& temp_path)>& write);
-
+// Written atomically (linvis/io/atomic_file.h): a crash leaves the previous checkpoint intact.
 void save_checkpoint(const std::string& path, const TrainingState& state, const torch::nn::Module& model,
                      const torch::optim::Optimizer& optimizer, const std::map<std::string, torch::Tensor>* ema);
 
