@@ -104,9 +104,6 @@ Info query() {
         info.blas_threads = getter();
     }
     info.simd = detect_simd();
-#ifdef LINVIS_WITH_CUDA
-    info.cuda_compiled = true;
-#endif
     info.cuda_available = torch::cuda::is_available();
     info.cuda_devices = info.cuda_available ? static_cast<int>(torch::cuda::device_count()) : 0;
     return info;

@@ -16,8 +16,7 @@ struct Info {
     int torch_threads = 1;     // at::get_num_threads()
     int blas_threads = -1;     // OpenBLAS's own pool, -1 when unknown
     SimdLevel simd = SimdLevel::Scalar;
-    bool cuda_compiled = false;  // linvis built with LINVIS_CUDA
-    bool cuda_available = false; // a CUDA device is visible to LibTorch
+    bool cuda_available = false; // a CUDA device is visible to LibTorch (ops run their LibTorch reference there)
     int cuda_devices = 0;
 };
 

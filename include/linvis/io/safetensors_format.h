@@ -5,7 +5,7 @@
 // linvis/core/error.h and (privately) nlohmann-json, so the libFuzzer target in fuzz/ can
 // build them with clang alone. include/linvis/io/safetensors.h adds the LibTorch side.
 //
-// File layout (spec: /work/shared/spec/anchors.md part D; docs/io.md):
+// File layout (spec: shared/spec/anchors.md part D; docs/io.md):
 //   bytes [0, 8)        N, the JSON header length, unsigned 64-bit little-endian
 //   bytes [8, 8+N)      UTF-8 JSON object: {"NAME": {"dtype": "F32", "shape": [2, 3],
 //                       "data_offsets": [BEGIN, END]}, ..., "__metadata__": {"k": "v"}}

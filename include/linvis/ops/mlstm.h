@@ -5,7 +5,7 @@
 // Shapes: q, k (B, NH, S, DHQK); v (B, NH, S, DHV); the gate pre-activations igate / fgate are
 // (B, NH, S, 1) as in the official code (B, NH, S is accepted too). Outputs h are (B, NH, S, DHV)
 // in the dtype of q. All functions are plain LibTorch ops with autograd and count their matrix
-// products with linvis::flops. Spec: /work/shared/spec/vil_official.md sections 1.7 and 4.
+// products with linvis::flops. Spec: shared/spec/vil_official.md sections 1.7 and 4.
 //
 // The key is scaled by 1/sqrt(DHQK) before it is used, in every form, as ViL's
 // parallel_stabilized_simple does (1.16.3). The recurrent and chunkwise forms start from
