@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
 # Builds linvis (incrementally) and runs the test suite.
 #   ./test.sh        unit tests and a short bounded fuzz run of the safetensors reader (what CI runs)
-#   ./test.sh --all  also the tests labelled 'slow'
 # LINVIS_FUZZ_SECONDS sets the fuzz run's length (default 60; 0 replays the seed corpus only).
 set -euo pipefail
 cd "$(dirname "$0")"
 ./scripts/build.sh
 label_args=(-L unit)
-[ "${1:-}" = "--all" ] && label_args=()
 set +e
 ctest --test-dir build "${label_args[@]}" --output-on-failure -j "$(nproc)" --timeout 900 | tee build/ctest.log
 ctest_status=${PIPESTATUS[0]}

@@ -26,7 +26,7 @@
 
 #include <torch/torch.h>
 
-#include "../src/ops/cpu/mlstm_fused.h"
+#include "../src/ops/mlstm/cpu.h"
 #include "linvis/core/runtime.h"
 #include "linvis/models/registry.h"
 #include "linvis/ops/linear_headwise.h"

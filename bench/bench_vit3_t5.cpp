@@ -22,7 +22,7 @@
 
 #include <torch/torch.h>
 
-#include "../src/ops/cpu/ttt_fused_kernels.h"
+#include "../src/ops/ttt_swiglu_cpu/kernels.h"
 #include "linvis/core/runtime.h"
 #include "linvis/ops/t5_ttt.h"
 #include "linvis/ops/vit3_ttt.h"

@@ -22,6 +22,7 @@
 #include "linvis/core/error.h"
 #include "linvis/core/runtime.h"
 #include "linvis/models/registry.h"
+#include "linvis/ops/impl.h"
 #include "linvis/tools/args.h"
 #include "linvis/tools/bench.h"
 #include "linvis/tools/plot.h"
@@ -202,8 +203,10 @@ int run_bench(int argc, const char* const* argv) {
         .option("--batch", "N", "images per pass", "1")
         .option("--threads", "N", "threads for LibTorch and BLAS (0: all cores)", "0")
         .option("--dtype", "f32|bf16", "parameter and activation dtype", "f32")
-        .option("--impl", "reference|fused", "op implementation (fused is checked against reference first)",
-                "reference")
+        .option("--impl", "auto|reference|fused",
+                "op implementation: auto = the fastest correct path for this CPU (fused runs are checked against "
+                "reference first)",
+                "auto")
         .flag("--train", "time forward + backward instead of inference")
         .option("--warmup", "N", "warm-up passes per case", "2")
         .option("--iters", "N", "timed passes per case (at least 3 are kept)", "5")
@@ -219,7 +222,7 @@ int run_bench(int argc, const char* const* argv) {
     LINVIS_CHECK(format == "table" || format == "json", "--format must be table or json, got '", format, "'");
     const std::string dtype = args.get("--dtype"), impl = args.get("--impl");
     LINVIS_CHECK(dtype == "f32" || dtype == "bf16", "--dtype must be f32 or bf16, got '", dtype, "'");
-    LINVIS_CHECK(impl == "reference" || impl == "fused", "--impl must be reference or fused, got '", impl, "'");
+    ops::parse_impl(impl);  // rejects anything but auto, reference, fused
     // "name@impl" overrides --impl for one model, so a fused model can be compared with a baseline
     // that has no fused kernel (e.g. --impl fused --models deit_tiny@reference,vittt_tiny).
     std::vector<std::pair<std::string, std::string>> model_impls;
@@ -228,8 +231,8 @@ int run_bench(int argc, const char* const* argv) {
         const std::string name = token.substr(0, at);
         const std::string model_impl = at == std::string::npos ? impl : token.substr(at + 1);
         LINVIS_CHECK(models::has_model(name), "--models: unknown model '", name, "' (see 'linvis models')");
-        LINVIS_CHECK(model_impl == "reference" || model_impl == "fused", "--models: '", token,
-                     "': the implementation after '@' must be reference or fused");
+        LINVIS_CHECK(model_impl == "auto" || model_impl == "reference" || model_impl == "fused", "--models: '", token,
+                     "': the implementation after '@' must be auto, reference or fused");
         model_impls.push_back({name, model_impl});
     }
 

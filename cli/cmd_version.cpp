@@ -5,6 +5,7 @@
 
 #include "command.h"
 #include "linvis/core/runtime.h"
+#include "linvis/ops/impl.h"
 #include "linvis/tools/args.h"
 
 namespace linvis::cli {
@@ -27,6 +28,7 @@ int run_version(int argc, const char* const* argv) {
                             {"blas_threads", info.blas_threads},
                             {"openmp_passive", runtime::openmp_is_passive()},
                             {"simd", runtime::simd_name(info.simd)},
+                            {"fused_kernels", ops::fused_kernel_isa()},
                             {"cuda_available", info.cuda_available},
                             {"cuda_devices", info.cuda_devices}};
         std::cout << j.dump() << "\n";
@@ -43,6 +45,8 @@ int run_version(int argc, const char* const* argv) {
               << (runtime::openmp_is_passive() ? ", passive wait" : ", active wait") << "), "
               << (info.blas_threads > 0 ? std::to_string(info.blas_threads) : std::string("?")) << " BLAS\n"
               << "SIMD       " << runtime::simd_name(info.simd) << "\n"
+              << "kernels    fused ops run their " << ops::fused_kernel_isa()
+              << " code; impl auto picks fused or reference per op (docs/ops.md)\n"
               << "CUDA       "
               << (info.cuda_available
                       ? std::to_string(info.cuda_devices) + " device(s) visible (ops run their LibTorch references there)"

@@ -8,7 +8,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "../src/ops/cpu/mlstm_fused.h"
+#include "../src/ops/mlstm/cpu.h"
 #include "linvis/core/error.h"
 #include "linvis/core/runtime.h"
 #include "linvis/models/registry.h"

@@ -1,4 +1,4 @@
-// Fused CPU TTT-Linear (src/ops/cpu/ttt_linear_fused.cpp) against the reference op: outputs,
+// Fused CPU TTT-Linear (src/ops/ttt_linear/cpu.cpp) against the reference op: outputs,
 // final state and gradients w.r.t. every input. Tolerances and why: docs/perf_ttt_linear.md.
 #include <cstdio>
 #include <cstdlib>

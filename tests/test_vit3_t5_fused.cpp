@@ -1,4 +1,4 @@
-// Fused CPU ViT³ / T⁵ kernels (src/ops/cpu/) against the reference ops: outputs and gradients with
+// Fused CPU ViT³ / T⁵ kernels (src/ops/vit3_ttt/cpu.cpp, src/ops/t5_ttt/cpu.cpp) against the reference ops: outputs and gradients with
 // respect to every input, float32 / bfloat16 / float64 (fallback), the portable (scalar) path, and
 // the models with impl=fused against impl=reference.
 //

@@ -21,7 +21,7 @@ struct PlainVitOptions {
     double mlp_ratio = 4.0, drop_path_rate = 0.0;
     bool class_token = true;  // DeiT: class token + token pooling; T5: no class token + mean pooling
     bool pos_embed_antialias = true;
-    ops::Impl impl = ops::Impl::Reference;
+    ops::Impl impl = ops::Impl::Auto;
 };
 
 // Reads the common options (see deit_t5.h) from `config` with the family defaults in `defaults`.

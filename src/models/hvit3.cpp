@@ -125,7 +125,7 @@ public:
         const auto heads = parse_list(config, "num_heads", base.heads);
         const double mlp_ratio = config.get_double("mlp_ratio", 4.0);
         const double dpr = config.get_double("drop_path_rate", 0.0);
-        const ops::Impl impl = ops::parse_impl(config.get_string("impl", "reference"));
+        const ops::Impl impl = ops::parse_impl(config.get_string("impl", "auto"));
         LINVIS_CHECK(num_classes_ >= 0 && in_chans_ > 0 && img_size_ >= 32, "hvit3: bad options num_classes=",
                      num_classes_, " in_chans=", in_chans_, " img_size=", img_size_);
         LINVIS_CHECK(dpr >= 0.0 && dpr < 1.0, "hvit3: drop_path_rate must be in [0, 1), got ", dpr);

@@ -4,8 +4,8 @@
 // Model options: num_classes (1000), img_size (224), in_chans (3), patch_size (16),
 // embed_dim (192/384/768), depth (12: number of block *pairs*, i.e. 24 mLSTM sub-blocks),
 // drop_path_rate (0), mlstm_mode (parallel|chunkwise|recurrent, default parallel = the official
-// form), chunk_size (64), impl (reference | fused: the fused chunkwise kernel; with impl=fused the
-// mode defaults to chunkwise and mode parallel or recurrent is rejected).
+// form with impl=reference, chunkwise otherwise), chunk_size (64), impl (auto | reference | fused;
+// auto and fused run the fused chunkwise kernel, and fused rejects mode parallel or recurrent).
 #include <cmath>
 #include <regex>
 
@@ -29,7 +29,7 @@ struct VilOptions {
     double drop_path_rate = 0.0;
     ops::MlstmMode mode = ops::MlstmMode::Parallel;
     int64_t chunk_size = ops::kMlstmDefaultChunkSize;
-    ops::Impl impl = ops::Impl::Reference;
+    ops::Impl impl = ops::Impl::Auto;
 };
 
 // VitPatchEmbed: a patch_size x patch_size stride conv, key patch_embed.proj.*.
@@ -204,11 +204,11 @@ ModelPtr create_vil(const ModelConfig& cfg, int64_t embed_dim) {
     o.embed_dim = cfg.get_int("embed_dim", embed_dim);
     o.depth = cfg.get_int("depth", o.depth);
     o.drop_path_rate = cfg.get_double("drop_path_rate", o.drop_path_rate);
-    o.impl = ops::parse_impl(cfg.get_string("impl", "reference"));
-    // The fused kernel is the chunkwise form, so impl=fused selects it unless a mode is named.
+    o.impl = ops::parse_impl(cfg.get_string("impl", "auto"));
+    // The fused kernel is the chunkwise form, so impl auto or fused selects it unless a mode is named.
     o.mode = ops::parse_mlstm_mode(
-        cfg.get_string("mlstm_mode", o.impl == ops::Impl::Fused ? "chunkwise" : "parallel"));
-    LINVIS_CHECK(o.impl == ops::Impl::Reference || o.mode == ops::MlstmMode::Chunkwise,
+        cfg.get_string("mlstm_mode", o.impl == ops::Impl::Reference ? "parallel" : "chunkwise"));
+    LINVIS_CHECK(o.impl != ops::Impl::Fused || o.mode == ops::MlstmMode::Chunkwise,
                  "vil: impl 'fused' needs mlstm_mode 'chunkwise', got mlstm_mode '", ops::mlstm_mode_name(o.mode),
                  "'");
     o.chunk_size = cfg.get_int("chunk_size", o.chunk_size);

@@ -66,7 +66,7 @@ public:
         const int64_t heads = config.get_int("num_heads", base.num_heads);
         const double mlp_ratio = config.get_double("mlp_ratio", 4.0);
         const double dpr = config.get_double("drop_path_rate", 0.0);
-        const ops::Impl impl = ops::parse_impl(config.get_string("impl", "reference"));
+        const ops::Impl impl = ops::parse_impl(config.get_string("impl", "auto"));
         LINVIS_CHECK(num_classes_ >= 0 && in_chans_ > 0 && patch_ > 0 && depth > 0 && dim_ > 0,
                      "vit3: bad options num_classes=", num_classes_, " in_chans=", in_chans_, " patch_size=", patch_,
                      " depth=", depth, " embed_dim=", dim_);

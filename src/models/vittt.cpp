@@ -24,7 +24,7 @@ struct VitttConfig {
     int64_t mini_batch_size = 16;
     bool shared_directions = false;
     bool learnable_w0 = true;
-    ops::Impl impl = ops::Impl::Reference;
+    ops::Impl impl = ops::Impl::Auto;
 };
 
 class PatchEmbedImpl : public torch::nn::Module {
@@ -160,7 +160,7 @@ ModelPtr create_vittt(const ModelConfig& config, int64_t embed_dim) {
     cfg.mini_batch_size = config.get_int("mini_batch_size", cfg.mini_batch_size);
     cfg.shared_directions = config.get_bool("shared_directions", cfg.shared_directions);
     cfg.learnable_w0 = config.get_bool("learnable_w0", cfg.learnable_w0);
-    cfg.impl = ops::parse_impl(config.get_string("impl", "reference"));
+    cfg.impl = ops::parse_impl(config.get_string("impl", "auto"));
     return std::make_shared<Vittt>(cfg);
 }
 

@@ -90,7 +90,7 @@ double check_fused_against_reference(const BenchCase& c) {
     const int64_t check_res = std::min<int64_t>(c.res, 96);
     torch::manual_seed(1234);
     models::ModelPtr reference = build_model(c, "reference", check_res);
-    models::ModelPtr fused = build_model(c, "fused", check_res);
+    models::ModelPtr fused = build_model(c, c.impl, check_res);
     {
         torch::NoGradGuard no_grad;
         auto src = reference->named_parameters(true);
@@ -123,7 +123,7 @@ BenchResult measure_case(const BenchCase& c) {
     result.config = c;
     try {
         runtime::configure_threads(c.threads);
-        if (c.impl == "fused") {
+        if (c.impl != "reference") {
             result.check_rel_err = check_fused_against_reference(c);
             const double tolerance = c.dtype == "bf16" ? 3e-2 : 1e-4;
             if (!(result.check_rel_err <= tolerance)) {

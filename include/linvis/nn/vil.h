@@ -42,7 +42,7 @@ TORCH_MODULE(MultiHeadLayerNorm);
 // with the given impl (Fused: the fused CPU kernel).
 class LinearHeadwiseImpl : public torch::nn::Module {
 public:
-    LinearHeadwiseImpl(int64_t dim, int64_t block, ops::Impl impl = ops::Impl::Reference);
+    LinearHeadwiseImpl(int64_t dim, int64_t block, ops::Impl impl = ops::Impl::Auto);
     torch::Tensor forward(const torch::Tensor& x);  // (..., dim) -> (..., dim)
     torch::Tensor weight, bias;
     int64_t heads, block;
@@ -55,7 +55,7 @@ TORCH_MODULE(LinearHeadwise);
 class MatrixLstmCellImpl : public torch::nn::Module {
 public:
     MatrixLstmCellImpl(int64_t dim, int64_t num_heads, ops::MlstmMode mode, int64_t chunk_size,
-                       ops::Impl impl = ops::Impl::Reference);
+                       ops::Impl impl = ops::Impl::Auto);
     torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
     torch::nn::Linear igate{nullptr}, fgate{nullptr};
     MultiHeadLayerNorm outnorm{nullptr};
@@ -72,7 +72,7 @@ TORCH_MODULE(MatrixLstmCell);
 class VilLayerImpl : public torch::nn::Module {
 public:
     VilLayerImpl(int64_t dim, bool reversed, ops::MlstmMode mode, int64_t chunk_size,
-                 ops::Impl impl = ops::Impl::Reference);
+                 ops::Impl impl = ops::Impl::Auto);
     torch::Tensor forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w);
     torch::Tensor learnable_skip;
     torch::nn::Linear proj_up{nullptr}, proj_down{nullptr};
@@ -88,7 +88,7 @@ TORCH_MODULE(VilLayer);
 class VilBlockImpl : public torch::nn::Module {
 public:
     VilBlockImpl(int64_t dim, bool reversed, double drop_path, ops::MlstmMode mode, int64_t chunk_size,
-                 ops::Impl impl = ops::Impl::Reference);
+                 ops::Impl impl = ops::Impl::Auto);
     torch::Tensor forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w);
     ResidualLayerNorm norm{nullptr};
     VilLayer layer{nullptr};
@@ -100,7 +100,7 @@ TORCH_MODULE(VilBlock);
 class VilBlockPairImpl : public torch::nn::Module {
 public:
     VilBlockPairImpl(int64_t dim, double drop_path, ops::MlstmMode mode, int64_t chunk_size,
-                     ops::Impl impl = ops::Impl::Reference);
+                     ops::Impl impl = ops::Impl::Auto);
     torch::Tensor forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w);
     VilBlock rowwise_from_top_left{nullptr}, rowwise_from_bot_right{nullptr};
 };

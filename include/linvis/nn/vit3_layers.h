@@ -30,7 +30,7 @@ void trunc_normal_(torch::Tensor& t, double std_dev = 0.02);
 // w1/w2 (1, h, d, d), w3 (d, 1, 3, 3), proj Linear(C+d, C). forward(x (B, N, C), H, W, rope) -> (B, N, C).
 class Vit3TttImpl : public torch::nn::Module {
 public:
-    Vit3TttImpl(int64_t dim, int64_t num_heads, bool qkv_bias = true, ops::Impl impl = ops::Impl::Reference);
+    Vit3TttImpl(int64_t dim, int64_t num_heads, bool qkv_bias = true, ops::Impl impl = ops::Impl::Auto);
     torch::Tensor forward(const torch::Tensor& x, int64_t height, int64_t width,
                           const torch::Tensor& rope_rotations = {});
 

@@ -16,7 +16,7 @@ struct TttBranchOptions {
     int64_t conv_kernel = 4;          // causal depthwise conv_q / conv_k
     double eta_base = 1.0;            // lr = eta_base * sigmoid(x . w_lr + b_lr) / d
     bool learnable_w0 = true;         // false: W1/b1 keep their init (requires_grad = false)
-    ops::Impl impl = ops::Impl::Reference;
+    ops::Impl impl = ops::Impl::Auto;
 };
 
 // One TTT-Linear layer over a token sequence in its own scan order (spec/vittt.md step 4,

@@ -18,7 +18,7 @@ namespace linvis::ops {
 // FLOPs: B*h*N*M*(d + dv) multiply-adds.
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 double scale, const torch::Tensor& allowed = {},
-                                Impl impl = Impl::Reference);
+                                Impl impl = Impl::Auto);
 
 // Feature map phi applied to q and k by linear attention.
 enum class FeatureMap {
@@ -43,7 +43,7 @@ struct LinearAttentionOptions {
 // Linear attention, non-causal in O(N d dv) or causal (chunked, see options). Same layout as
 // softmax_attention (k and v must have the same token count M; causal needs M == N).
 torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const LinearAttentionOptions& options = {}, Impl impl = Impl::Reference);
+                               const LinearAttentionOptions& options = {}, Impl impl = Impl::Auto);
 
 // phi(x) for a feature map (exposed for tests and for callers that cache phi(k)).
 torch::Tensor apply_feature_map(const torch::Tensor& x, FeatureMap map);

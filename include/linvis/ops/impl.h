@@ -1,16 +1,36 @@
-// Which implementation of an op runs. Every op has a Reference implementation written
-// in plain LibTorch tensor ops with autograd: it defines what is correct. Fused CPU
-// (and CUDA) implementations are selected with Impl::Fused and are tested against it.
+// Which implementation of an op runs. Every op has a Reference implementation written in plain
+// LibTorch tensor ops with autograd: it defines what is correct and runs on every device (CUDA
+// included). Some ops also have a fused CPU kernel, tested against the reference (forward and
+// gradients) on every ISA path.
+//
+//   Impl::Auto       (the default everywhere) the fused kernel when it takes this input and is the
+//                    faster path on this CPU (docs/ops.md says which, from measurements), else the
+//                    reference.
+//   Impl::Reference  always the reference.
+//   Impl::Fused      the fused kernel; an input it cannot take (device, dtype, option) is an error
+//                    naming the op and the reason - never a silent fallback.
 #pragma once
 
 #include <string>
 
 namespace linvis::ops {
 
-enum class Impl { Reference, Fused };
+enum class Impl { Auto, Reference, Fused };
 
-// "reference" | "fused"; throws linvis::Error for anything else.
+// "auto" | "reference" | "fused"; throws linvis::Error for anything else.
 Impl parse_impl(const std::string& name);
 const char* impl_name(Impl impl);
+
+// The one dispatch rule. `unsupported` is empty when the fused kernel of `op` takes this input and
+// otherwise says why not; `fused_is_faster` whether it is the faster path on this CPU. Returns true
+// when the fused kernel should run; throws for Impl::Fused on an unsupported input.
+bool use_fused(Impl impl, const char* op, const std::string& unsupported, bool fused_is_faster);
+
+// Whether the fused kernels run their AVX-512 code in this process: the CPU has AVX-512 (F, BW, VL,
+// DQ) and LINVIS_FORCE_SCALAR is unset or "0" (read on every call, so tests can switch paths).
+// Otherwise they run their portable loops.
+bool fused_kernels_use_avx512();
+// "AVX-512" or "portable", for reports.
+const char* fused_kernel_isa();
 
 }  // namespace linvis::ops

@@ -16,6 +16,6 @@
 namespace linvis::ops {
 
 torch::Tensor linear_headwise(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
-                              Impl impl = Impl::Reference);
+                              Impl impl = Impl::Auto);
 
 }  // namespace linvis::ops

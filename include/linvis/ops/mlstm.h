@@ -88,7 +88,7 @@ torch::Tensor mlstm_recurrent(const torch::Tensor& q, const torch::Tensor& k, co
 // m_i = max(b_i + m_chunk, max_j logD_ij). Multiply-adds per head ~ S L (DHQK + DHV) (intra)
 // + 2 S DHQK DHV (state update and read-out); memory O(S L + (S/L) DHQK DHV); no S x S matrix.
 //
-// impl = Impl::Fused runs the fused CPU kernel instead (src/ops/cpu/mlstm_fused.cpp,
+// impl = Impl::Fused runs the fused CPU kernel instead (src/ops/mlstm/cpu.cpp,
 // docs/perf_mlstm.md): the same function, per (batch, head) chunk by chunk with small dense
 // products, no padding (a shorter last chunk), a custom autograd function that saves only the
 // inputs and recomputes the chunk states in backward. Memory O(S (DHQK + DHV) + L^2 + (S/L)
@@ -97,7 +97,7 @@ torch::Tensor mlstm_recurrent(const torch::Tensor& q, const torch::Tensor& k, co
 torch::Tensor mlstm_chunkwise(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const torch::Tensor& igate_preact, const torch::Tensor& fgate_preact,
                               int64_t chunk_size = kMlstmDefaultChunkSize, double eps = kMlstmEps,
-                              Impl impl = Impl::Reference);
+                              Impl impl = Impl::Auto);
 
 // Dispatch on mode; chunk_size is used by the chunkwise form only. impl = Impl::Fused exists for
 // the chunkwise form only: with mode parallel or recurrent it throws linvis::Error (no silent
@@ -105,6 +105,6 @@ torch::Tensor mlstm_chunkwise(const torch::Tensor& q, const torch::Tensor& k, co
 torch::Tensor mlstm(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                     const torch::Tensor& igate_preact, const torch::Tensor& fgate_preact, MlstmMode mode,
                     int64_t chunk_size = kMlstmDefaultChunkSize, double eps = kMlstmEps,
-                    Impl impl = Impl::Reference);
+                    Impl impl = Impl::Auto);
 
 }  // namespace linvis::ops

@@ -37,7 +37,7 @@ torch::Tensor na2d_av(const torch::Tensor& attn, const torch::Tensor& v, int64_t
 // DiT5's NA branch: na2d_av(softmax(na2d_qk(q * scale, k)), v). Shapes as above.
 // FLOPs: B*h*H*W*Ky*Kx*(d + dv).
 torch::Tensor neighborhood_attention_2d(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                        int64_t kernel_size, double scale, Impl impl = Impl::Reference);
+                                        int64_t kernel_size, double scale, Impl impl = Impl::Auto);
 
 // DiT5 MixedAttention (spec B4) between qkv and proj. q, k, v: (B, N, C) tokens (raw chunks of
 // the shared qkv projection), N = height*width row-major. Returns 0.5*x_na + 0.5*x_ttt (B, N, C):
@@ -46,6 +46,6 @@ torch::Tensor neighborhood_attention_2d(const torch::Tensor& q, const torch::Ten
 //           heads reshaped as (B, h, H, W, d), output back to (B, N, C).
 torch::Tensor dit5_mixed_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                    const Dit5TttParams& params, int64_t num_heads, int64_t height,
-                                   int64_t width, int64_t kernel_size = 5, Impl impl = Impl::Reference);
+                                   int64_t width, int64_t kernel_size = 5, Impl impl = Impl::Auto);
 
 }  // namespace linvis::ops

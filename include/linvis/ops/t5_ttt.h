@@ -72,15 +72,15 @@ struct T5TttParams {
 // TTT-SwiGLU step on (k2, v) with s = d^-0.5; read-out on q2. Returns (B, N, C) (before proj).
 torch::Tensor t5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const T5TttParams& params, int64_t num_heads, int64_t height, int64_t width,
-                               Impl impl = Impl::Reference);
+                               Impl impl = Impl::Auto);
 
 // t5_ttt_attention(q, k, v) with q, k, v = qkv.chunk(3, -1), qkv (B, N, 3C) (the model's entry point).
 // Identical results; with Impl::Fused (float32 / bfloat16) the whole attention is one autograd
 // function of qkv whose backward writes the qkv gradient as one buffer (see docs/perf_vit3_t5.md).
-// Impl::Fused in t5_ttt_attention / t5_ttt_attention_qkv runs the fused CPU kernels for float32 and
-// bfloat16 and falls back to the reference for other dtypes.
+// The fused CPU kernels of t5_ttt_attention / t5_ttt_attention_qkv take float32 and bfloat16 CPU
+// tensors; Impl::Auto runs them on AVX-512 CPUs, Impl::Fused on another dtype is an error.
 torch::Tensor t5_ttt_attention_qkv(const torch::Tensor& qkv, const T5TttParams& params, int64_t num_heads,
-                                   int64_t height, int64_t width, Impl impl = Impl::Reference);
+                                   int64_t height, int64_t width, Impl impl = Impl::Auto);
 
 // DiT5 TTT branch of MixedAttention (B4 step 2).
 struct Dit5TttParams {
@@ -94,7 +94,7 @@ struct Dit5TttParams {
 // TTT-MLP (L2 loss) step on (k2, v), s = d^-0.5; x_ttt = silu(q2 W1') W2'. Returns (B, N, C).
 torch::Tensor dit5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                  const Dit5TttParams& params, int64_t num_heads, int64_t height, int64_t width,
-                                 Impl impl = Impl::Reference);
+                                 Impl impl = Impl::Auto);
 
 // (B, N, C) -> (B, h, N, d) view and back, head i = channels [i*d, (i+1)*d).
 torch::Tensor split_heads(const torch::Tensor& x, int64_t num_heads);

@@ -42,11 +42,12 @@ struct TttLinearOptions {
     bool return_final_state = false;
     bool return_grad_norms = false;
     // Reference: plain LibTorch ops with autograd. Fused: the CPU kernel of
-    // src/ops/cpu/ttt_linear_fused.cpp (docs/perf_ttt_linear.md) for the ResidualLayerNorm inner
+    // src/ops/ttt_linear/cpu.cpp (docs/perf_ttt_linear.md) for the ResidualLayerNorm inner
     // model on CPU tensors (causal or not, RoPE through ttt_rope first, dual_form ignored since
-    // dual and primal are the same function; grad_norms come back detached). The Linear inner
-    // model and non-CPU tensors fall back to the reference.
-    Impl impl = Impl::Reference;
+    // dual and primal are the same function; grad_norms come back detached). Impl::Auto runs it
+    // whenever it takes the input; Impl::Fused with the Linear inner model or non-CPU tensors is an
+    // error (linvis/ops/impl.h).
+    Impl impl = Impl::Auto;
     // Fused only: (W, b) is checkpointed every this many mini-batches for the backward, which
     // recomputes the states in between (memory ~ T/(b * checkpoint_every) * nh * d^2 values).
     int64_t checkpoint_every = 4;

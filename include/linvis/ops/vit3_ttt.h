@@ -1,8 +1,9 @@
 // ViT³ test-time-training token mixer (spec vit3_t5_official.md A2; paper arXiv 2512.01643).
 //
-// impl (official op only): Impl::Fused runs the fused CPU kernels (src/ops/cpu/, docs/perf_vit3_t5.md)
-// for float32 / bfloat16 inputs, with a custom autograd function that saves only the inputs and the
-// d x d inner gradients; float64 (and any other dtype) falls back to the reference path.
+// impl (official op only; linvis/ops/impl.h): the fused CPU kernels (src/ops/vit3_ttt/cpu.cpp,
+// docs/perf_vit3_t5.md) take float32 / bfloat16 CPU inputs (the mix: without RoPE), with a custom
+// autograd function that saves only the inputs and the d x d inner gradients. Impl::Auto runs them on
+// AVX-512 CPUs; Impl::Fused on another input (float64, RoPE, CUDA) is an error.
 //
 // Two entry points:
 //  * the official op (vit3_ttt_swiglu_branch / vit3_ttt_dwconv_branch / vit3_ttt_mix): one
@@ -36,7 +37,7 @@ constexpr double kVit3InnerScale = 1.0 / 3.0;
 // q, k, v: (B, h, N, d); w1, w2: (1 or B, h, d, d). Returns (q W1') * silu(q W2'): (B, h, N, d).
 torch::Tensor vit3_ttt_swiglu_branch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                      const torch::Tensor& w1, const torch::Tensor& w2,
-                                     double scale = kVit3InnerScale, Impl impl = Impl::Reference);
+                                     double scale = kVit3InnerScale, Impl impl = Impl::Auto);
 
 // Depthwise-conv branch (A2 steps 5 and 6): per-sample 3x3 depthwise kernels trained with the
 // same loss ('prod' gradient: 9 shifted products, loop dy then dx), normalised by
@@ -44,7 +45,7 @@ torch::Tensor vit3_ttt_swiglu_branch(const torch::Tensor& q, const torch::Tensor
 // q, k, v: (B, d, H, W); w3: (d, 1, 3, 3). Returns (B, d, H, W).
 torch::Tensor vit3_ttt_dwconv_branch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                      const torch::Tensor& w3, double scale = kVit3InnerScale,
-                                     Impl impl = Impl::Reference);
+                                     Impl impl = Impl::Auto);
 
 // The whole mixer before the output projection (A2 steps 1-6): qkv (B, N, 3C+3d) laid out as
 // [q1 | k1 | v1 | q2 | k2 | v2], N = H*W row-major tokens, d = C / num_heads.
@@ -52,7 +53,7 @@ torch::Tensor vit3_ttt_dwconv_branch(const torch::Tensor& q, const torch::Tensor
 // full C channels before the head split (apply_rope_2d). Returns cat([x1, x2], -1): (B, N, C+d).
 torch::Tensor vit3_ttt_mix(const torch::Tensor& qkv, const torch::Tensor& w1, const torch::Tensor& w2,
                            const torch::Tensor& w3, int64_t num_heads, int64_t height, int64_t width,
-                           const torch::Tensor& rope_rotations = {}, Impl impl = Impl::Reference);
+                           const torch::Tensor& rope_rotations = {}, Impl impl = Impl::Auto);
 
 // H-ViT³ RoPE table (A4): rotations (H, W, C/2, 2), angle of pair p = y*theta_p for p < C/4,
 // x*theta_{p-C/4} otherwise, theta_k = 1 / 10000^(k / (C/4)); computed in float32.

@@ -9,39 +9,15 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
-#include "../cpu/vit3_t5_fused.h"
+#include "ops/t5_ttt/checks.h"
+#include "ops/t5_ttt/reference.h"
 
 namespace linvis::ops {
 namespace {
 
-void require_reference(Impl impl, const char* op) {
-    LINVIS_CHECK(impl == Impl::Reference, op, ": impl '", impl_name(impl),
-                 "' is not available; expected 'reference'");
-}
-
-void check_shape(const char* op, const char* name, const torch::Tensor& t, std::vector<int64_t> expected) {
-    LINVIS_CHECK(t.defined(), op, ": tensor '", name, "' is undefined; expected shape ", shape_string(expected));
-    LINVIS_CHECK(t.sizes() == torch::IntArrayRef(expected), op, ": tensor '", name, "': expected shape ",
-                 shape_string(expected), ", got ", shape_string(t.sizes()));
-}
-
-struct TokenShape {
-    int64_t B, N, C, h, d;
-};
-
-TokenShape check_tokens(const char* op, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        int64_t num_heads, int64_t height, int64_t width) {
-    LINVIS_CHECK(q.defined() && q.dim() == 3, op, ": q: expected (B, N, C), got ",
-                 q.defined() ? shape_string(q.sizes()) : std::string("undefined"));
-    const int64_t B = q.size(0), N = q.size(1), C = q.size(2);
-    check_shape(op, "k", k, {B, N, C});
-    check_shape(op, "v", v, {B, N, C});
-    LINVIS_CHECK(num_heads >= 1 && C % num_heads == 0, op, ": channels ", C, " not divisible by num_heads ",
-                 num_heads);
-    LINVIS_CHECK(height >= 1 && width >= 1 && height * width == N, op, ": token grid ", height, "x", width,
-                 " does not hold N = ", N, " tokens");
-    return {B, N, C, num_heads, C / num_heads};
-}
+using t5_checks::check_shape;
+using t5_checks::check_tokens;
+using t5_checks::TokenShape;
 
 // (B, h, N, d) -> grid (B, C, H, W), +DWConv residual, -> back to (B, h, N, d), the official chain:
 // transpose(1,2).reshape(B,N,C) ; transpose(1,2).reshape(B,C,H,W) ; conv ;
@@ -170,55 +146,11 @@ torch::Tensor ttt_mlp(const torch::Tensor& q, const torch::Tensor& k, const torc
     return flops::matmul(torch::silu(flops::matmul(q, w1n)), w2n);
 }
 
-torch::Tensor t5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const T5TttParams& p, int64_t num_heads, int64_t height, int64_t width, Impl impl) {
-    const char* op = "t5_ttt_attention";
-    const TokenShape s = check_tokens(op, q, k, v, num_heads, height, width);
-    check_shape(op, "w1", p.w1, {1, s.h, s.d, s.d});
-    check_shape(op, "w2", p.w2, {1, s.h, s.d, s.d});
-    check_shape(op, "w3", p.w3, {1, s.h, s.d, s.d});
-    if (impl == Impl::Fused) {
-        for (const auto* w : {&p.q_conv_weight, &p.k_conv_weight}) check_shape(op, "conv weight", *w, {s.C, 1, 3, 3});
-        for (const auto* b : {&p.q_conv_bias, &p.k_conv_bias}) check_shape(op, "conv bias", *b, {s.C});
-        // float64 (and other dtypes) run the reference path.
-        if (fused_detail::fused_dtype_supported(q))
-            return fused_detail::t5_ttt_attention_fused(q, k, v, p, num_heads, height, width);
-    }
-    const double scale = std::pow(static_cast<double>(s.d), -0.5);  // head_dim ** -0.5
-
-    torch::Tensor qh = q.reshape({s.B, s.N, s.h, s.d}).transpose(1, 2);
-    torch::Tensor kh = key_instance_norm(k, 1.0).reshape({s.B, s.h, s.d, s.N}).transpose(2, 3);
-    torch::Tensor vh = v.reshape({s.B, s.N, s.h, s.d}).transpose(1, 2);
-    torch::Tensor q2 = conv_heads(qh, p.q_conv_weight, p.q_conv_bias, s, height, width);
-    torch::Tensor k2 = conv_heads(kh, p.k_conv_weight, p.k_conv_bias, s, height, width);
-    torch::Tensor x = ttt_swiglu(q2, k2, vh, p.w1, p.w2, p.w3, scale);
-    return x.transpose(1, 2).reshape({s.B, s.N, s.C});
-}
-
-torch::Tensor t5_ttt_attention_qkv(const torch::Tensor& qkv, const T5TttParams& p, int64_t num_heads,
-                                   int64_t height, int64_t width, Impl impl) {
-    LINVIS_CHECK(qkv.defined() && qkv.dim() == 3 && qkv.size(2) % 3 == 0,
-                 "t5_ttt_attention_qkv: qkv: expected (B, N, 3C), got ",
-                 qkv.defined() ? shape_string(qkv.sizes()) : std::string("undefined"));
-    std::vector<torch::Tensor> c = qkv.chunk(3, -1);
-    if (impl != Impl::Fused || !fused_detail::fused_dtype_supported(qkv))
-        return t5_ttt_attention(c[0], c[1], c[2], p, num_heads, height, width, impl);
-    // Same checks as t5_ttt_attention.
-    const char* op = "t5_ttt_attention_qkv";
-    const TokenShape s = check_tokens(op, c[0], c[1], c[2], num_heads, height, width);
-    check_shape(op, "w1", p.w1, {1, s.h, s.d, s.d});
-    check_shape(op, "w2", p.w2, {1, s.h, s.d, s.d});
-    check_shape(op, "w3", p.w3, {1, s.h, s.d, s.d});
-    for (const auto* w : {&p.q_conv_weight, &p.k_conv_weight}) check_shape(op, "conv weight", *w, {s.C, 1, 3, 3});
-    for (const auto* b : {&p.q_conv_bias, &p.k_conv_bias}) check_shape(op, "conv bias", *b, {s.C});
-    return fused_detail::t5_ttt_attention_qkv_fused(qkv, p, num_heads, height, width);
-}
-
 torch::Tensor dit5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                  const Dit5TttParams& p, int64_t num_heads, int64_t height, int64_t width,
                                  Impl impl) {
     const char* op = "dit5_ttt_attention";
-    require_reference(impl, op);
+    use_fused(impl, op, "this op has no fused kernel", false);
     const TokenShape s = check_tokens(op, q, k, v, num_heads, height, width);
     check_shape(op, "w1", p.w1, {1, s.h, s.d, s.d});
     check_shape(op, "w2", p.w2, {1, s.h, s.d, s.d});
@@ -236,5 +168,24 @@ torch::Tensor dit5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k,
     torch::Tensor x = ttt_mlp(q2, k2, vh, p.w1, p.w2, scale);
     return x.transpose(1, 2).reshape({s.B, s.N, s.C});
 }
+
+namespace reference {
+
+torch::Tensor t5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const T5TttParams& p, int64_t num_heads, int64_t height, int64_t width) {
+    const TokenShape s{q.size(0), q.size(1), q.size(2), num_heads, q.size(2) / num_heads};
+    const double scale = std::pow(static_cast<double>(s.d), -0.5);  // head_dim ** -0.5
+
+    torch::Tensor qh = q.reshape({s.B, s.N, s.h, s.d}).transpose(1, 2);
+    torch::Tensor kh = key_instance_norm(k, 1.0).reshape({s.B, s.h, s.d, s.N}).transpose(2, 3);
+    torch::Tensor vh = v.reshape({s.B, s.N, s.h, s.d}).transpose(1, 2);
+    torch::Tensor q2 = conv_heads(qh, p.q_conv_weight, p.q_conv_bias, s, height, width);
+    torch::Tensor k2 = conv_heads(kh, p.k_conv_weight, p.k_conv_bias, s, height, width);
+    torch::Tensor x = ttt_swiglu(q2, k2, vh, p.w1, p.w2, p.w3, scale);
+    return x.transpose(1, 2).reshape({s.B, s.N, s.C});
+}
+
+
+}  // namespace reference
 
 }  // namespace linvis::ops

@@ -2,7 +2,7 @@
 // state (W, b) in a small buffer; each mini-batch is a handful of <= 64x64 dense products done
 // by register-blocked micro-kernels (AVX-512 or portable, chosen at run time). The backward
 // recomputes states from sparse checkpoints. Derivation and memory formula: docs/perf_ttt_linear.md.
-#include "ops/cpu/ttt_linear_fused.h"
+#include "ops/ttt_linear/cpu.h"
 
 #include <immintrin.h>
 
@@ -16,7 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include "linvis/core/error.h"
-#include "linvis/core/runtime.h"
+#include "linvis/ops/impl.h"
 
 namespace linvis::ops::cpu {
 namespace {
@@ -66,7 +66,7 @@ struct ScalarVec {
 
 namespace portable {
 #define LINVIS_TTT_KATTR
-#include "ops/cpu/ttt_linear_fused_kernels.h"
+#include "ops/ttt_linear/cpu_kernels.h"
 #undef LINVIS_TTT_KATTR
 }  // namespace portable
 
@@ -134,22 +134,13 @@ LINVIS_TTT_KATTR inline Vec16f operator+(Vec16f a, Vec16f b) { return {_mm512_ad
 LINVIS_TTT_KATTR inline Vec16f operator-(Vec16f a, Vec16f b) { return {_mm512_sub_ps(a.x, b.x)}; }
 LINVIS_TTT_KATTR inline Vec16f operator*(Vec16f a, Vec16f b) { return {_mm512_mul_ps(a.x, b.x)}; }
 
-#include "ops/cpu/ttt_linear_fused_kernels.h"
+#include "ops/ttt_linear/cpu_kernels.h"
 #undef LINVIS_TTT_KATTR
 }  // namespace avx512
 #pragma GCC diagnostic pop
 
 namespace {
 
-bool env_force_scalar() {
-    const char* v = std::getenv("LINVIS_FORCE_SCALAR");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-}
-
-bool cpu_has_avx512() {
-    static const bool has = runtime::detect_simd() >= runtime::SimdLevel::Avx512;
-    return has;
-}
 
 void copy_strides(const torch::Tensor& t, int64_t* s) {
     for (int i = 0; i < 4; ++i) s[i] = t.stride(i);
@@ -358,7 +349,7 @@ public:
 
 }  // namespace
 
-bool ttt_linear_fused_uses_avx512() { return cpu_has_avx512() && !env_force_scalar(); }
+bool ttt_linear_fused_uses_avx512() { return fused_kernels_use_avx512(); }
 
 TttLinearResult ttt_linear_fused(const torch::Tensor& xq, const torch::Tensor& xk, const torch::Tensor& xv,
                                  const torch::Tensor& lr, const torch::Tensor& tau, const torch::Tensor& w0,

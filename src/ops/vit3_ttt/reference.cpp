@@ -7,7 +7,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
-#include "../cpu/vit3_t5_fused.h"
+#include "ops/vit3_ttt/reference.h"
 
 namespace linvis::ops {
 namespace {
@@ -211,60 +211,6 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const std::
 
 // ---------------------------------------------------------------- official op
 
-torch::Tensor vit3_ttt_swiglu_branch(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w1,
-                                     const Tensor& w2, double scale, Impl impl) {
-    LINVIS_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
-                 "vit3_ttt_swiglu_branch: q, k, v must share shape (B, h, N, d), got ", shape_string(q.sizes()),
-                 ", ", shape_string(k.sizes()), ", ", shape_string(v.sizes()));
-    const int64_t h = q.size(1), d = q.size(3);
-    for (const Tensor* w : {&w1, &w2})
-        LINVIS_CHECK(w->dim() == 4 && (w->size(0) == 1 || w->size(0) == q.size(0)) && w->size(1) == h &&
-                         w->size(2) == d && w->size(3) == d,
-                     "vit3_ttt_swiglu_branch: w1/w2: expected shape [1, ", h, ", ", d, ", ", d, "], got ",
-                     shape_string(w->sizes()));
-    if (impl == Impl::Fused && fused_detail::fused_dtype_supported(q))
-        return fused_detail::vit3_swiglu_branch_fused(q, k, v, w1, w2, scale);
-    const double n = static_cast<double>(k.size(2));
-    Tensor z1 = flops::matmul(k, w1);
-    Tensor z2 = flops::matmul(k, w2);
-    Tensor sig = torch::sigmoid(z2);
-    Tensor a = z2 * sig;
-    Tensor e = (-v / n) * scale;
-    Tensor kt = transpose_last(k);
-    Tensor g1 = flops::matmul(kt, e * a);
-    Tensor g2 = flops::matmul(kt, e * z1 * silu_grad_from(z2, sig));
-    g1 = normalize(g1, {-2});
-    g2 = normalize(g2, {-2});
-    Tensor w1_new = w1 - 1.0 * g1;
-    Tensor w2_new = w2 - 1.0 * g2;
-    return flops::matmul(q, w1_new) * torch::silu(flops::matmul(q, w2_new));
-}
-
-torch::Tensor vit3_ttt_dwconv_branch(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w3,
-                                     double scale, Impl impl) {
-    LINVIS_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
-                 "vit3_ttt_dwconv_branch: q, k, v must share shape (B, d, H, W), got ", shape_string(q.sizes()),
-                 ", ", shape_string(k.sizes()), ", ", shape_string(v.sizes()));
-    const int64_t B = q.size(0), d = q.size(1), H = q.size(2), W = q.size(3);
-    LINVIS_CHECK(w3.dim() == 4 && w3.size(0) == d && w3.size(1) == 1 && w3.size(2) == 3 && w3.size(3) == 3,
-                 "vit3_ttt_dwconv_branch: w3: expected shape [", d, ", 1, 3, 3], got ", shape_string(w3.sizes()));
-    if (impl == Impl::Fused && fused_detail::fused_dtype_supported(q))
-        return fused_detail::vit3_dwconv_branch_fused(q, k, v, w3, scale);
-    Tensor e = (-v / static_cast<double>(H * W)) * scale;
-    Tensor kpad = F::pad(k, F::PadFuncOptions({1, 1, 1, 1}));
-    std::vector<Tensor> dots;
-    dots.reserve(9);
-    for (int64_t dy = -1; dy <= 1; ++dy)
-        for (int64_t dx = -1; dx <= 1; ++dx)
-            dots.push_back((kpad.narrow(2, 1 + dy, H).narrow(3, 1 + dx, W) * e).sum({-2, -1}));
-    flops::add(B * d * 9 * H * W);
-    Tensor g = torch::stack(dots, -1).reshape({B * d, 1, 3, 3});
-    g = normalize(g, {-2, -1});
-    Tensor w3_new = w3.repeat({B, 1, 1, 1}) - 1.0 * g;
-    Tensor out = flops::conv2d(q.reshape({1, B * d, H, W}), w3_new, {}, {1, 1}, {1, 1}, {1, 1}, B * d);
-    return out.reshape({B, d, H, W});
-}
-
 torch::Tensor vit3_rope_rotations(int64_t height, int64_t width, int64_t channels, double base) {
     LINVIS_CHECK(channels % 4 == 0, "vit3_rope_rotations: channels must be a multiple of 4, got ", channels);
     const int64_t k_max = channels / 4;
@@ -290,38 +236,48 @@ torch::Tensor apply_rope_2d(const Tensor& x, const Tensor& rotations) {
     return out.to(x.scalar_type());
 }
 
-torch::Tensor vit3_ttt_mix(const Tensor& qkv, const Tensor& w1, const Tensor& w2, const Tensor& w3,
-                           int64_t num_heads, int64_t height, int64_t width, const Tensor& rope_rotations,
-                           Impl impl) {
-    LINVIS_CHECK(qkv.dim() == 3, "vit3_ttt_mix: qkv must be (B, N, 3C+3d), got ", shape_string(qkv.sizes()));
-    const int64_t B = qkv.size(0), N = qkv.size(1), h = num_heads;
-    LINVIS_CHECK(N == height * width, "vit3_ttt_mix: N = ", N, " but height*width = ", height * width);
-    LINVIS_CHECK(qkv.size(2) % (3 * (h + 1)) == 0, "vit3_ttt_mix: qkv width ", qkv.size(2),
-                 " is not 3C+3d for ", h, " heads");
-    const int64_t d = qkv.size(2) / (3 * (h + 1)), C = d * h;
-    if (impl == Impl::Fused && !rope_rotations.defined() && fused_detail::fused_dtype_supported(qkv)) {
-        LINVIS_CHECK(w1.dim() == 4 && w1.size(1) == h && w1.size(2) == d && w1.size(3) == d &&
-                         w2.sizes() == w1.sizes() && (w1.size(0) == 1 || w1.size(0) == B),
-                     "vit3_ttt_mix: w1/w2: expected shape [1, ", h, ", ", d, ", ", d, "], got ",
-                     shape_string(w1.sizes()), " and ", shape_string(w2.sizes()));
-        LINVIS_CHECK(w3.dim() == 4 && w3.size(0) == d && w3.size(1) == 1 && w3.size(2) == 3 && w3.size(3) == 3,
-                     "vit3_ttt_mix: w3: expected shape [", d, ", 1, 3, 3], got ", shape_string(w3.sizes()));
-        return fused_detail::vit3_ttt_mix_fused(qkv, w1, w2, w3, h, height, width);
-    }
-    auto parts = torch::split_with_sizes(qkv, {C, C, C, d, d, d}, -1);
-    Tensor q1 = parts[0], k1 = parts[1], v1 = parts[2];
-    if (rope_rotations.defined()) {
-        q1 = apply_rope_2d(q1.reshape({B, height, width, C}), rope_rotations).reshape({B, N, C});
-        k1 = apply_rope_2d(k1.reshape({B, height, width, C}), rope_rotations).reshape({B, N, C});
-    }
-    auto heads = [&](const Tensor& t) { return t.reshape({B, N, h, d}).transpose(1, 2); };
-    auto image = [&](const Tensor& t) { return t.reshape({B, height, width, d}).permute({0, 3, 1, 2}); };
-    Tensor x1 = vit3_ttt_swiglu_branch(heads(q1), heads(k1), heads(v1), w1, w2, kVit3InnerScale, impl);
-    Tensor x2 = vit3_ttt_dwconv_branch(image(parts[3]), image(parts[4]), image(parts[5]), w3, kVit3InnerScale, impl);
-    x1 = x1.transpose(1, 2).reshape({B, N, C});
-    x2 = x2.reshape({B, d, N}).transpose(1, 2);
-    return torch::cat({x1, x2}, -1);
+namespace reference {
+
+// The official SwiGLU and depthwise-conv inner steps on checked inputs.
+torch::Tensor vit3_ttt_swiglu_branch(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w1,
+                                     const Tensor& w2, double scale) {
+    const double n = static_cast<double>(k.size(2));
+    Tensor z1 = flops::matmul(k, w1);
+    Tensor z2 = flops::matmul(k, w2);
+    Tensor sig = torch::sigmoid(z2);
+    Tensor a = z2 * sig;
+    Tensor e = (-v / n) * scale;
+    Tensor kt = transpose_last(k);
+    Tensor g1 = flops::matmul(kt, e * a);
+    Tensor g2 = flops::matmul(kt, e * z1 * silu_grad_from(z2, sig));
+    g1 = normalize(g1, {-2});
+    g2 = normalize(g2, {-2});
+    Tensor w1_new = w1 - 1.0 * g1;
+    Tensor w2_new = w2 - 1.0 * g2;
+    return flops::matmul(q, w1_new) * torch::silu(flops::matmul(q, w2_new));
 }
+
+
+torch::Tensor vit3_ttt_dwconv_branch(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w3,
+                                     double scale) {
+    const int64_t B = q.size(0), d = q.size(1), H = q.size(2), W = q.size(3);
+    Tensor e = (-v / static_cast<double>(H * W)) * scale;
+    Tensor kpad = F::pad(k, F::PadFuncOptions({1, 1, 1, 1}));
+    std::vector<Tensor> dots;
+    dots.reserve(9);
+    for (int64_t dy = -1; dy <= 1; ++dy)
+        for (int64_t dx = -1; dx <= 1; ++dx)
+            dots.push_back((kpad.narrow(2, 1 + dy, H).narrow(3, 1 + dx, W) * e).sum({-2, -1}));
+    flops::add(B * d * 9 * H * W);
+    Tensor g = torch::stack(dots, -1).reshape({B * d, 1, 3, 3});
+    g = normalize(g, {-2, -1});
+    Tensor w3_new = w3.repeat({B, 1, 1, 1}) - 1.0 * g;
+    Tensor out = flops::conv2d(q.reshape({1, B * d, H, W}), w3_new, {}, {1, 1}, {1, 1}, {1, 1}, B * d);
+    return out.reshape({B, d, H, W});
+}
+
+
+}  // namespace reference
 
 // ---------------------------------------------------------------- design space
 

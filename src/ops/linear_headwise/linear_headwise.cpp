@@ -1,9 +1,13 @@
-// Reference head-wise linear (the official einsum) and the dispatch to the fused CPU kernel.
+// linvis::ops::linear_headwise: input checks, FLOP count and the choice between the reference and
+// the fused CPU kernel (include/linvis/ops/linear_headwise.h).
 #include "linvis/ops/linear_headwise.h"
+
+#include <string>
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
-#include "../cpu/linear_headwise_fused.h"
+#include "ops/linear_headwise/cpu.h"
+#include "ops/linear_headwise/reference.h"
 
 namespace linvis::ops {
 
@@ -17,15 +21,14 @@ torch::Tensor linear_headwise(const torch::Tensor& x, const torch::Tensor& weigh
     LINVIS_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == heads * out),
                  "linear_headwise: bias: expected shape [", heads * out, "], got ", shape_string(bias.sizes()));
     flops::add(x.numel() * out);  // N H O I multiply-adds with N H I = numel
-    if (impl == Impl::Fused) return cpu::linear_headwise_fused(x, weight, bias);
-
-    std::vector<int64_t> split(x.sizes().begin(), x.sizes().end() - 1);
-    std::vector<int64_t> merged = split;
-    split.push_back(heads);
-    split.push_back(in);
-    merged.push_back(heads * out);
-    torch::Tensor y = torch::einsum("...hd,hod->...ho", {x.reshape(split), weight}).reshape(merged);
-    return bias.defined() ? y + bias : y;
+    const std::string unsupported =
+        !x.device().is_cpu() || !weight.device().is_cpu() ? "CPU tensors only, got " + x.device().str()
+        : !x.is_floating_point() || !weight.is_floating_point() ? std::string("floating-point tensors only")
+                                                                : std::string();
+    // The kernel has no ISA-specific code; it beats the einsum wherever it was measured (docs/ops.md).
+    if (use_fused(impl, "linear_headwise", unsupported, /*fused_is_faster=*/true))
+        return cpu::linear_headwise_fused(x, weight, bias);
+    return reference::linear_headwise(x, weight, bias);
 }
 
 }  // namespace linvis::ops

@@ -1,8 +1,8 @@
 // Fused CPU chunkwise mLSTM: forward and backward per (batch, head), chunk by chunk, with the
 // chunk-local products done by small register-blocked GEMMs. Math: spec vil_official.md 4.3 with the
-// stabiliser start m = -inf of the reference (src/ops/reference/mlstm.cpp), so the result equals the
+// stabiliser start m = -inf of the reference (src/ops/mlstm/reference.cpp), so the result equals the
 // parallel form to rounding. Derivation of the backward and the memory formula: docs/perf_mlstm.md.
-#include "mlstm_fused.h"
+#include "ops/mlstm/cpu.h"
 
 #include <algorithm>
 #include <chrono>
@@ -18,7 +18,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
-#include "linvis/core/runtime.h"
+#include "linvis/ops/impl.h"
 
 namespace linvis::ops::cpu {
 namespace {
@@ -143,19 +143,6 @@ struct Gemm {
         gemm_scalar(M, N, K, A, ars, acs, B, ldb, C, ldc, accumulate);
     }
 };
-
-bool cpu_has_avx512() {
-    static const bool has = [] {
-        const auto level = runtime::detect_simd();
-        return level == runtime::SimdLevel::Avx512 || level == runtime::SimdLevel::Avx512Bf16;
-    }();
-    return has;
-}
-
-bool force_scalar() {
-    const char* env = std::getenv("LINVIS_FORCE_SCALAR");
-    return env != nullptr && env[0] != '\0' && std::strcmp(env, "0") != 0;
-}
 
 template <typename T>
 void transpose(const T* src, int64_t rows, int64_t cols, int64_t lds, T* dst, int64_t ldd) {
@@ -560,7 +547,7 @@ Head<T> make_head(const Prepared& in, int64_t bh, int64_t L, double eps, bool si
     return P;
 }
 
-bool simd_enabled() { return cpu_has_avx512() && !force_scalar(); }
+bool simd_enabled() { return fused_kernels_use_avx512(); }
 
 // Forward multiply-adds of the chunk products (intra S L (DH + DV), read-out and state update
 // 2 S DH DV), counted like the reference counts its forward products (backward is not counted).

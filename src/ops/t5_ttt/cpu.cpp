@@ -14,8 +14,8 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
-#include "ttt_fused_kernels.h"
-#include "vit3_t5_fused.h"
+#include "ops/ttt_swiglu_cpu/kernels.h"
+#include "ops/ttt_swiglu_cpu/entry_points.h"
 
 namespace linvis::ops::fused_detail {
 namespace {

@@ -11,11 +11,6 @@
 namespace linvis::ops {
 namespace {
 
-void require_reference(Impl impl, const char* op) {
-    LINVIS_CHECK(impl == Impl::Reference, op, ": impl '", impl_name(impl),
-                 "' is not available; expected 'reference'");
-}
-
 void check_kernel(const char* op, int64_t kernel_size) {
     LINVIS_CHECK(kernel_size >= 1 && kernel_size % 2 == 1, op, ": kernel_size must be odd and >= 1, got ",
                  kernel_size);
@@ -89,7 +84,7 @@ torch::Tensor na2d_av(const torch::Tensor& attn, const torch::Tensor& v, int64_t
 
 torch::Tensor neighborhood_attention_2d(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                         int64_t kernel_size, double scale, Impl impl) {
-    require_reference(impl, "neighborhood_attention_2d");
+    use_fused(impl, "neighborhood_attention_2d", "this op has no fused kernel", false);
     check_grid_tensor("neighborhood_attention_2d", "q", q);
     LINVIS_CHECK(v.dim() == 5 && v.sizes().slice(0, 4) == q.sizes().slice(0, 4),
                  "neighborhood_attention_2d: v: expected (B, h, H, W, dv) matching q ", shape_string(q.sizes()),
@@ -102,7 +97,7 @@ torch::Tensor neighborhood_attention_2d(const torch::Tensor& q, const torch::Ten
 torch::Tensor dit5_mixed_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                    const Dit5TttParams& params, int64_t num_heads, int64_t height, int64_t width,
                                    int64_t kernel_size, Impl impl) {
-    require_reference(impl, "dit5_mixed_attention");
+    use_fused(impl, "dit5_mixed_attention", "this op has no fused kernel", false);
     torch::Tensor x_ttt = dit5_ttt_attention(q, k, v, params, num_heads, height, width, impl);
     const int64_t B = q.size(0), C = q.size(2), d = C / num_heads;
     auto to_grid = [&](const torch::Tensor& t) {

@@ -6,7 +6,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
-#include "ops/cpu/ttt_linear_fused.h"
+#include "ops/ttt_linear/reference.h"
 
 namespace linvis::ops {
 namespace {
@@ -114,10 +114,6 @@ MiniBatchOut mini_batch_step(const torch::Tensor& q, const torch::Tensor& k, con
     return out;
 }
 
-void check_same_dtype(const torch::Tensor& t, const char* name, const torch::Tensor& ref) {
-    LINVIS_CHECK(t.scalar_type() == ref.scalar_type(), "ttt_linear: ", name, ": expected dtype ",
-                 ref.scalar_type(), " (as xq), got ", t.scalar_type());
-}
 
 }  // namespace
 
@@ -191,71 +187,15 @@ torch::Tensor ttt_rope(const torch::Tensor& x, int64_t period, double theta) {
     return torch::stack({r0, r1}, -1).reshape(x.sizes());
 }
 
-TttLinearResult ttt_linear(const torch::Tensor& xq_in, const torch::Tensor& xk_in, const torch::Tensor& xv,
-                           const torch::Tensor& lr, const torch::Tensor& learnable_token_idx,
-                           const torch::Tensor& w0, const torch::Tensor& b0, const torch::Tensor& ln_weight,
-                           const torch::Tensor& ln_bias, const TttLinearOptions& opt) {
-    LINVIS_CHECK(xq_in.dim() == 4, "ttt_linear: xq: expected (B, nh, T, d), got ", shape_string(xq_in.sizes()));
-    const int64_t B = xq_in.size(0), nh = xq_in.size(1), T = xq_in.size(2), d = xq_in.size(3);
-    LINVIS_CHECK(xk_in.sizes() == xq_in.sizes(), "ttt_linear: xk: expected shape ", shape_string(xq_in.sizes()),
-                 ", got ", shape_string(xk_in.sizes()));
-    LINVIS_CHECK(xv.sizes() == xq_in.sizes(), "ttt_linear: xv: expected shape ", shape_string(xq_in.sizes()),
-                 ", got ", shape_string(xv.sizes()));
-    LINVIS_CHECK(T >= 1 && d >= 1, "ttt_linear: xq: needs T >= 1 and d >= 1, got ", shape_string(xq_in.sizes()));
-    LINVIS_CHECK(lr.dim() == 3 && lr.size(0) == B && lr.size(1) == nh && lr.size(2) == T,
-                 "ttt_linear: lr: expected shape [", B, ", ", nh, ", ", T, "], got ", shape_string(lr.sizes()));
-    LINVIS_CHECK(opt.mini_batch_size >= 1, "ttt_linear: mini_batch_size must be >= 1, got ", opt.mini_batch_size);
+namespace reference {
+
+TttLinearResult ttt_linear_scan(const torch::Tensor& xq, const torch::Tensor& xk, const torch::Tensor& xv,
+                                const torch::Tensor& lr, const torch::Tensor& learnable_token_idx,
+                                const torch::Tensor& w0, const torch::Tensor& b0, const torch::Tensor& ln_weight,
+                                const torch::Tensor& ln_bias, const TttLinearOptions& opt) {
+    const int64_t B = xq.size(0), nh = xq.size(1), T = xq.size(2), d = xq.size(3);
     const bool ln_model = opt.inner_model == TttInnerModel::ResidualLayerNorm;
     const bool w0_batched = w0.dim() == 4;
-    LINVIS_CHECK((w0.dim() == 3 && w0.size(0) == nh && w0.size(1) == d && w0.size(2) == d) ||
-                     (w0_batched && w0.size(0) == B && w0.size(1) == nh && w0.size(2) == d && w0.size(3) == d),
-                 "ttt_linear: w0: expected [", nh, ", ", d, ", ", d, "] or [", B, ", ", nh, ", ", d, ", ", d,
-                 "], got ", shape_string(w0.sizes()));
-    check_same_dtype(xk_in, "xk", xq_in);
-    check_same_dtype(xv, "xv", xq_in);
-    check_same_dtype(lr, "lr", xq_in);
-    check_same_dtype(w0, "w0", xq_in);
-    if (ln_model) {
-        LINVIS_CHECK(b0.defined() && ((b0.dim() == 3 && b0.size(0) == nh && b0.size(1) == 1 && b0.size(2) == d) ||
-                                      (b0.dim() == 4 && b0.size(0) == B && b0.size(1) == nh && b0.size(2) == 1 &&
-                                       b0.size(3) == d)),
-                     "ttt_linear: b0: expected [", nh, ", 1, ", d, "] or [", B, ", ", nh, ", 1, ", d, "], got ",
-                     b0.defined() ? shape_string(b0.sizes()) : std::string("undefined"));
-        for (const auto* p : {&ln_weight, &ln_bias}) {
-            LINVIS_CHECK(p->defined() && p->dim() == 2 && p->size(0) == nh && p->size(1) == d, "ttt_linear: ",
-                         p == &ln_weight ? "ln_weight" : "ln_bias", ": expected [", nh, ", ", d, "], got ",
-                         p->defined() ? shape_string(p->sizes()) : std::string("undefined"));
-            check_same_dtype(*p, p == &ln_weight ? "ln_weight" : "ln_bias", xq_in);
-        }
-        check_same_dtype(b0, "b0", xq_in);
-    }
-    if (opt.use_token_coefficient) {
-        LINVIS_CHECK(learnable_token_idx.defined() && learnable_token_idx.dim() == 1 &&
-                         learnable_token_idx.size(0) == opt.mini_batch_size,
-                     "ttt_linear: learnable_token_idx: expected [", opt.mini_batch_size, "], got ",
-                     learnable_token_idx.defined() ? shape_string(learnable_token_idx.sizes())
-                                                   : std::string("undefined"));
-        check_same_dtype(learnable_token_idx, "learnable_token_idx", xq_in);
-    }
-
-    torch::Tensor xq = opt.use_rope ? ttt_rope(xq_in, opt.mini_batch_size, opt.rope_theta) : xq_in;
-    torch::Tensor xk = opt.use_rope ? ttt_rope(xk_in, opt.mini_batch_size, opt.rope_theta) : xk_in;
-
-    if (opt.impl == Impl::Fused && ln_model && xq.device().is_cpu()) {
-        torch::Tensor tau = opt.use_token_coefficient ? ttt_token_coefficient(learnable_token_idx, opt.mini_batch_size)
-                                                      : torch::ones({opt.mini_batch_size}, xq.options());
-        if (flops::counting()) {
-            // Same products as the reference (see mini_batch_step).
-            int64_t macs = 0;
-            for (int64_t start = 0; start < T; start += opt.mini_batch_size) {
-                const int64_t M = std::min(opt.mini_batch_size, T - start);
-                macs += 3 * M * d * d + (opt.causal ? 2 * M * M * d : 0);
-            }
-            flops::add(B * nh * macs);
-        }
-        return cpu::ttt_linear_fused(xq, xk, xv, lr, tau, w0, b0, ln_weight, ln_bias, opt);
-    }
-
     InnerState state;
     state.W = w0_batched ? w0 : w0.unsqueeze(0).expand({B, nh, d, d});
     if (ln_model) state.b = b0.dim() == 4 ? b0 : b0.unsqueeze(0).expand({B, nh, 1, d});
@@ -281,5 +221,8 @@ TttLinearResult ttt_linear(const torch::Tensor& xq_in, const torch::Tensor& xk_i
     if (opt.return_grad_norms) result.grad_norms = norms.size() == 1 ? norms[0] : torch::cat(norms, 2);
     return result;
 }
+
+
+}  // namespace reference
 
 }  // namespace linvis::ops

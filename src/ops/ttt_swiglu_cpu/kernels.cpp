@@ -1,5 +1,5 @@
-// Fused ViT³ / T⁵ building blocks; see ttt_fused_kernels.h.
-#include "ttt_fused_kernels.h"
+// Fused ViT³ / T⁵ building blocks; see kernels.h.
+#include "ops/ttt_swiglu_cpu/kernels.h"
 
 #include <immintrin.h>
 
@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "linvis/core/runtime.h"
+#include "linvis/ops/impl.h"
 
 #define LINVIS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 #define LINVIS_INLINE inline __attribute__((always_inline))
@@ -193,23 +193,12 @@ LINVIS_AVX512 void stencil_reduce_avx512(const Image& a, const Image& b, float* 
     stencil_reduce_body(a, b, acc, y0, y1);
 }
 
-bool force_scalar() {
-    const char* env = std::getenv("LINVIS_FORCE_SCALAR");
-    return env != nullptr && env[0] != '\0' && std::strcmp(env, "0") != 0;
-}
-
-bool cpu_has_avx512() {
-    static const bool has = linvis::runtime::detect_simd() == linvis::runtime::SimdLevel::Avx512 ||
-                            linvis::runtime::detect_simd() == linvis::runtime::SimdLevel::Avx512Bf16;
-    return has;
-}
-
 }  // namespace
 
 const Kernels& kernels() {
     static const Kernels portable{false, gemm_scalar, sigmoid_scalar};
     static const Kernels avx512{true, gemm_avx512, sigmoid_avx512};
-    return (!force_scalar() && cpu_has_avx512()) ? avx512 : portable;
+    return fused_kernels_use_avx512() ? avx512 : portable;
 }
 
 void stencil_apply(const Image& src, const float* taps, bool transpose, const MutImage& dst, int64_t y0, int64_t y1,

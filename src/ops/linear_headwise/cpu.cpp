@@ -1,7 +1,7 @@
 // Fused CPU head-wise linear: one pass over the rows for the forward and for the input gradient,
 // and a pass per group of heads for the weight and bias gradients. No layout copies (x is read in
 // its (N, H, I) layout) and no batched GEMM of tiny blocks; see linvis/ops/linear_headwise.h.
-#include "linear_headwise_fused.h"
+#include "ops/linear_headwise/cpu.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

@@ -4,14 +4,16 @@
 // results cast back); other dtypes are handled by the caller (reference path).
 #pragma once
 
+#include <string>
+
 #include <torch/torch.h>
 
 #include "linvis/ops/t5_ttt.h"
 
 namespace linvis::ops::fused_detail {
 
-// True when the fused kernels handle this dtype (float32, bfloat16).
-bool fused_dtype_supported(const torch::Tensor& t);
+// Empty when the fused kernels take this tensor (a CPU float32 or bfloat16 tensor), else why not.
+std::string fused_unsupported(const torch::Tensor& t);
 
 torch::Tensor vit3_swiglu_branch_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                        const torch::Tensor& w1, const torch::Tensor& w2, double scale);

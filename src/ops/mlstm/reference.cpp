@@ -7,7 +7,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
-#include "../cpu/mlstm_fused.h"
+#include "ops/mlstm/reference.h"
 
 namespace linvis::ops {
 namespace {
@@ -157,15 +157,16 @@ torch::Tensor mlstm_recurrent(const torch::Tensor& q, const torch::Tensor& k, co
     return torch::stack(outputs, 2);
 }
 
+namespace reference {
+
 torch::Tensor mlstm_chunkwise(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const torch::Tensor& igate_preact, const torch::Tensor& fgate_preact,
-                              int64_t chunk_size, double eps, Impl impl) {
-    if (impl == Impl::Fused) return cpu::mlstm_chunkwise_fused(q, k, v, igate_preact, fgate_preact, chunk_size, eps);
+                              int64_t chunk_size, double eps) {
     check_qkv(q, k, v);
     if (is_reduced(q)) {
         // bf16/fp16: computed in float32 (states and gates as in mlstm_kernels), output in the input dtype.
         auto f32 = [](const torch::Tensor& t) { return t.to(torch::kFloat32); };
-        return mlstm_chunkwise(f32(q), f32(k), f32(v), f32(igate_preact), f32(fgate_preact), chunk_size, eps)
+        return reference::mlstm_chunkwise(f32(q), f32(k), f32(v), f32(igate_preact), f32(fgate_preact), chunk_size, eps)
             .to(q.scalar_type());
     }
     LINVIS_CHECK(chunk_size > 0, "mlstm_chunkwise: chunk_size: expected > 0, got ", chunk_size);
@@ -240,18 +241,6 @@ torch::Tensor mlstm_chunkwise(const torch::Tensor& q, const torch::Tensor& k, co
     return pad > 0 ? h.slice(2, 0, S) : h;
 }
 
-torch::Tensor mlstm(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                    const torch::Tensor& igate_preact, const torch::Tensor& fgate_preact, MlstmMode mode,
-                    int64_t chunk_size, double eps, Impl impl) {
-    LINVIS_CHECK(impl == Impl::Reference || mode == MlstmMode::Chunkwise, "mlstm: impl 'fused' exists for mode ",
-                 "'chunkwise' only, got mode '", mlstm_mode_name(mode), "'");
-    switch (mode) {
-        case MlstmMode::Parallel: return mlstm_parallel(q, k, v, igate_preact, fgate_preact, eps);
-        case MlstmMode::Chunkwise:
-            return mlstm_chunkwise(q, k, v, igate_preact, fgate_preact, chunk_size, eps, impl);
-        case MlstmMode::Recurrent: return mlstm_recurrent(q, k, v, igate_preact, fgate_preact, eps);
-    }
-    fail("mlstm: unknown mode");
-}
+}  // namespace reference
 
 }  // namespace linvis::ops

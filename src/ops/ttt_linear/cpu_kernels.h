@@ -1,5 +1,5 @@
 // Body of the fused TTT-Linear scan (docs/perf_ttt_linear.md). Deliberately without an include
-// guard: ttt_linear_fused.cpp includes it twice, once in namespace avx512 with
+// guard: cpu.cpp includes it twice, once in namespace avx512 with
 // LINVIS_TTT_KATTR = __attribute__((target("avx512f,..."))) and a 16-lane float vector type, once
 // in namespace portable with LINVIS_TTT_KATTR empty and a 1-lane vector (float or double). Every
 // function is a template on the vector type V (V::T is the compute type, V::W its lane count),

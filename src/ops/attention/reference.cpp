@@ -10,11 +10,6 @@
 namespace linvis::ops {
 namespace {
 
-void require_reference(Impl impl, const char* op) {
-    LINVIS_CHECK(impl == Impl::Reference, op, ": impl '", impl_name(impl),
-                 "' is not available; expected 'reference'");
-}
-
 void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
     LINVIS_CHECK(q.defined() && k.defined() && v.defined(), op, ": q, k and v must be defined");
     LINVIS_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": expected q, k, v of rank 4 (B, h, N, d), got ",
@@ -40,7 +35,7 @@ torch::Tensor exclusive_cumsum_dim2(const torch::Tensor& x) {
 
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 double scale, const torch::Tensor& allowed, Impl impl) {
-    require_reference(impl, "softmax_attention");
+    use_fused(impl, "softmax_attention", "this op has no fused kernel", false);
     check_qkv("softmax_attention", q, k, v);
     // bf16 / f16: scores, softmax and the weighted sum in float32, one rounding at the end.
     const auto acc = precision::accumulation_dtype(q);
@@ -71,7 +66,7 @@ torch::Tensor apply_feature_map(const torch::Tensor& x, FeatureMap map) {
 
 torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const LinearAttentionOptions& options, Impl impl) {
-    require_reference(impl, "linear_attention");
+    use_fused(impl, "linear_attention", "this op has no fused kernel", false);
     check_qkv("linear_attention", q, k, v);
     LINVIS_CHECK(options.eps >= 0, "linear_attention: eps must be >= 0, got ", options.eps);
     const torch::Tensor phi_q = apply_feature_map(q, options.feature_map);

@@ -20,8 +20,8 @@
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/ops/vit3_ttt.h"
-#include "ttt_fused_kernels.h"
-#include "vit3_t5_fused.h"
+#include "ops/ttt_swiglu_cpu/kernels.h"
+#include "ops/ttt_swiglu_cpu/entry_points.h"
 
 namespace linvis::ops::fused_detail {
 
@@ -29,8 +29,11 @@ using torch::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-bool fused_dtype_supported(const Tensor& t) {
-    return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16;
+std::string fused_unsupported(const Tensor& t) {
+    if (!t.device().is_cpu()) return "CPU tensors only, got " + t.device().str();
+    if (t.scalar_type() != torch::kFloat32 && t.scalar_type() != torch::kBFloat16)
+        return std::string("float32 or bfloat16 only, got ") + c10::toString(t.scalar_type());
+    return {};
 }
 
 namespace {

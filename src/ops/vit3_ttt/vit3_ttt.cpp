@@ -1,0 +1,80 @@
+// linvis::ops::vit3_ttt_* (official op): input checks and the choice between the reference and the
+// fused CPU kernels (include/linvis/ops/vit3_ttt.h). RoPE has no fused form, so a mix with RoPE runs
+// the two branches separately, each of which may still be fused.
+#include "linvis/ops/vit3_ttt.h"
+
+#include <string>
+
+#include "linvis/core/error.h"
+#include "ops/ttt_swiglu_cpu/entry_points.h"
+#include "ops/vit3_ttt/reference.h"
+
+namespace linvis::ops {
+
+using torch::Tensor;
+
+torch::Tensor vit3_ttt_swiglu_branch(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w1,
+                                     const Tensor& w2, double scale, Impl impl) {
+    LINVIS_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
+                 "vit3_ttt_swiglu_branch: q, k, v must share shape (B, h, N, d), got ", shape_string(q.sizes()),
+                 ", ", shape_string(k.sizes()), ", ", shape_string(v.sizes()));
+    const int64_t h = q.size(1), d = q.size(3);
+    for (const Tensor* w : {&w1, &w2})
+        LINVIS_CHECK(w->dim() == 4 && (w->size(0) == 1 || w->size(0) == q.size(0)) && w->size(1) == h &&
+                         w->size(2) == d && w->size(3) == d,
+                     "vit3_ttt_swiglu_branch: w1/w2: expected shape [1, ", h, ", ", d, ", ", d, "], got ",
+                     shape_string(w->sizes()));
+    if (use_fused(impl, "vit3_ttt_swiglu_branch", fused_detail::fused_unsupported(q), fused_kernels_use_avx512()))
+        return fused_detail::vit3_swiglu_branch_fused(q, k, v, w1, w2, scale);
+    return reference::vit3_ttt_swiglu_branch(q, k, v, w1, w2, scale);
+}
+
+torch::Tensor vit3_ttt_dwconv_branch(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w3,
+                                     double scale, Impl impl) {
+    LINVIS_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
+                 "vit3_ttt_dwconv_branch: q, k, v must share shape (B, d, H, W), got ", shape_string(q.sizes()),
+                 ", ", shape_string(k.sizes()), ", ", shape_string(v.sizes()));
+    const int64_t d = q.size(1);
+    LINVIS_CHECK(w3.dim() == 4 && w3.size(0) == d && w3.size(1) == 1 && w3.size(2) == 3 && w3.size(3) == 3,
+                 "vit3_ttt_dwconv_branch: w3: expected shape [", d, ", 1, 3, 3], got ", shape_string(w3.sizes()));
+    if (use_fused(impl, "vit3_ttt_dwconv_branch", fused_detail::fused_unsupported(q), fused_kernels_use_avx512()))
+        return fused_detail::vit3_dwconv_branch_fused(q, k, v, w3, scale);
+    return reference::vit3_ttt_dwconv_branch(q, k, v, w3, scale);
+}
+
+torch::Tensor vit3_ttt_mix(const Tensor& qkv, const Tensor& w1, const Tensor& w2, const Tensor& w3,
+                           int64_t num_heads, int64_t height, int64_t width, const Tensor& rope_rotations,
+                           Impl impl) {
+    LINVIS_CHECK(qkv.dim() == 3, "vit3_ttt_mix: qkv must be (B, N, 3C+3d), got ", shape_string(qkv.sizes()));
+    const int64_t B = qkv.size(0), N = qkv.size(1), h = num_heads;
+    LINVIS_CHECK(N == height * width, "vit3_ttt_mix: N = ", N, " but height*width = ", height * width);
+    LINVIS_CHECK(qkv.size(2) % (3 * (h + 1)) == 0, "vit3_ttt_mix: qkv width ", qkv.size(2),
+                 " is not 3C+3d for ", h, " heads");
+    const int64_t d = qkv.size(2) / (3 * (h + 1)), C = d * h;
+    const std::string unsupported = rope_rotations.defined() ? std::string("RoPE (the fused kernel has no rotation)")
+                                                             : fused_detail::fused_unsupported(qkv);
+    if (use_fused(impl, "vit3_ttt_mix", unsupported, fused_kernels_use_avx512())) {
+        LINVIS_CHECK(w1.dim() == 4 && w1.size(1) == h && w1.size(2) == d && w1.size(3) == d &&
+                         w2.sizes() == w1.sizes() && (w1.size(0) == 1 || w1.size(0) == B),
+                     "vit3_ttt_mix: w1/w2: expected shape [1, ", h, ", ", d, ", ", d, "], got ",
+                     shape_string(w1.sizes()), " and ", shape_string(w2.sizes()));
+        LINVIS_CHECK(w3.dim() == 4 && w3.size(0) == d && w3.size(1) == 1 && w3.size(2) == 3 && w3.size(3) == 3,
+                     "vit3_ttt_mix: w3: expected shape [", d, ", 1, 3, 3], got ", shape_string(w3.sizes()));
+        return fused_detail::vit3_ttt_mix_fused(qkv, w1, w2, w3, h, height, width);
+    }
+    auto parts = torch::split_with_sizes(qkv, {C, C, C, d, d, d}, -1);
+    Tensor q1 = parts[0], k1 = parts[1], v1 = parts[2];
+    if (rope_rotations.defined()) {
+        q1 = apply_rope_2d(q1.reshape({B, height, width, C}), rope_rotations).reshape({B, N, C});
+        k1 = apply_rope_2d(k1.reshape({B, height, width, C}), rope_rotations).reshape({B, N, C});
+    }
+    auto heads = [&](const Tensor& t) { return t.reshape({B, N, h, d}).transpose(1, 2); };
+    auto image = [&](const Tensor& t) { return t.reshape({B, height, width, d}).permute({0, 3, 1, 2}); };
+    Tensor x1 = vit3_ttt_swiglu_branch(heads(q1), heads(k1), heads(v1), w1, w2, kVit3InnerScale, impl);
+    Tensor x2 = vit3_ttt_dwconv_branch(image(parts[3]), image(parts[4]), image(parts[5]), w3, kVit3InnerScale, impl);
+    x1 = x1.transpose(1, 2).reshape({B, N, C});
+    x2 = x2.reshape({B, d, N}).transpose(1, 2);
+    return torch::cat({x1, x2}, -1);
+}
+
+}  // namespace linvis::ops
