@@ -273,11 +273,21 @@ TEST(TttLinearFused, FallbacksAndErrors) {
     TttInputs in = make_inputs(1, 2, 13, 8, 4, 9).to(torch::kFloat64, false);
     TttLinearOptions ro = options(4, true, Impl::Reference);
     ro.inner_model = TttInnerModel::Linear;
+    // The linear inner model has no fused kernel: Auto runs the reference, Fused is an error naming it.
+    TttLinearOptions ao = ro;
+    ao.impl = Impl::Auto;
+    auto a = linvis::ops::ttt_linear(in.q, in.k, in.v, 0.1 * in.lr, in.lti, in.w0, {}, {}, {}, ro);
+    auto b = linvis::ops::ttt_linear(in.q, in.k, in.v, 0.1 * in.lr, in.lti, in.w0, {}, {}, {}, ao);
+    EXPECT_TRUE(torch::equal(a.output, b.output));
     TttLinearOptions fo = ro;
     fo.impl = Impl::Fused;
-    auto a = linvis::ops::ttt_linear(in.q, in.k, in.v, 0.1 * in.lr, in.lti, in.w0, {}, {}, {}, ro);
-    auto b = linvis::ops::ttt_linear(in.q, in.k, in.v, 0.1 * in.lr, in.lti, in.w0, {}, {}, {}, fo);
-    EXPECT_TRUE(torch::equal(a.output, b.output));
+    try {
+        linvis::ops::ttt_linear(in.q, in.k, in.v, 0.1 * in.lr, in.lti, in.w0, {}, {}, {}, fo);
+        ADD_FAILURE() << "impl fused accepted the linear inner model";
+    } catch (const linvis::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("ttt_linear: impl 'fused' cannot take this input: inner model 'linear'"),
+                  std::string::npos) << e.what();
+    }
     TttLinearOptions bad = options(4, true, Impl::Fused, 0);
     EXPECT_THROW(linvis::ops::ttt_linear(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, bad),
                  linvis::Error);

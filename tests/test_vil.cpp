@@ -418,7 +418,7 @@ TEST(Vil, FlopsAt224) {
         const int64_t I = 2 * D;
         const int64_t per_block = 4 * S * D * D + 9 * S * I + 12 * S * I + 24 * S * I + 2 * S * S * I + S * I * D;
         const int64_t expected = 24 * per_block + S * 3 * 256 * D + 2 * D * 1000;
-        auto model = create_model(name);
+        auto model = create_model(name, ModelConfig().set("mlstm_mode", "parallel"));
         model->eval();
         torch::NoGradGuard no_grad;
         linvis::flops::Counter counter;

@@ -212,11 +212,19 @@ TEST(Vit3TttFused, MixBFloat16WithGradients) {
     }
 }
 
-TEST(Vit3TttFused, Float64FallsBackToReference) {
+// float64 has no fused kernel: Auto runs the reference, Fused is an error naming the dtype.
+TEST(Vit3TttFused, Float64AutoRunsReferenceFusedRefuses) {
     torch::manual_seed(7);
     auto x = swiglu_inputs(1, 2, 40, 8, false, torch::kFloat64);
     torch::NoGradGuard no_grad;
-    EXPECT_TRUE(torch::equal(swiglu(x, Impl::Fused), swiglu(x, Impl::Reference)));
+    EXPECT_TRUE(torch::equal(swiglu(x, Impl::Auto), swiglu(x, Impl::Reference)));
+    try {
+        swiglu(x, Impl::Fused);
+        ADD_FAILURE() << "impl fused accepted float64";
+    } catch (const linvis::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("cannot take this input: float32 or bfloat16 only, got Double"),
+                  std::string::npos) << e.what();
+    }
 }
 
 TEST(Vit3TttFused, InferenceBuildsNoGraph) {
@@ -377,7 +385,8 @@ TEST(T5TttFused, Float64FallsBackAndInferenceBuildsNoGraph) {
     auto x = t5_inputs(c, torch::kFloat64);
     {
         torch::NoGradGuard no_grad;
-        EXPECT_TRUE(torch::equal(t5(x, c, Impl::Fused), t5(x, c, Impl::Reference)));
+        EXPECT_TRUE(torch::equal(t5(x, c, Impl::Auto), t5(x, c, Impl::Reference)));
+        EXPECT_THROW(t5(x, c, Impl::Fused), linvis::Error);  // no float64 kernel, and no silent fallback
     }
     auto y = t5_inputs(c);
     for (auto& t : y) t = t.detach().requires_grad_(true);

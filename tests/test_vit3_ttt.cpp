@@ -138,7 +138,8 @@ TEST(Vit3Ttt, OfficialStepMatchesManualSpec) {
     o.normalize_grad = true;
     Tensor q = torch::randn({B, heads, N, d}, torch::kFloat32), k = torch::randn_like(q), v = torch::randn_like(q);
     Tensor w1f = w1.to(torch::kFloat32), w2f = w2.to(torch::kFloat32);
-    EXPECT_TRUE(torch::equal(vit3_ttt_generic(q, k, v, {w1f, w2f}, o, H, W), vit3_ttt_swiglu_branch(q, k, v, w1f, w2f)));
+    EXPECT_TRUE(torch::equal(vit3_ttt_generic(q, k, v, {w1f, w2f}, o, H, W),
+                             vit3_ttt_swiglu_branch(q, k, v, w1f, w2f, kVit3InnerScale, Impl::Reference)));
     o.model = Vit3InnerModel::DWConv3x3;
     Tensor q2 = torch::randn({B, 1, N, d}, torch::kFloat64), k2 = torch::randn_like(q2), v2 = torch::randn_like(q2);
     auto img = [&](const Tensor& t) { return t.squeeze(1).transpose(1, 2).reshape({B, d, H, W}); };

@@ -1,9 +1,10 @@
 // ViT³ test-time-training token mixer (spec vit3_t5_official.md A2; paper arXiv 2512.01643).
 //
 // impl (official op only; linvis/ops/impl.h): the fused CPU kernels (src/ops/vit3_ttt/cpu.cpp,
-// docs/perf_vit3_t5.md) take float32 / bfloat16 CPU inputs (the mix: without RoPE), with a custom
-// autograd function that saves only the inputs and the d x d inner gradients. Impl::Auto runs them on
-// AVX-512 CPUs; Impl::Fused on another input (float64, RoPE, CUDA) is an error.
+// docs/perf_vit3_t5.md) take float32 / bfloat16 CPU inputs, with a custom autograd function that
+// saves only the inputs and the d x d inner gradients; the mix runs as one kernel without RoPE and as
+// its two branch kernels with RoPE. Impl::Auto runs them on AVX-512 CPUs; Impl::Fused on another input
+// (float64, CUDA) is an error.
 //
 // Two entry points:
 //  * the official op (vit3_ttt_swiglu_branch / vit3_ttt_dwconv_branch / vit3_ttt_mix): one

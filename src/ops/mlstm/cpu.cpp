@@ -549,10 +549,15 @@ Head<T> make_head(const Prepared& in, int64_t bh, int64_t L, double eps, bool si
 
 bool simd_enabled() { return fused_kernels_use_avx512(); }
 
-// Forward multiply-adds of the chunk products (intra S L (DH + DV), read-out and state update
-// 2 S DH DV), counted like the reference counts its forward products (backward is not counted).
+// Forward multiply-adds, counted exactly as the reference chunkwise form counts its products (over
+// NC = ceil(S / L) zero-padded chunks: intra-chunk L x L scores and read-out, the inter-chunk state
+// updates, read-outs and normaliser), so that a model reports the same FLOPs with either
+// implementation. The backward is not counted.
 void count_flops(int64_t B, int64_t NH, int64_t S, int64_t DH, int64_t DV, int64_t L) {
-    flops::add(B * NH * (S * std::min(L, S) * (DH + DV) + 2 * S * DH * DV));
+    const int64_t NC = (S + L - 1) / L;
+    const int64_t intra = NC * (L * L * DH + L * L * DV);
+    const int64_t inter = (NC - 1) * L * DH * DV + NC * L * DH * DV + NC * L * DH;
+    flops::add(B * NH * (intra + inter));
 }
 
 torch::Tensor forward_impl(const Prepared& in, int64_t L, double eps) {

@@ -51,9 +51,10 @@ torch::Tensor vit3_ttt_mix(const Tensor& qkv, const Tensor& w1, const Tensor& w2
     LINVIS_CHECK(qkv.size(2) % (3 * (h + 1)) == 0, "vit3_ttt_mix: qkv width ", qkv.size(2),
                  " is not 3C+3d for ", h, " heads");
     const int64_t d = qkv.size(2) / (3 * (h + 1)), C = d * h;
-    const std::string unsupported = rope_rotations.defined() ? std::string("RoPE (the fused kernel has no rotation)")
-                                                             : fused_detail::fused_unsupported(qkv);
-    if (use_fused(impl, "vit3_ttt_mix", unsupported, fused_kernels_use_avx512())) {
+    // The whole-mix kernel has no RoPE; with RoPE the mix is composed here and each branch applies
+    // `impl` itself (Fused then runs both branch kernels, or fails there for an unsupported dtype).
+    if (!rope_rotations.defined() &&
+        use_fused(impl, "vit3_ttt_mix", fused_detail::fused_unsupported(qkv), fused_kernels_use_avx512())) {
         LINVIS_CHECK(w1.dim() == 4 && w1.size(1) == h && w1.size(2) == d && w1.size(3) == d &&
                          w2.sizes() == w1.sizes() && (w1.size(0) == 1 || w1.size(0) == B),
                      "vit3_ttt_mix: w1/w2: expected shape [1, ", h, ", ", d, ", ", d, "], got ",
