@@ -1,25 +1,25 @@
-// DeiT = timm VisionTransformer with softmax attention (deit_{tiny,small,base}_patch16_224).
+// DeiT = timm VisionTransformer with softmax attention (deit_{tiny,small,base}_patch16_224), on the
+// plain-ViT skeleton (plain_vit.h).
 #include <cmath>
 
-#include "deit_t5_parts.h"
-#include "linvis/nn/common.h"
+#include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/models/deit_t5.h"
 #include "linvis/models/registry.h"
+#include "linvis/nn/probe.h"
 #include "linvis/ops/attention.h"
+#include "plain_vit.h"
 
 namespace linvis::models {
 namespace {
 
-using namespace deit_t5_detail;
-
 // timm Attention: qkv (C -> 3C, bias), reshape (B, N, 3, h, d), (q @ k^T) * d^-0.5, softmax, @ v, proj.
-class SoftmaxAttentionImpl : public MixerImpl {
+class SoftmaxAttentionImpl : public nn::Mixer {
 public:
-    explicit SoftmaxAttentionImpl(const PlainVitOptions& o)
-        : heads_(o.num_heads), scale_(std::pow(static_cast<double>(o.embed_dim / o.num_heads), -0.5)), impl_(o.impl) {
-        qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(o.embed_dim, 3 * o.embed_dim).bias(true)));
-        proj = register_module("proj", torch::nn::Linear(o.embed_dim, o.embed_dim));
+    SoftmaxAttentionImpl(int64_t dim, int64_t heads, ops::Impl impl)
+        : heads_(heads), scale_(std::pow(static_cast<double>(dim / heads), -0.5)), impl_(impl) {
+        qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(dim, 3 * dim).bias(true)));
+        proj = register_module("proj", torch::nn::Linear(dim, dim));
     }
 
     torch::Tensor forward(const torch::Tensor& x, int64_t, int64_t) override {
@@ -27,6 +27,9 @@ public:
         torch::Tensor packed = flops::linear(x, qkv->weight, qkv->bias)
                                    .reshape({B, N, 3, heads_, C / heads_})
                                    .permute({2, 0, 3, 1, 4});
+        if (auto* probe = nn::probing("attn.weights"))
+            probe->record("attn.weights", torch::softmax(torch::matmul(packed[0], packed[1].transpose(-2, -1)) * scale_, -1));
+        if (auto* probe = nn::probing("attn.v")) probe->record("attn.v", packed[2]);
         torch::Tensor out = ops::softmax_attention(packed[0], packed[1], packed[2], scale_, {}, impl_);
         return flops::linear(out.transpose(1, 2).reshape({B, N, C}), proj->weight, proj->bias);
     }
@@ -43,12 +46,17 @@ ModelPtr make_deit(const ModelConfig& config, const std::string& name, int64_t d
     PlainVitOptions defaults;
     defaults.name = name;
     defaults.embed_dim = dim;
-    defaults.num_heads = heads;
     defaults.class_token = true;
-    PlainVitOptions o = read_options(config, defaults);
-    return std::make_shared<PlainVit>(o, [](const PlainVitOptions& opt) {
-        return std::make_shared<SoftmaxAttentionImpl>(opt);
+    defaults.fixed_input_size = true;
+    defaults.pooling = Pooling::ClassToken;
+    const PlainVitOptions o = read_plain_vit_options(config, defaults);
+    const TransformerShape shape = read_transformer_shape(config, o, heads);
+    auto model = std::make_shared<PlainVit>(o, [&](int64_t, double drop_path) {
+        return std::make_shared<nn::TransformerBlockImpl>(shape.block(o, drop_path),
+                                                          std::make_shared<SoftmaxAttentionImpl>(o.embed_dim, shape.num_heads, o.impl));
     });
+    init_timm_linears(*model);
+    return model;
 }
 
 const ModelRegistrar deit_tiny("deit_tiny", "deit", "DeiT-Ti (timm deit_tiny_patch16_224): 5.72M params, 1.25 GMACs at 224",

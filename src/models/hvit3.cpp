@@ -27,11 +27,11 @@ public:
         rope = register_module("rope", lnn::Vit3Rope(grid_h, grid_w, dim));
         attn = register_module("attn", lnn::Vit3Ttt(dim, heads, true, impl));
         norm2 = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim}).eps(1e-5)));
-        mlp = register_module("mlp", lnn::Vit3Mlp(dim, static_cast<int64_t>(dim * mlp_ratio), true));
+        mlp = register_module("mlp", lnn::Mlp(dim, static_cast<int64_t>(dim * mlp_ratio), true));
     }
     Tensor forward(Tensor x, int64_t H, int64_t W) {
         x = x + lnn::map_to_tokens(lnn::conv_forward(cpe, lnn::tokens_to_map(x, H, W)));
-        x = x + lnn::drop_path(attn->forward(norm1->forward(x), H, W, rope->table(H, W)), drop_path_rate,
+        x = x + lnn::drop_path(attn->forward_with_rope(norm1->forward(x), H, W, rope->table(H, W)), drop_path_rate,
                                is_training());
         x = x + lnn::drop_path(mlp->forward(norm2->forward(x), H, W), drop_path_rate, is_training());
         return x;
@@ -42,7 +42,7 @@ public:
     torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr};
     lnn::Vit3Rope rope{nullptr};
     lnn::Vit3Ttt attn{nullptr};
-    lnn::Vit3Mlp mlp{nullptr};
+    lnn::Mlp mlp{nullptr};
 };
 TORCH_MODULE(HVit3Block);
 
@@ -138,13 +138,13 @@ public:
         layers = register_module("layers", torch::nn::ModuleList());
         int64_t total = 0;
         for (auto d : depths) total += d;
-        Tensor rates = torch::linspace(0.0, dpr, total);
+        const std::vector<double> rates = lnn::drop_path_rates(dpr, total);
         int64_t grid = half_up(half_up(img_size_)), block_index = 0;
         for (int s = 0; s < 4; ++s) {
             BasicLayer layer;
             for (int64_t j = 0; j < depths[s]; ++j)
                 layer->blocks->push_back(HVit3Block(dims_[s], heads[s], grid, grid, mlp_ratio,
-                                                    rates[block_index++].item<double>(), impl));
+                                                    rates[static_cast<size_t>(block_index++)], impl));
             if (s < 3) layer->downsample = layer->register_module("downsample", make_patch_merging(dims_[s], dims_[s + 1]));
             layers->push_back(layer);
             grid = half_up(grid);
@@ -165,16 +165,11 @@ public:
                      dims_[3], ", H, W), got ", shape_string(features.sizes()));
         Tensor pooled = torch::adaptive_avg_pool1d(features.flatten(2), 1).flatten(1);
         if (pre_logits || !head) return pooled;
-        return lnn::linear_forward(head, pooled);
+        return flops::linear(pooled, head->weight, head->bias);
     }
 
     std::vector<Tensor> forward_intermediates(const Tensor& images, const std::vector<int64_t>& indices) override {
-        std::vector<int64_t> wanted;
-        for (int64_t i : indices) {
-            const int64_t j = i < 0 ? i + 4 : i;
-            LINVIS_CHECK(j >= 0 && j < 4, "hvit3 forward_intermediates: stage index ", i, " outside [-4, 4)");
-            wanted.push_back(j);
-        }
+        const std::vector<int64_t> wanted = lnn::take_indices(4, indices, "hvit3 (stages)");
         std::vector<Tensor> stages;
         run(images, &stages);
         std::vector<Tensor> out;

@@ -1,32 +1,31 @@
 // T5 classification model (official T5/models.py, spec vit3_t5_official.md B2, B5, B6): DeiT
-// without class token (196 positions, mean pooling) whose attention is T5's TTT attention.
+// without class token (196 positions, mean pooling) whose attention is T5's TTT attention, on the
+// plain-ViT skeleton (plain_vit.h).
 #include <cmath>
 
-#include "deit_t5_parts.h"
-#include "linvis/nn/common.h"
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/models/deit_t5.h"
 #include "linvis/models/registry.h"
+#include "linvis/nn/probe.h"
 #include "linvis/ops/t5_ttt.h"
+#include "plain_vit.h"
 
 namespace linvis::models {
 namespace {
 
-using namespace deit_t5_detail;
-
 // T5/models.py Attention: own parameters w1, w2, w3 (1, h, d, d); children qkv, proj, q_conv2d,
 // k_conv2d (depthwise 3x3 with bias over all C channels). Between qkv and proj: ops::t5_ttt_attention.
-class T5AttentionImpl : public MixerImpl {
+class T5AttentionImpl : public nn::Mixer {
 public:
-    explicit T5AttentionImpl(const PlainVitOptions& o) : heads_(o.num_heads), impl_(o.impl) {
-        const int64_t C = o.embed_dim, d = C / o.num_heads;
+    T5AttentionImpl(int64_t dim, int64_t heads, ops::Impl impl) : heads_(heads), impl_(impl) {
+        const int64_t C = dim, d = C / heads;
         w1 = register_parameter("w1", torch::zeros({1, heads_, d, d}));
         w2 = register_parameter("w2", torch::zeros({1, heads_, d, d}));
         w3 = register_parameter("w3", torch::zeros({1, heads_, d, d}));
-        trunc_normal_(w1, 0.02);
-        trunc_normal_(w2, 0.02);
-        trunc_normal_(w3, 0.02);
+        nn::trunc_normal_(w1, 0.02);
+        nn::trunc_normal_(w2, 0.02);
+        nn::trunc_normal_(w3, 0.02);
         qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(C, 3 * C).bias(true)));
         proj = register_module("proj", torch::nn::Linear(C, C));
         auto dw = torch::nn::Conv2dOptions(C, C, 3).padding(1).groups(C).bias(true);
@@ -35,9 +34,11 @@ public:
     }
 
     torch::Tensor forward(const torch::Tensor& x, int64_t height, int64_t width) override {
-        ops::T5TttParams params{w1, w2, w3, q_conv2d->weight, q_conv2d->bias, k_conv2d->weight, k_conv2d->bias};
-        torch::Tensor out = ops::t5_ttt_attention_qkv(flops::linear(x, qkv->weight, qkv->bias), params, heads_,
-                                                      height, width, impl_);
+        const ops::T5TttParams params{w1, w2, w3, q_conv2d->weight, q_conv2d->bias, k_conv2d->weight, k_conv2d->bias};
+        torch::Tensor packed = flops::linear(x, qkv->weight, qkv->bias);
+        if (nn::Probe* probe = nn::Probe::active(); probe && (probe->wants("attn.v") || probe->wants("attn.of_v")))
+            record_probe(*probe, packed, params, height, width);
+        torch::Tensor out = ops::t5_ttt_attention_qkv(packed, params, heads_, height, width, impl_);
         return flops::linear(out, proj->weight, proj->bias);
     }
 
@@ -46,6 +47,23 @@ public:
     torch::nn::Conv2d q_conv2d{nullptr}, k_conv2d{nullptr};
 
 private:
+    // The values and the attention output as a function of them (q, k fixed): its Jacobian is T5's
+    // implicit attention (paper Eq. 13).
+    void record_probe(nn::Probe& probe, const torch::Tensor& packed, const ops::T5TttParams& params, int64_t height,
+                      int64_t width) const {
+        std::vector<torch::Tensor> c = packed.detach().chunk(3, -1);
+        probe.record("attn.v", ops::split_heads(c[2], heads_));
+        ops::T5TttParams fixed{params.w1.detach(), params.w2.detach(), params.w3.detach(), params.q_conv_weight.detach(),
+                               params.q_conv_bias.detach(), params.k_conv_weight.detach(), params.k_conv_bias.detach()};
+        const int64_t heads = heads_;
+        // The reference: plain autograd through every step, for an exact Jacobian.
+        probe.record_function("attn.of_v", [q = c[0], k = c[1], fixed, heads, height, width](const torch::Tensor& v) {
+            return ops::split_heads(
+                ops::t5_ttt_attention(q, k, ops::merge_heads(v), fixed, heads, height, width, ops::Impl::Reference),
+                heads);
+        });
+    }
+
     int64_t heads_;
     ops::Impl impl_;
 };
@@ -54,10 +72,17 @@ ModelPtr make_t5(const ModelConfig& config, const std::string& name, int64_t dim
     PlainVitOptions defaults;
     defaults.name = name;
     defaults.embed_dim = dim;
-    defaults.num_heads = heads;
     defaults.class_token = false;
-    PlainVitOptions o = read_options(config, defaults);
-    return std::make_shared<PlainVit>(o, [](const PlainVitOptions& opt) { return std::make_shared<T5AttentionImpl>(opt); });
+    defaults.fixed_input_size = true;
+    defaults.pooling = Pooling::Mean;
+    const PlainVitOptions o = read_plain_vit_options(config, defaults);
+    const TransformerShape shape = read_transformer_shape(config, o, heads);
+    auto model = std::make_shared<PlainVit>(o, [&](int64_t, double drop_path) {
+        return std::make_shared<nn::TransformerBlockImpl>(shape.block(o, drop_path),
+                                                          std::make_shared<T5AttentionImpl>(o.embed_dim, shape.num_heads, o.impl));
+    });
+    init_timm_linears(*model);
+    return model;
 }
 
 const ModelRegistrar t5_tiny("t5_tiny", "t5", "T5-T (Transformer to TTT, DeiT-Ti shape, official T5_tiny): 6.21M params, 1.34 GMACs at 224",

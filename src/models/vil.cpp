@@ -6,7 +6,6 @@
 // drop_path_rate (0), mlstm_mode (parallel|chunkwise|recurrent, default parallel = the official
 // form with impl=reference, chunkwise otherwise), chunk_size (64), impl (auto | reference | fused;
 // auto and fused run the fused chunkwise kernel, and fused rejects mode parallel or recurrent).
-#include <cmath>
 #include <regex>
 
 #include "linvis/core/error.h"
@@ -15,131 +14,16 @@
 #include "linvis/nn/vil.h"
 #include "linvis/ops/impl.h"
 #include "linvis/ops/mlstm.h"
+#include "plain_vit.h"
 
 namespace linvis::models {
 namespace {
 
-struct VilOptions {
-    int64_t num_classes = 1000;
-    int64_t img_size = 224;
-    int64_t in_chans = 3;
-    int64_t patch_size = 16;
-    int64_t embed_dim = 192;
-    int64_t depth = 12;
-    double drop_path_rate = 0.0;
-    ops::MlstmMode mode = ops::MlstmMode::Parallel;
-    int64_t chunk_size = ops::kMlstmDefaultChunkSize;
-    ops::Impl impl = ops::Impl::Auto;
-};
-
-// VitPatchEmbed: a patch_size x patch_size stride conv, key patch_embed.proj.*.
-class PatchEmbedImpl : public torch::nn::Module {
+// VisionLSTM2 on the plain-ViT skeleton: blocks are mLSTM block pairs (alternating scan directions),
+// a 2-D learnable position embedding, bilateral pooling and the raw training checkpoints' names.
+class VisionLstm2 : public PlainVit {
 public:
-    PatchEmbedImpl(int64_t in_chans, int64_t dim, int64_t patch) : patch_size(patch) {
-        proj = register_module("proj", torch::nn::Conv2d(torch::nn::Conv2dOptions(in_chans, dim, patch).stride(patch)));
-        torch::NoGradGuard no_grad;
-        torch::nn::init::xavier_uniform_(proj->weight.view({dim, -1}));
-        proj->bias.zero_();
-    }
-    // (B, C, H, W) -> (B, H/p, W/p, D)
-    torch::Tensor forward(const torch::Tensor& x) {
-        torch::Tensor y = flops::conv2d(x, proj->weight, proj->bias, {patch_size, patch_size}, {0, 0}, {1, 1}, 1);
-        return y.permute({0, 2, 3, 1});
-    }
-    torch::nn::Conv2d proj{nullptr};
-    int64_t patch_size;
-};
-TORCH_MODULE(PatchEmbed);
-
-// VitPosEmbed2d: learnable (1, h, w, D), bicubically resized on the fly for another grid.
-class PosEmbedImpl : public torch::nn::Module {
-public:
-    PosEmbedImpl(int64_t h, int64_t w, int64_t dim) {
-        embed = register_parameter("embed", torch::empty({1, h, w, dim}));
-        torch::NoGradGuard no_grad;
-        embed.normal_(0.0, 0.02);  // trunc_normal(0.02) with bounds +-2: the truncation is 100 sigma out
-    }
-    torch::Tensor forward(const torch::Tensor& x) {
-        if (x.size(1) == embed.size(1) && x.size(2) == embed.size(2)) return x + embed;
-        return x + nn::resize_pos_embed_2d(embed, x.size(1), x.size(2));
-    }
-    torch::Tensor embed;
-};
-TORCH_MODULE(PosEmbed);
-
-class VisionLstm2 : public VisionModel {
-public:
-    explicit VisionLstm2(const VilOptions& o) : opt_(o) {
-        LINVIS_CHECK(o.img_size % o.patch_size == 0, "vil: img_size ", o.img_size, " is not a multiple of patch_size ",
-                     o.patch_size);
-        LINVIS_CHECK(o.embed_dim % 2 == 0 && (2 * o.embed_dim) % 4 == 0 && o.depth > 0 && o.num_classes >= 0,
-                     "vil: invalid embed_dim ", o.embed_dim, " / depth ", o.depth, " / num_classes ", o.num_classes);
-        const int64_t D = o.embed_dim, grid = o.img_size / o.patch_size;
-        patch_embed = register_module("patch_embed", PatchEmbed(o.in_chans, D, o.patch_size));
-        pos_embed = register_module("pos_embed", PosEmbed(grid, grid, D));
-        blocks = register_module("blocks", torch::nn::ModuleList());
-        for (int64_t i = 0; i < o.depth; ++i)
-        {
-            nn::VilBlockPair pair(D, o.drop_path_rate, o.mode, o.chunk_size, o.impl);
-            blocks->push_back(pair);
-            pairs_.push_back(pair);
-        }
-        norm = register_module("norm", nn::ResidualLayerNorm(D, 1e-6));  // hub eps (1.13)
-        legacy_norm = register_module("legacy_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({2 * D}).eps(1e-5)));
-        if (o.num_classes > 0) {
-            head = register_module("head", torch::nn::Linear(2 * D, o.num_classes));
-            torch::NoGradGuard no_grad;
-            head->weight.normal_(0.0, 2e-5);  // trunc_normal(2e-5): bounds +-2 never bind
-            head->bias.zero_();
-        }
-    }
-
-    torch::Tensor forward_features(const torch::Tensor& images) override {
-        int64_t gh = 0, gw = 0;
-        torch::Tensor x = embed(images, gh, gw);
-        for (auto& pair : pairs_) x = pair->forward(x, gh, gw);
-        return norm->forward(x);
-    }
-
-    torch::Tensor forward_head(const torch::Tensor& features, bool pre_logits) override {
-        LINVIS_CHECK(features.dim() == 3 && features.size(2) == opt_.embed_dim,
-                     "vil forward_head: features: expected (B, T, ", opt_.embed_dim, "), got ",
-                     shape_string(features.sizes()));
-        // bilateral_flatten: first and last token (top-left and bottom-right patches), concatenated.
-        torch::Tensor pooled = torch::cat({features.select(1, 0), features.select(1, features.size(1) - 1)}, 1);
-        pooled = legacy_norm->forward(pooled);
-        if (pre_logits || !head) return pooled;
-        return flops::linear(pooled, head->weight, head->bias);
-    }
-
-    // Indices count the 2 * depth mLSTM sub-blocks (as the official segmentation config does,
-    // e.g. [7, 11, 15, 23]); outputs are the residual stream after that sub-block, (B, T, D).
-    std::vector<torch::Tensor> forward_intermediates(const torch::Tensor& images,
-                                                     const std::vector<int64_t>& indices) override {
-        const int64_t n = 2 * opt_.depth;
-        std::vector<int64_t> wanted;
-        for (int64_t i : indices) {
-            const int64_t j = i < 0 ? i + n : i;
-            LINVIS_CHECK(j >= 0 && j < n, "vil forward_intermediates: index ", i, " out of range for ", n, " blocks");
-            wanted.push_back(j);
-        }
-        int64_t gh = 0, gw = 0;
-        torch::Tensor x = embed(images, gh, gw);
-        std::vector<torch::Tensor> by_block(static_cast<size_t>(n));
-        int64_t last = -1;
-        for (int64_t j : wanted) last = std::max(last, j);
-        for (int64_t b = 0; b <= last; ++b) {
-            auto& pair = pairs_[static_cast<size_t>(b / 2)];
-            x = (b % 2 == 0 ? pair->rowwise_from_top_left : pair->rowwise_from_bot_right)->forward(x, gh, gw);
-            by_block[static_cast<size_t>(b)] = x;
-        }
-        std::vector<torch::Tensor> out;
-        for (int64_t j : wanted) out.push_back(by_block[static_cast<size_t>(j)]);
-        return out;
-    }
-
-    int64_t num_classes() const override { return opt_.num_classes; }
-    int64_t num_features() const override { return 2 * opt_.embed_dim; }
+    using PlainVit::PlainVit;
 
     // Raw training-checkpoint names (3.2) -> hub names; hub names pass unchanged; causal_mask is dropped.
     std::string map_checkpoint_key(const std::string& key) const override {
@@ -158,70 +42,48 @@ public:
         if (key.rfind("xlstm.post_blocks_norm.", 0) == 0) return "norm." + key.substr(23);
         if (key.rfind("head.0.", 0) == 0) return "legacy_norm." + key.substr(7);
         if (key.rfind("head.1.", 0) == 0) return "head." + key.substr(7);
-        return key;
+        return PlainVit::map_checkpoint_key(key);
     }
 
-    torch::Tensor adapt_checkpoint_tensor(const std::string& key, const torch::Tensor& value) const override {
-        if (key != "pos_embed.embed") return value;
-        const auto& target = pos_embed->embed;
-        LINVIS_CHECK(value.dim() == 4 && value.size(0) == 1 && value.size(3) == target.size(3),
-                     "pos_embed.embed: expected shape [1, H, W, ", target.size(3), "], got ",
-                     shape_string(value.sizes()));
-        return nn::resize_pos_embed_2d(value, target.size(1), target.size(2));
-    }
-
-    PatchEmbed patch_embed{nullptr};
-    PosEmbed pos_embed{nullptr};
-    torch::nn::ModuleList blocks{nullptr};
-    nn::ResidualLayerNorm norm{nullptr};
-    torch::nn::LayerNorm legacy_norm{nullptr};
-    torch::nn::Linear head{nullptr};
-
-private:
-    // Patch embed + position embed + row-major flatten; returns the token grid size.
-    torch::Tensor embed(const torch::Tensor& images, int64_t& gh, int64_t& gw) {
-        LINVIS_CHECK(images.dim() == 4 && images.size(1) == opt_.in_chans, "vil: images: expected (B, ", opt_.in_chans,
-                     ", H, W), got ", shape_string(images.sizes()));
-        LINVIS_CHECK(images.size(2) % opt_.patch_size == 0 && images.size(3) % opt_.patch_size == 0,
-                     "vil: images: H and W must be multiples of the patch size ", opt_.patch_size, ", got ",
-                     shape_string(images.sizes()));
-        torch::Tensor x = pos_embed->forward(patch_embed->forward(images));  // (B, h, w, D)
-        gh = x.size(1);
-        gw = x.size(2);
-        return x.reshape({x.size(0), gh * gw, x.size(3)});
-    }
-
-    VilOptions opt_;
-    std::vector<nn::VilBlockPair> pairs_;
 };
 
-ModelPtr create_vil(const ModelConfig& cfg, int64_t embed_dim) {
-    VilOptions o;
-    o.num_classes = cfg.get_int("num_classes", o.num_classes);
-    o.img_size = cfg.get_int("img_size", o.img_size);
-    o.in_chans = cfg.get_int("in_chans", o.in_chans);
-    o.patch_size = cfg.get_int("patch_size", o.patch_size);
-    o.embed_dim = cfg.get_int("embed_dim", embed_dim);
-    o.depth = cfg.get_int("depth", o.depth);
-    o.drop_path_rate = cfg.get_double("drop_path_rate", o.drop_path_rate);
-    o.impl = ops::parse_impl(cfg.get_string("impl", "auto"));
+ModelPtr create_vil(const ModelConfig& cfg, const std::string& name, int64_t embed_dim) {
+    PlainVitOptions defaults;
+    defaults.name = name;
+    defaults.embed_dim = embed_dim;
+    defaults.pos_embed = PosEmbedKind::Grid;
+    defaults.pooling = Pooling::Bilateral;
+    defaults.drop_path_decay = false;  // drop_path_decay=False in the official configs
+    defaults.head_init_std = 2e-5;
+    const PlainVitOptions o = read_plain_vit_options(cfg, defaults);
+    LINVIS_CHECK(o.embed_dim % 2 == 0, name, ": embed_dim must be even, got ", o.embed_dim);
     // The fused kernel is the chunkwise form, so impl auto or fused selects it unless a mode is named.
-    o.mode = ops::parse_mlstm_mode(
+    const ops::MlstmMode mode = ops::parse_mlstm_mode(
         cfg.get_string("mlstm_mode", o.impl == ops::Impl::Reference ? "parallel" : "chunkwise"));
-    LINVIS_CHECK(o.impl != ops::Impl::Fused || o.mode == ops::MlstmMode::Chunkwise,
-                 "vil: impl 'fused' needs mlstm_mode 'chunkwise', got mlstm_mode '", ops::mlstm_mode_name(o.mode),
-                 "'");
-    o.chunk_size = cfg.get_int("chunk_size", o.chunk_size);
-    LINVIS_CHECK(o.chunk_size > 0, "vil: chunk_size: expected > 0, got ", o.chunk_size);
-    return std::make_shared<VisionLstm2>(o);
+    LINVIS_CHECK(o.impl != ops::Impl::Fused || mode == ops::MlstmMode::Chunkwise,
+                 "vil: impl 'fused' needs mlstm_mode 'chunkwise', got mlstm_mode '", ops::mlstm_mode_name(mode), "'");
+    const int64_t chunk_size = cfg.get_int("chunk_size", ops::kMlstmDefaultChunkSize);
+    LINVIS_CHECK(chunk_size > 0, "vil: chunk_size: expected > 0, got ", chunk_size);
+    auto model = std::make_shared<VisionLstm2>(
+        o,
+        [&](int64_t, double drop_path) {
+            return std::make_shared<nn::VilBlockPairImpl>(o.embed_dim, drop_path, mode, chunk_size, o.impl);
+        },
+        torch::nn::AnyModule(nn::ResidualLayerNorm(o.embed_dim, 1e-6)));  // hub eps (1.13)
+    // VitPatchEmbed: xavier_uniform on the flattened kernel, zero bias.
+    torch::NoGradGuard no_grad;
+    auto& proj = model->patch_embed->proj;
+    torch::nn::init::xavier_uniform_(proj->weight.view({o.embed_dim, -1}));
+    proj->bias.zero_();
+    return model;
 }
 
 const ModelRegistrar kTiny("vil_tiny", "vil", "Vision-LSTM ViL-T (VisionLSTM2, 6.4M params, Alkin et al. 2024)",
-                           [](const ModelConfig& c) { return create_vil(c, 192); });
+                           [](const ModelConfig& c) { return create_vil(c, "vil_tiny", 192); });
 const ModelRegistrar kSmall("vil_small", "vil", "Vision-LSTM ViL-S (VisionLSTM2, 23.4M params, Alkin et al. 2024)",
-                            [](const ModelConfig& c) { return create_vil(c, 384); });
+                            [](const ModelConfig& c) { return create_vil(c, "vil_small", 384); });
 const ModelRegistrar kBase("vil_base", "vil", "Vision-LSTM ViL-B (VisionLSTM2, 89.3M params, Alkin et al. 2024)",
-                           [](const ModelConfig& c) { return create_vil(c, 768); });
+                           [](const ModelConfig& c) { return create_vil(c, "vil_base", 768); });
 
 }  // namespace
 }  // namespace linvis::models

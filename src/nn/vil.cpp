@@ -161,6 +161,12 @@ torch::Tensor VilBlockPairImpl::forward(const torch::Tensor& x, int64_t grid_h, 
     return rowwise_from_bot_right->forward(rowwise_from_top_left->forward(x, grid_h, grid_w), grid_h, grid_w);
 }
 
+torch::Tensor VilBlockPairImpl::forward_sub_block(int64_t index, const torch::Tensor& x, int64_t grid_h,
+                                                  int64_t grid_w) {
+    LINVIS_CHECK(index == 0 || index == 1, "vil block pair: sub-block ", index, " outside [0, 2)");
+    return (index == 0 ? rowwise_from_top_left : rowwise_from_bot_right)->forward(x, grid_h, grid_w);
+}
+
 torch::Tensor resize_pos_embed_2d(const torch::Tensor& embed, int64_t h, int64_t w) {
     LINVIS_CHECK(embed.dim() == 4 && embed.size(0) == 1, "pos_embed.embed: expected shape [1, H, W, D], got ",
                  shape_string(embed.sizes()));

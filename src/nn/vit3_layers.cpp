@@ -7,42 +7,6 @@
 
 namespace linvis::nn {
 
-torch::Tensor tokens_to_map(const torch::Tensor& x, int64_t height, int64_t width) {
-    LINVIS_CHECK(x.dim() == 3 && x.size(1) == height * width, "tokens_to_map: expected (B, ", height * width,
-                 ", C), got ", shape_string(x.sizes()));
-    return x.transpose(1, 2).reshape({x.size(0), x.size(2), height, width});
-}
-
-torch::Tensor map_to_tokens(const torch::Tensor& x) { return x.flatten(2).transpose(1, 2); }
-
-torch::Tensor linear_forward(const torch::nn::Linear& layer, const torch::Tensor& x) {
-    return flops::linear(x, layer->weight, layer->bias);
-}
-
-torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& x) {
-    // The module's own forward (its padding option is a variant whose type differs between
-    // LibTorch versions); the multiply-adds are counted as flops::conv2d counts them.
-    torch::Tensor out = layer.ptr()->forward(x);
-    const auto& w = layer->weight;
-    flops::add(out.numel() * w.size(1) * w.size(2) * w.size(3));
-    return out;
-}
-
-void trunc_normal_(torch::Tensor& t, double std_dev) {
-    torch::NoGradGuard no_grad;
-    t.normal_(0.0, std_dev).clamp_(-2.0, 2.0);
-}
-
-torch::nn::Linear vit_linear(int64_t in, int64_t out, bool bias) {
-    torch::nn::Linear layer(torch::nn::LinearOptions(in, out).bias(bias));
-    trunc_normal_(layer->weight);
-    if (bias) {
-        torch::NoGradGuard no_grad;
-        layer->bias.zero_();
-    }
-    return layer;
-}
-
 // ---------------------------------------------------------------- TTT
 
 Vit3TttImpl::Vit3TttImpl(int64_t dim_, int64_t num_heads_, bool qkv_bias, ops::Impl impl_)
@@ -60,34 +24,13 @@ Vit3TttImpl::Vit3TttImpl(int64_t dim_, int64_t num_heads_, bool qkv_bias, ops::I
     proj = register_module("proj", vit_linear(dim + head_dim, dim));
 }
 
-torch::Tensor Vit3TttImpl::forward(const torch::Tensor& x, int64_t height, int64_t width,
-                                   const torch::Tensor& rope_rotations) {
+torch::Tensor Vit3TttImpl::forward_with_rope(const torch::Tensor& x, int64_t height, int64_t width,
+                                             const torch::Tensor& rope_rotations) {
     LINVIS_CHECK(x.dim() == 3 && x.size(2) == dim && x.size(1) == height * width, "Vit3Ttt: expected x (B, ",
                  height * width, ", ", dim, "), got ", shape_string(x.sizes()));
-    torch::Tensor mixed = ops::vit3_ttt_mix(linear_forward(qkv, x), w1, w2, w3, num_heads, height, width,
+    torch::Tensor mixed = ops::vit3_ttt_mix(flops::linear(x, qkv->weight, qkv->bias), w1, w2, w3, num_heads, height, width,
                                             rope_rotations, impl);
-    return linear_forward(proj, mixed);
-}
-
-// ---------------------------------------------------------------- Mlp
-
-Vit3MlpImpl::Vit3MlpImpl(int64_t dim, int64_t hidden, bool with_dwc) {
-    fc1 = register_module("fc1", vit_linear(dim, hidden));
-    if (with_dwc)
-        dwc = register_module("dwc", torch::nn::Conv2d(torch::nn::Conv2dOptions(hidden, hidden, 3)
-                                                           .padding(1)
-                                                           .groups(hidden)
-                                                           .bias(true)));
-    fc2 = register_module("fc2", vit_linear(hidden, dim));
-}
-
-torch::Tensor Vit3MlpImpl::forward(const torch::Tensor& x, int64_t height, int64_t width) {
-    torch::Tensor y = torch::gelu(linear_forward(fc1, x));
-    if (dwc) {
-        y = y + map_to_tokens(conv_forward(dwc, tokens_to_map(y, height, width)));
-        y = torch::gelu(y);
-    }
-    return linear_forward(fc2, y);
+    return flops::linear(mixed, proj->weight, proj->bias);
 }
 
 // ---------------------------------------------------------------- RoPE

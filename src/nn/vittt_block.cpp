@@ -1,5 +1,7 @@
-#include "linvis/nn/common.h"
 #include "linvis/nn/vittt_block.h"
+
+#include "linvis/nn/common.h"
+#include "linvis/nn/probe.h"
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
@@ -172,7 +174,13 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
 
     torch::Tensor x = layer_norm(norm1, y);
     torch::Tensor gate = torch::gelu(linear(g_proj, x), "tanh");
-    auto [z_forth, z_back] = mixer_branches(x);
+    nn::Probe* probe_forth = probing("ttt.grad_norms.forth");
+    nn::Probe* probe_back = probing("ttt.grad_norms.back");
+    torch::Tensor norms_forth, norms_back;
+    auto [z_forth, z_back] =
+        mixer_branches(x, probe_forth ? &norms_forth : nullptr, probe_back ? &norms_back : nullptr);
+    if (probe_forth) probe_forth->record("ttt.grad_norms.forth", norms_forth);
+    if (probe_back) probe_back->record("ttt.grad_norms.back", norms_back);
     y = y + drop_path(linear(o_proj, gate * (z_forth + z_back)));
     y = y + drop_path(mlp->forward(layer_norm(norm2, y)));
     return y;

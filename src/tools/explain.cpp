@@ -8,10 +8,7 @@
 #include <vector>
 
 #include "linvis/core/error.h"
-#include "linvis/nn/common.h"
-#include "linvis/nn/vittt_block.h"
-#include "linvis/ops/t5_ttt.h"
-#include "models/deit_t5_parts.h"
+#include "linvis/nn/probe.h"
 
 namespace linvis::tools::explain {
 namespace {
@@ -56,45 +53,20 @@ bool token_grid(int64_t T, int64_t H, int64_t W, int64_t prefix, int64_t& h, int
     return false;
 }
 
-std::shared_ptr<torch::nn::Module> find_submodule(torch::nn::Module& model, const std::string& name) {
-    for (const auto& item : model.named_modules()) {
-        if (item.key() == name) return item.value();
-    }
-    return nullptr;
-}
-
-torch::Tensor find_parameter(torch::nn::Module& model, const std::string& name, const char* what) {
-    for (const auto& item : model.named_parameters(true)) {
-        if (item.key() == name) return item.value();
-    }
-    fail(what, ": the model has no parameter '", name, "'");
-}
-
-int64_t count_blocks(torch::nn::Module& model) {
-    auto blocks = find_submodule(model, "blocks");
-    return blocks ? static_cast<int64_t>(blocks->children().size()) : 0;
-}
-
-int64_t resolve_block(torch::nn::Module& model, int64_t block, const char* what) {
-    const int64_t depth = count_blocks(model);
-    LINVIS_CHECK(depth > 0, what, ": the model has no 'blocks' list");
+int64_t resolve_block(const models::VisionModel& model, int64_t block, const char* what) {
+    const int64_t depth = model.num_blocks();
+    LINVIS_CHECK(depth > 0, what, ": the model exposes no blocks to probe (plain ViT families do)");
     const int64_t b = block < 0 ? block + depth : block;
     LINVIS_CHECK(b >= 0 && b < depth, what, ": block ", block, " out of range for depth ", depth);
     return b;
 }
 
-// Patch embedding + position embedding of a Vittt model (no class token), as vittt.cpp.
-torch::Tensor vittt_embed(torch::nn::Module& model, const torch::Tensor& images, int64_t& h, int64_t& w) {
-    const torch::Tensor weight = find_parameter(model, "patch_embed.proj.weight", "gradient_magnitude_map");
-    const torch::Tensor bias = find_parameter(model, "patch_embed.proj.bias", "gradient_magnitude_map");
-    const torch::Tensor pos = find_parameter(model, "pos_embed", "gradient_magnitude_map");
-    const int64_t patch = weight.size(-1);
-    torch::Tensor x = torch::conv2d(images, weight, bias, {patch, patch});
-    h = x.size(2);
-    w = x.size(3);
-    x = x.flatten(2).transpose(1, 2);
-    const auto grid = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(pos.size(1)))));
-    return x + nn::resample_abs_pos_embed(pos, {h, w}, {grid, grid});
+// The model's embedding of `images` and the blocks before `block`: the input of block `block`.
+models::VisionModel::Embedding input_of_block(models::VisionModel& model, const torch::Tensor& images,
+                                              int64_t block) {
+    models::VisionModel::Embedding e = model.embed(images);
+    for (int64_t i = 0; i < block; ++i) e.tokens = model.forward_block(i, e.tokens, e.height, e.width);
+    return e;
 }
 
 }  // namespace
@@ -171,27 +143,16 @@ torch::Tensor gradient_magnitude_map(models::VisionModel& model, const torch::Te
                                      TttBranch branch, int64_t head) {
     torch::Tensor x = as_single_batch(image, "gradient_magnitude_map");
     const int64_t b = resolve_block(model, block, "gradient_magnitude_map");
-    auto block_module =
-        std::dynamic_pointer_cast<nn::VitttBlockImpl>(find_submodule(model, "blocks." + std::to_string(b)));
-    LINVIS_CHECK(block_module != nullptr,
-                 "gradient_magnitude_map: blocks.", b, " is not a Vision-TTT block (use a vittt_* model)");
     EvalModeGuard eval(model);
     torch::NoGradGuard no_grad;
-    int64_t h = 0, w = 0;
-    torch::Tensor y = vittt_embed(model, x, h, w);  // the input of block 0, and gives the grid
-    if (b > 0) y = model.forward_intermediates(x, {b - 1})[0];
-    const int64_t D = y.size(2);
-    // Steps 1-2 of the block (spec/vittt.md): y + DWConv3x3(y) on the grid, then norm1.
-    torch::Tensor grid = y.transpose(1, 2).reshape({1, D, h, w});
-    torch::Tensor conv = torch::conv2d(grid, block_module->dwconv->weight, block_module->dwconv->bias, {1, 1}, {1, 1},
-                                       {1, 1}, D);
-    torch::Tensor normed = block_module->norm1->forward(y + conv.flatten(2).transpose(1, 2));
-    torch::Tensor norms_forth, norms_back;
-    if (branch == TttBranch::Forth)
-        block_module->mixer_branches(normed, &norms_forth, nullptr);
-    else
-        block_module->mixer_branches(normed, nullptr, &norms_back);
-    torch::Tensor norms = (branch == TttBranch::Forth ? norms_forth : norms_back)[0].to(torch::kFloat64);  // (nh, T)
+    const models::VisionModel::Embedding e = input_of_block(model, x, b);
+    const int64_t h = e.height, w = e.width;
+    const std::string name = branch == TttBranch::Forth ? "ttt.grad_norms.forth" : "ttt.grad_norms.back";
+    nn::Probe probe({name});
+    model.forward_block(b, e.tokens, h, w);
+    LINVIS_CHECK(probe.tensor(name).defined(), "gradient_magnitude_map: blocks.", b,
+                 " is not a Vision-TTT block (use a vittt_* model)");
+    torch::Tensor norms = probe.tensor(name)[0].to(torch::kFloat64);  // (nh, T)
     const int64_t nh = norms.size(0);
     LINVIS_CHECK(head >= -1 && head < nh, "gradient_magnitude_map: head ", head, " out of range for ", nh,
                  " heads (-1 combines them)");
@@ -252,73 +213,34 @@ torch::Tensor implicit_attention(const std::function<torch::Tensor(const torch::
 
 AttentionMap attention_map(models::VisionModel& model, const torch::Tensor& image, int64_t block, int64_t query_y,
                            int64_t query_x) {
-    auto* vit = dynamic_cast<models::deit_t5_detail::PlainVit*>(&model);
-    LINVIS_CHECK(vit != nullptr, "attention_map: only deit_* (softmax attention) and t5_* (implicit TTT attention) "
-                                 "models are supported");
-    const auto& o = vit->options();
     torch::Tensor x = as_single_batch(image, "attention_map");
-    LINVIS_CHECK(x.size(2) == o.img_size && x.size(3) == o.img_size, "attention_map: image ",
-                 shape_string(x.sizes()), " must be ", o.img_size, "x", o.img_size, " (the model's img_size)");
-    const int64_t grid = vit->grid(), prefix = vit->num_prefix_tokens();
-    LINVIS_CHECK(query_y >= 0 && query_y < grid && query_x >= 0 && query_x < grid, "attention_map: query (",
-                 query_y, ", ", query_x, ") outside the ", grid, "x", grid, " patch grid");
     const int64_t b = resolve_block(model, block, "attention_map");
     EvalModeGuard eval(model);
-    torch::Tensor tokens;
+    models::VisionModel::Embedding e;
+    nn::Probe probe({"attn.weights", "attn.v", "attn.of_v"});
     {
         torch::NoGradGuard no_grad;
-        // The model's embed(): patch embedding, class token, position embedding; then blocks < b.
-        const torch::Tensor weight = find_parameter(model, "patch_embed.proj.weight", "attention_map");
-        const torch::Tensor bias = find_parameter(model, "patch_embed.proj.bias", "attention_map");
-        tokens = torch::conv2d(x, weight, bias, {o.patch_size, o.patch_size}).flatten(2).transpose(1, 2);
-        if (prefix > 0) tokens = torch::cat({find_parameter(model, "cls_token", "attention_map"), tokens}, 1);
-        tokens = tokens + find_parameter(model, "pos_embed", "attention_map");
-        for (int64_t i = 0; i < b; ++i) {
-            auto blk = std::dynamic_pointer_cast<models::deit_t5_detail::BlockImpl>(
-                find_submodule(model, "blocks." + std::to_string(i)));
-            LINVIS_CHECK(blk != nullptr, "attention_map: blocks.", i, " is not a plain ViT block");
-            tokens = blk->forward(tokens, grid, grid);
-        }
+        e = input_of_block(model, x, b);
+        LINVIS_CHECK(query_y >= 0 && query_y < e.height && query_x >= 0 && query_x < e.width, "attention_map: query (",
+                     query_y, ", ", query_x, ") outside the ", e.height, "x", e.width, " patch grid");
+        model.forward_block(b, e.tokens, e.height, e.width);
     }
-    const std::string p = "blocks." + std::to_string(b) + ".";
-    torch::Tensor normed = torch::layer_norm(tokens, {o.embed_dim}, find_parameter(model, p + "norm1.weight", "attention_map"),
-                                             find_parameter(model, p + "norm1.bias", "attention_map"), 1e-6)
-                               .detach();
-    torch::Tensor qkv = torch::linear(normed, find_parameter(model, p + "attn.qkv.weight", "attention_map"),
-                                      find_parameter(model, p + "attn.qkv.bias", "attention_map"))
-                            .detach();
-    std::vector<torch::Tensor> chunks = qkv.chunk(3, -1);
-    const int64_t heads = o.num_heads, d = o.embed_dim / o.num_heads;
-    const int64_t query = prefix + query_y * grid + query_x;
+    const int64_t query = e.prefix + query_y * e.width + query_x;
     AttentionMap result;
     torch::Tensor row;  // (h, M) over all keys
-    const bool is_t5 = find_submodule(model, p + "attn.q_conv2d") != nullptr;
-    if (!is_t5) {
-        torch::NoGradGuard no_grad;
-        torch::Tensor weights = softmax_attention_weights(ops::split_heads(chunks[0], heads),
-                                                          ops::split_heads(chunks[1], heads), std::pow(d, -0.5));
-        row = weights[0].select(1, query);
+    if (probe.tensor("attn.weights").defined()) {
+        row = probe.tensor("attn.weights")[0].select(1, query);
         result.method = "softmax attention weights softmax(q k^T / sqrt(d)) of the query patch, mean over heads "
                         "(class-token key left out)";
-    } else {
-        ops::T5TttParams params;
-        params.w1 = find_parameter(model, p + "attn.w1", "attention_map").detach();
-        params.w2 = find_parameter(model, p + "attn.w2", "attention_map").detach();
-        params.w3 = find_parameter(model, p + "attn.w3", "attention_map").detach();
-        params.q_conv_weight = find_parameter(model, p + "attn.q_conv2d.weight", "attention_map").detach();
-        params.q_conv_bias = find_parameter(model, p + "attn.q_conv2d.bias", "attention_map").detach();
-        params.k_conv_weight = find_parameter(model, p + "attn.k_conv2d.weight", "attention_map").detach();
-        params.k_conv_bias = find_parameter(model, p + "attn.k_conv2d.bias", "attention_map").detach();
-        const torch::Tensor q = chunks[0], k = chunks[1];
-        auto mixer = [&](const torch::Tensor& v_heads) {
-            return ops::split_heads(
-                ops::t5_ttt_attention(q, k, ops::merge_heads(v_heads), params, heads, grid, grid), heads);
-        };
-        row = implicit_attention(mixer, ops::split_heads(chunks[2], heads), query)[0];
+    } else if (probe.function("attn.of_v") && probe.tensor("attn.v").defined()) {
+        row = implicit_attention(probe.function("attn.of_v"), probe.tensor("attn.v"), query)[0];
         result.method = "T5 implicit attention ||d o_i / d v_j||_F / sqrt(d) (T5 paper Eq. 13) of the query patch, "
                         "mean over heads";
+    } else {
+        fail("attention_map: blocks.", b, " reports no attention: only deit_* (softmax attention) and t5_* "
+             "(implicit TTT attention) models are supported");
     }
-    result.map = row.slice(1, prefix).mean(0).reshape({grid, grid}).to(torch::kFloat32).contiguous();
+    result.map = row.slice(1, e.prefix).mean(0).reshape({e.height, e.width}).to(torch::kFloat32).contiguous();
     return result;
 }
 

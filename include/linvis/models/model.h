@@ -72,6 +72,19 @@ public:
     virtual torch::Tensor adapt_checkpoint_tensor(const std::string& key, const torch::Tensor& value) const {
         return value;
     }
+
+    // ---- Probing: the forward pass one step at a time, for interpretability tools and feature
+    // extraction (with linvis/nn/probe.h for tensors inside a block). forward_features equals
+    // embed, then forward_block for every index in order, then the final norm. Plain ViTs implement
+    // it; hierarchical models report num_blocks() == 0 and throw from embed.
+    struct Embedding {
+        torch::Tensor tokens;            // (B, prefix + height * width, D): the input of block 0
+        int64_t height = 0, width = 0;   // patch grid
+        int64_t prefix = 0;              // class tokens before the grid
+    };
+    virtual Embedding embed(const torch::Tensor& images);
+    virtual int64_t num_blocks() const { return 0; }
+    virtual torch::Tensor forward_block(int64_t index, const torch::Tensor& tokens, int64_t height, int64_t width);
 };
 
 using ModelPtr = std::shared_ptr<VisionModel>;

@@ -7,6 +7,7 @@
 
 #include <torch/torch.h>
 
+#include "linvis/nn/vit.h"
 #include "linvis/ops/mlstm.h"
 
 namespace linvis::nn {
@@ -97,11 +98,14 @@ public:
 TORCH_MODULE(VilBlock);
 
 // ViLBlockPair (1.4): rowwise_from_top_left then rowwise_from_bot_right.
-class VilBlockPairImpl : public torch::nn::Module {
+// Two sub-blocks for forward_intermediates (index 2i: after the first, 2i + 1: after both).
+class VilBlockPairImpl : public VitBlock {
 public:
     VilBlockPairImpl(int64_t dim, double drop_path, ops::MlstmMode mode, int64_t chunk_size,
                      ops::Impl impl = ops::Impl::Auto);
-    torch::Tensor forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w);
+    torch::Tensor forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w) override;
+    int64_t num_sub_blocks() const override { return 2; }
+    torch::Tensor forward_sub_block(int64_t index, const torch::Tensor& x, int64_t grid_h, int64_t grid_w) override;
     VilBlock rowwise_from_top_left{nullptr}, rowwise_from_bot_right{nullptr};
 };
 TORCH_MODULE(VilBlockPair);

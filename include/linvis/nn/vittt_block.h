@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include "linvis/nn/vit.h"
 #include "linvis/ops/impl.h"
 
 namespace linvis::nn {
@@ -70,10 +71,11 @@ struct VitttBlockOptions {
 //   Z = forth(x) + flip(back(flip(x)))                (v1: the same branch "ttt" twice)
 //   y = y + drop_path(o_proj(gate * Z))
 //   y = y + drop_path(mlp(norm2(y)))
-class VitttBlockImpl : public torch::nn::Module {
+// Under an nn::Probe it reports "ttt.grad_norms.forth" / "ttt.grad_norms.back" (linvis/nn/probe.h).
+class VitttBlockImpl : public VitBlock {
 public:
     explicit VitttBlockImpl(const VitttBlockOptions& options);
-    torch::Tensor forward(const torch::Tensor& y, int64_t h, int64_t w);
+    torch::Tensor forward(const torch::Tensor& y, int64_t h, int64_t w) override;
     // The two directions' post-normed outputs before the merge, each in raster order (flip
     // undone for back), and optionally their inner gradient norms (B, nh, T) in raster order.
     std::pair<torch::Tensor, torch::Tensor> mixer_branches(const torch::Tensor& x, torch::Tensor* norms_forth = nullptr,

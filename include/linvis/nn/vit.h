@@ -1,0 +1,117 @@
+// The parts every ViT-shaped model of linvis shares (timm conventions): the patch embedding, position
+// embeddings, the block interface the plain-ViT skeleton (src/models/plain_vit.h) stacks and the
+// pre-norm transformer block with a pluggable token mixer, timm's Mlp, block-index selection for
+// intermediate features, stochastic-depth rates, the truncated-normal initialiser and the token <->
+// map layout helpers. Matrix products and convolutions go through linvis::flops.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+namespace linvis::nn {
+
+// timm trunc_normal_(t, mean 0, std, a, b): inverse-CDF sampling of N(0, std^2) truncated to the
+// absolute bounds [a, b]. In place, without autograd.
+void trunc_normal_(torch::Tensor t, double std = 0.02, double a = -2.0, double b = 2.0);
+
+// nn.Linear(in, out) with the ViT init: trunc_normal_(std .02) weight, zero bias.
+torch::nn::Linear vit_linear(int64_t in, int64_t out, bool bias = true);
+
+// x (B, N, C) -> x (B, C, H, W) and back, with row-major tokens (n = y * W + x).
+torch::Tensor tokens_to_map(const torch::Tensor& x, int64_t height, int64_t width);
+torch::Tensor map_to_tokens(const torch::Tensor& x);
+
+// FLOP-counted forward of a Conv2d module with its own stride, padding, dilation and groups.
+torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& x);
+
+// Stochastic-depth rate of each of `depth` blocks: torch.linspace(0, rate, depth) in float32 as timm
+// (decay), or `rate` for every block (ViL's drop_path_decay=False).
+std::vector<double> drop_path_rates(double rate, int64_t depth, bool decay = true);
+
+// timm feature_take_indices for explicit indices: each of `indices` in [-count, count) (negative
+// counts from the end) mapped to [0, count), in the order given. `what` names the model in errors.
+std::vector<int64_t> take_indices(int64_t count, const std::vector<int64_t>& indices, const std::string& what);
+
+// timm PatchEmbed: a patch x patch convolution with stride patch (key proj.*), FLOP-counted.
+class PatchEmbedImpl : public torch::nn::Module {
+public:
+    PatchEmbedImpl(int64_t in_chans, int64_t dim, int64_t patch);
+    // images (B, in_chans, H, W) with H, W multiples of the patch -> map (B, dim, H / patch, W / patch).
+    torch::Tensor forward(const torch::Tensor& images);
+
+    torch::nn::Conv2d proj{nullptr};
+    int64_t in_chans, patch;
+};
+TORCH_MODULE(PatchEmbed);
+
+// ViL's VitPosEmbed2d: a learnable (1, h, w, D) embedding (key embed) added to a (B, h', w', D) grid,
+// bicubically resized on the fly when the grid differs (nn::resize_pos_embed_2d).
+class GridPosEmbedImpl : public torch::nn::Module {
+public:
+    GridPosEmbedImpl(int64_t height, int64_t width, int64_t dim);
+    torch::Tensor forward(const torch::Tensor& grid);
+
+    torch::Tensor embed;
+};
+TORCH_MODULE(GridPosEmbed);
+
+// timm Mlp: fc1 -> GELU (erf) -> fc2. With `with_dwc` (H-ViT3): fc1 -> GELU -> x + dwc(x) on the
+// hidden map -> GELU -> fc2, dwc a depthwise 3x3 conv with bias.
+class MlpImpl : public torch::nn::Module {
+public:
+    MlpImpl(int64_t dim, int64_t hidden, bool with_dwc = false);
+    torch::Tensor forward(const torch::Tensor& x, int64_t height = 0, int64_t width = 0);
+
+    torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+    torch::nn::Conv2d dwc{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+// A block of a plain ViT: tokens (B, T, D) on an height x width patch grid (T = prefix + H * W) in,
+// tokens of the same shape out. A block may consist of several sub-blocks with a residual stream
+// between them (ViL's pair of mLSTM blocks); forward_intermediates taps after each of them.
+class VitBlock : public torch::nn::Module {
+public:
+    virtual torch::Tensor forward(const torch::Tensor& x, int64_t height, int64_t width) = 0;
+    virtual int64_t num_sub_blocks() const { return 1; }
+    // Runs sub-block `index` only (forward = all sub-blocks in order).
+    virtual torch::Tensor forward_sub_block(int64_t index, const torch::Tensor& x, int64_t height, int64_t width) {
+        return forward(x, height, width);
+    }
+};
+
+// A token mixer: tokens (B, T, D) on an height x width grid -> (B, T, D). What distinguishes the
+// families of TransformerBlock models (softmax attention, T5's TTT attention, ViT3's TTT).
+class Mixer : public torch::nn::Module {
+public:
+    virtual torch::Tensor forward(const torch::Tensor& x, int64_t height, int64_t width) = 0;
+};
+
+struct TransformerBlockOptions {
+    int64_t dim = 192;
+    int64_t mlp_hidden = 768;
+    double drop_path = 0.0;
+    double norm_eps = 1e-6;
+    bool cpe = false;  // ViT3: x + dwconv3x3(x) on the grid before the mixer (key cpe.*)
+};
+
+// timm's pre-norm Block: x = x + drop_path(attn(norm1(x))); x = x + drop_path(mlp(norm2(x))), with
+// ViT3's positional conv first when options.cpe. Keys cpe.*, norm1.*, attn.*, norm2.*, mlp.fc{1,2}.*.
+class TransformerBlockImpl : public VitBlock {
+public:
+    TransformerBlockImpl(const TransformerBlockOptions& options, std::shared_ptr<Mixer> mixer);
+    torch::Tensor forward(const torch::Tensor& x, int64_t height, int64_t width) override;
+
+    torch::nn::Conv2d cpe{nullptr};
+    torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr};
+    std::shared_ptr<Mixer> attn;
+    Mlp mlp{nullptr};
+
+private:
+    TransformerBlockOptions options_;
+};
+
+}  // namespace linvis::nn

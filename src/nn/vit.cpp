@@ -1,0 +1,139 @@
+#include "linvis/nn/vit.h"
+
+#include <cmath>
+
+#include "linvis/core/error.h"
+#include "linvis/core/flops.h"
+#include "linvis/nn/common.h"
+#include "linvis/nn/vil.h"
+
+namespace linvis::nn {
+
+void trunc_normal_(torch::Tensor t, double std, double a, double b) {
+    torch::NoGradGuard no_grad;
+    auto cdf = [](double x) { return (1.0 + std::erf(x / std::sqrt(2.0))) / 2.0; };
+    const double lo = cdf(a / std), hi = cdf(b / std);
+    t.uniform_(2 * lo - 1, 2 * hi - 1);
+    t.erfinv_();
+    t.mul_(std * std::sqrt(2.0));
+    t.clamp_(a, b);
+}
+
+torch::nn::Linear vit_linear(int64_t in, int64_t out, bool bias) {
+    torch::nn::Linear layer(torch::nn::LinearOptions(in, out).bias(bias));
+    trunc_normal_(layer->weight);
+    if (bias) {
+        torch::NoGradGuard no_grad;
+        layer->bias.zero_();
+    }
+    return layer;
+}
+
+torch::Tensor tokens_to_map(const torch::Tensor& x, int64_t height, int64_t width) {
+    LINVIS_CHECK(x.dim() == 3 && x.size(1) == height * width, "tokens_to_map: expected (B, ", height * width,
+                 ", C), got ", shape_string(x.sizes()));
+    return x.transpose(1, 2).reshape({x.size(0), x.size(2), height, width});
+}
+
+torch::Tensor map_to_tokens(const torch::Tensor& x) { return x.flatten(2).transpose(1, 2); }
+
+namespace {
+// The padding option of a Conv2d is a variant whose type differs between LibTorch versions (c10 or
+// std); the module keeps it resolved as (left, right, top, bottom) in a protected member, read here
+// through a pointer to member formed in a derived class.
+struct ConvPadding : torch::nn::Conv2dImpl {
+    static const std::vector<int64_t>& of(const torch::nn::Conv2dImpl& conv) {
+        return conv.*(&ConvPadding::_reversed_padding_repeated_twice);
+    }
+};
+}  // namespace
+
+torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& x) {
+    const auto& o = layer->options;
+    const std::vector<int64_t>& pad = ConvPadding::of(*layer);
+    LINVIS_CHECK(pad.size() == 4 && pad[0] == pad[1] && pad[2] == pad[3] &&
+                     torch::enumtype::get_enum_name(o.padding_mode()) == "kZeros",
+                 "conv_forward: only symmetric zero padding is supported");
+    return flops::conv2d(x, layer->weight, layer->bias, {(*o.stride())[0], (*o.stride())[1]}, {pad[2], pad[0]},
+                         {(*o.dilation())[0], (*o.dilation())[1]}, o.groups());
+}
+
+std::vector<double> drop_path_rates(double rate, int64_t depth, bool decay) {
+    LINVIS_CHECK(rate >= 0.0 && rate < 1.0, "drop_path_rate must be in [0, 1), got ", rate);
+    std::vector<double> rates(static_cast<size_t>(std::max<int64_t>(depth, 0)), rate);
+    if (!decay || depth <= 0) return rates;
+    const torch::Tensor values = torch::linspace(0.0, rate, depth);  // float32, as timm
+    for (int64_t i = 0; i < depth; ++i) rates[static_cast<size_t>(i)] = values[i].item<double>();
+    return rates;
+}
+
+std::vector<int64_t> take_indices(int64_t count, const std::vector<int64_t>& indices, const std::string& what) {
+    std::vector<int64_t> taken;
+    taken.reserve(indices.size());
+    for (int64_t index : indices) {
+        const int64_t i = index < 0 ? index + count : index;
+        LINVIS_CHECK(i >= 0 && i < count, what, ": forward_intermediates: index ", index, " outside [-", count, ", ",
+                     count, ")");
+        taken.push_back(i);
+    }
+    return taken;
+}
+
+PatchEmbedImpl::PatchEmbedImpl(int64_t in_chans_, int64_t dim, int64_t patch_) : in_chans(in_chans_), patch(patch_) {
+    LINVIS_CHECK(in_chans >= 1 && dim >= 1 && patch >= 1, "PatchEmbed: bad in_chans ", in_chans, ", dim ", dim,
+                 " or patch ", patch);
+    proj = register_module("proj", torch::nn::Conv2d(torch::nn::Conv2dOptions(in_chans, dim, patch).stride(patch)));
+}
+
+torch::Tensor PatchEmbedImpl::forward(const torch::Tensor& images) {
+    return flops::conv2d(images, proj->weight, proj->bias, {patch, patch}, {0, 0}, {1, 1}, 1);
+}
+
+GridPosEmbedImpl::GridPosEmbedImpl(int64_t height, int64_t width, int64_t dim) {
+    embed = register_parameter("embed", torch::empty({1, height, width, dim}));
+    trunc_normal_(embed);
+}
+
+torch::Tensor GridPosEmbedImpl::forward(const torch::Tensor& grid) {
+    if (grid.size(1) == embed.size(1) && grid.size(2) == embed.size(2)) return grid + embed;
+    return grid + resize_pos_embed_2d(embed, grid.size(1), grid.size(2));
+}
+
+MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool with_dwc) {
+    fc1 = register_module("fc1", vit_linear(dim, hidden));
+    if (with_dwc)
+        dwc = register_module("dwc", torch::nn::Conv2d(torch::nn::Conv2dOptions(hidden, hidden, 3)
+                                                           .padding(1)
+                                                           .groups(hidden)
+                                                           .bias(true)));
+    fc2 = register_module("fc2", vit_linear(hidden, dim));
+}
+
+torch::Tensor MlpImpl::forward(const torch::Tensor& x, int64_t height, int64_t width) {
+    torch::Tensor y = torch::gelu(flops::linear(x, fc1->weight, fc1->bias));
+    if (dwc) {
+        y = y + map_to_tokens(conv_forward(dwc, tokens_to_map(y, height, width)));
+        y = torch::gelu(y);
+    }
+    return flops::linear(y, fc2->weight, fc2->bias);
+}
+
+TransformerBlockImpl::TransformerBlockImpl(const TransformerBlockOptions& options, std::shared_ptr<Mixer> mixer)
+    : options_(options) {
+    const int64_t D = options.dim;
+    if (options.cpe)
+        cpe = register_module("cpe", torch::nn::Conv2d(torch::nn::Conv2dOptions(D, D, 3).padding(1).groups(D)));
+    norm1 = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({D}).eps(options.norm_eps)));
+    attn = register_module("attn", std::move(mixer));
+    norm2 = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({D}).eps(options.norm_eps)));
+    mlp = register_module("mlp", Mlp(D, options.mlp_hidden));
+}
+
+torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x_in, int64_t height, int64_t width) {
+    torch::Tensor x = x_in;
+    if (cpe) x = x + map_to_tokens(conv_forward(cpe, tokens_to_map(x, height, width)));
+    x = x + drop_path(attn->forward(norm1->forward(x), height, width), options_.drop_path, is_training());
+    return x + drop_path(mlp->forward(norm2->forward(x)), options_.drop_path, is_training());
+}
+
+}  // namespace linvis::nn
