@@ -39,7 +39,7 @@ torch::ScalarType parse_dtype(const std::string& dtype) {
 models::ModelPtr build_model(const BenchCase& c, const std::string& impl, int64_t res) {
     models::ModelConfig config(c.model_kwargs);
     config.set("img_size", res);
-    config.set("impl", impl);
+    if (impl != "auto") config.set("impl", impl);  // auto: the model's own default
     models::ModelPtr model = models::create_model(c.model, config);
     model->to(parse_dtype(c.dtype));
     return model;
