@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
 #include "linvis/core/runtime.h"
 #include "linvis/ops/ttt_linear.h"
-#include "linvis/tools/args.h"
 #include "linvis/tools/bench.h"
 
 using linvis::ops::Impl;
@@ -99,30 +99,34 @@ double child_peak_mib(const std::string& self, const std::string& args, const st
 }  // namespace
 
 int run_bench(int argc, char** argv) {
-    linvis::tools::ArgParser args("bench_ttt_linear", "fused vs reference TTT-Linear");
-    args.option("--threads", "N", "intra-op threads", "2")
-        .option("--tokens", "T", "sequence length (4096 = 1024x1024 image, patch 16)", "4096")
-        .option("--heads", "NH", "heads (vittt_tiny: 3)", "3")
-        .option("--head-dim", "D", "head dim", "64")
-        .option("--mini-batch", "B", "mini-batch size", "16")
-        .option("--reps", "N", "timed repetitions (median)", "5")
-        .option("--child", "IMPL", "internal: measure the peak memory of one case", "")
-        .flag("--train", "internal: with --child, forward + backward")
-        .option("--child-reps", "N", "internal: with --child, run the case N times (for profilers)", "1");
-    if (!args.parse(argc, argv, 1)) return 0;
-    const int threads = static_cast<int>(args.get_int("--threads"));
-    const int64_t T = args.get_int("--tokens"), nh = args.get_int("--heads"), d = args.get_int("--head-dim"),
-                  b = args.get_int("--mini-batch");
-    const int reps = static_cast<int>(args.get_int("--reps"));
+    int threads = 2, reps = 5;
+    int64_t T = 4096, nh = 3, d = 64, b = 16, child_reps = 1;
+    std::string child;
+    bool train = false;
+    CLI::App app("fused vs reference TTT-Linear", "bench_ttt_linear");
+    app.option_defaults()->always_capture_default();
+    app.add_option("--threads", threads, "intra-op threads");
+    app.add_option("--tokens", T, "sequence length (4096 = 1024x1024 image, patch 16)");
+    app.add_option("--heads", nh, "heads (vittt_tiny: 3)");
+    app.add_option("--head-dim", d, "head dim");
+    app.add_option("--mini-batch", b, "mini-batch size");
+    app.add_option("--reps", reps, "timed repetitions (median)");
+    app.add_option("--child", child, "internal: measure the peak memory of one case")->type_name("IMPL");
+    app.add_flag("--train", train, "internal: with --child, forward + backward");
+    app.add_option("--child-reps", child_reps, "internal: with --child, run the case N times (for profilers)");
+    try {
+        app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+        return app.exit(e) == 0 ? 0 : 1;  // --help, or a bad command line (status 1 as before)
+    }
     linvis::runtime::configure_threads(threads);
 
-    if (args.has("--child")) {
-        const Impl impl = linvis::ops::parse_impl(args.get("--child"));
-        const bool train = args.get_flag("--train");
+    if (app.count("--child") > 0) {
+        const Impl impl = linvis::ops::parse_impl(child);
         Inputs in = make_inputs(T, nh, d, b, train);
         torch::Tensor probe = torch::randn({1, nh, T, d});
         const int64_t base = linvis::tools::current_rss_bytes();
-        for (int64_t i = 0; i < args.get_int("--child-reps"); ++i) run_case(in, impl, b, train, probe);
+        for (int64_t i = 0; i < child_reps; ++i) run_case(in, impl, b, train, probe);
         std::printf("%.3f\n", static_cast<double>(linvis::tools::peak_rss_bytes() - base) / (1024.0 * 1024.0));
         return 0;
     }

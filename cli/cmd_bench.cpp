@@ -22,10 +22,9 @@
 #include "linvis/core/error.h"
 #include "linvis/core/runtime.h"
 #include "linvis/models/registry.h"
-#include "linvis/ops/impl.h"
-#include "linvis/tools/args.h"
 #include "linvis/tools/bench.h"
 #include "linvis/tools/plot.h"
+#include "options.h"
 
 namespace linvis::cli {
 namespace {
@@ -192,53 +191,67 @@ void draw_figure(const std::string& path, const std::vector<BenchResult>& result
     figure.save_png(path, 1400, 520);
 }
 
+struct BenchOptions {
+    std::vector<std::string> models = {"deit_tiny", "vittt_tiny", "vit3_tiny", "vil_tiny"};
+    std::map<std::string, std::string> kwargs;
+    std::vector<int64_t> res = {224, 384, 512, 768, 1024, 1280};
+    int64_t batch = 1;
+    int threads = 0;
+    std::string dtype = "f32";
+    std::string impl = "auto";
+    bool train = false;
+    int warmup = 2;
+    int iters = 5;
+    double max_seconds = 60;
+    double case_timeout = 900;
+    std::string baseline = "deit_tiny";
+    std::string format = "table";
+    std::string csv, plot;
+    bool no_gemm = false;
+};
+
 int run_bench(int argc, const char* const* argv) {
-    tools::ArgParser args("bench",
-                          "Measure throughput (images/s, median and spread), latency, peak memory and GFLOPs of "
-                          "models side by side, each (model, resolution) in its own child process.");
-    args.option("--models", "A,B,...", "models to measure; NAME@reference or NAME@fused overrides --impl for one",
-                "deit_tiny,vittt_tiny,vit3_tiny,vil_tiny")
-        .multi_option("--model-kwargs", "K=V", "options passed to every model")
-        .option("--res", "R1,R2,...", "square input resolutions", "224,384,512,768,1024,1280")
-        .option("--batch", "N", "images per pass", "1")
-        .option("--threads", "N", "threads for LibTorch and BLAS (0: all cores)", "0")
-        .option("--dtype", "f32|bf16", "parameter and activation dtype", "f32")
-        .option("--impl", "auto|reference|fused",
-                "op implementation: auto = the fastest correct path for this CPU (fused runs are checked against "
-                "reference first)",
-                "auto")
-        .flag("--train", "time forward + backward instead of inference")
-        .option("--warmup", "N", "warm-up passes per case", "2")
-        .option("--iters", "N", "timed passes per case (at least 3 are kept)", "5")
-        .option("--max-seconds", "S", "stop timing a case after S seconds (once 3 passes are done)", "60")
-        .option("--case-timeout", "S", "kill a case that runs longer than S seconds", "900")
-        .option("--baseline", "MODEL", "model the ratios are computed against", "deit_tiny")
-        .option("--format", "table|json", "output on stdout", "table")
-        .option("--csv", "FILE", "also write the results as CSV", "")
-        .option("--plot", "FILE.png", "also draw images/s and peak memory against resolution", "")
-        .flag("--no-gemm", "skip measuring the machine's SGEMM rate");
-    if (!args.parse(argc, argv, 1)) return 0;
-    const std::string format = args.get("--format");
-    LINVIS_CHECK(format == "table" || format == "json", "--format must be table or json, got '", format, "'");
-    const std::string dtype = args.get("--dtype"), impl = args.get("--impl");
-    LINVIS_CHECK(dtype == "f32" || dtype == "bf16", "--dtype must be f32 or bf16, got '", dtype, "'");
-    ops::parse_impl(impl);  // rejects anything but auto, reference, fused
+    BenchOptions o;
+    CommandApp app("bench", "Measure throughput (images/s, median and spread), latency, peak memory and GFLOPs of "
+                            "models side by side, each (model, resolution) in its own child process.");
+    add_list(app, "--models", o.models, "models to measure; NAME@auto, NAME@reference or NAME@fused overrides --impl "
+                                        "for one");
+    add_model_kwargs_option(app, o.kwargs);
+    add_list(app, "--res", o.res, "square input resolutions");
+    add_number(app, "--batch", o.batch, "images per pass");
+    add_threads_option(app, o.threads);
+    add_dtype_option(app, o.dtype, {"f32", "bf16"});
+    add_impl_option(app, o.impl);
+    app.add_flag("--train", o.train, "time forward + backward instead of inference");
+    add_number(app, "--warmup", o.warmup, "warm-up passes per case");
+    add_number(app, "--iters", o.iters, "timed passes per case (at least 3 are kept)");
+    add_number(app, "--max-seconds", o.max_seconds, "stop timing a case after S seconds (once 3 passes are done)");
+    add_number(app, "--case-timeout", o.case_timeout, "kill a case that runs longer than S seconds");
+    app.add_option("--baseline", o.baseline, "model the ratios are computed against")->type_name("MODEL");
+    add_format_option(app, o.format, {"table", "json"});
+    app.add_option("--csv", o.csv, "also write the results as CSV")->type_name("FILE");
+    app.add_option("--plot", o.plot, "also draw images/s and peak memory against resolution")->type_name("FILE.png");
+    app.add_flag("--no-gemm", o.no_gemm, "skip measuring the machine's SGEMM rate");
+    if (!parse(app, argc, argv)) return 0;
+    const std::string& format = o.format;
+    const std::string& dtype = o.dtype;
+    const std::string& impl = o.impl;
     // "name@impl" overrides --impl for one model, so a fused model can be compared with a baseline
     // that has no fused kernel (e.g. --impl fused --models deit_tiny@reference,vittt_tiny).
     std::vector<std::pair<std::string, std::string>> model_impls;
-    for (const auto& token : args.get_list("--models")) {
+    for (const auto& token : o.models) {
         const auto at = token.find('@');
         const std::string name = token.substr(0, at);
         const std::string model_impl = at == std::string::npos ? impl : token.substr(at + 1);
         LINVIS_CHECK(models::has_model(name), "--models: unknown model '", name, "' (see 'linvis models')");
-        LINVIS_CHECK(model_impl == "auto" || model_impl == "reference" || model_impl == "fused", "--models: '", token,
-                     "': the implementation after '@' must be auto, reference or fused");
+        LINVIS_CHECK(std::find(kImplChoices.begin(), kImplChoices.end(), model_impl) != kImplChoices.end(),
+                     "--models: '", token, "': the implementation after '@' must be ", choice_list(kImplChoices));
         model_impls.push_back({name, model_impl});
     }
 
-    runtime::configure_threads(static_cast<int>(args.get_int("--threads")));
+    runtime::configure_threads(o.threads);
     const runtime::Info info = runtime::query();
-    const double sgemm = args.get_flag("--no-gemm") ? 0.0 : tools::measure_sgemm_gflops();
+    const double sgemm = o.no_gemm ? 0.0 : tools::measure_sgemm_gflops();
     if (format == "table") {
         std::printf("machine: %s | threads %d | BLAS %s\n", runtime::simd_name(info.simd), info.torch_threads,
                     info.blas.c_str());
@@ -248,21 +261,21 @@ int run_bench(int argc, const char* const* argv) {
     }
 
     std::vector<BenchResult> results;
-    for (const int64_t res : args.get_int_list("--res")) {
+    for (const int64_t res : o.res) {
         for (const auto& [name, model_impl] : model_impls) {
             BenchCase c;
             c.model = name;
-            c.model_kwargs = tools::parse_key_values(args.get_all("--model-kwargs"), "--model-kwargs");
+            c.model_kwargs = o.kwargs;
             c.res = res;
-            c.batch = args.get_int("--batch");
-            c.threads = static_cast<int>(args.get_int("--threads"));
+            c.batch = o.batch;
+            c.threads = o.threads;
             c.dtype = dtype;
             c.impl = model_impl;
-            c.train = args.get_flag("--train");
-            c.warmup = static_cast<int>(args.get_int("--warmup"));
-            c.iters = static_cast<int>(args.get_int("--iters"));
-            c.max_seconds = args.get_double("--max-seconds");
-            results.push_back(run_isolated(c, args.get_double("--case-timeout")));
+            c.train = o.train;
+            c.warmup = o.warmup;
+            c.iters = o.iters;
+            c.max_seconds = o.max_seconds;
+            results.push_back(run_isolated(c, o.case_timeout));
             if (format == "table") {
                 const auto& r = results.back();
                 std::fprintf(stderr, "  %s @ %lld: %s\n", name.c_str(), static_cast<long long>(res),
@@ -280,15 +293,15 @@ int run_bench(int argc, const char* const* argv) {
         }
         std::cout << rows.dump(2) << "\n";
     } else {
-        print_table(results, args.get("--baseline"));
+        print_table(results, o.baseline);
     }
-    if (!args.get("--csv").empty()) write_csv(args.get("--csv"), results, sgemm);
-    if (!args.get("--plot").empty()) {
+    if (!o.csv.empty()) write_csv(o.csv, results, sgemm);
+    if (!o.plot.empty()) {
         char subtitle[160];
         std::snprintf(subtitle, sizeof(subtitle), "batch %lld, %s, %s, %s, %d threads",
-                      static_cast<long long>(args.get_int("--batch")), dtype.c_str(), impl.c_str(),
-                      args.get_flag("--train") ? "forward+backward" : "inference", info.torch_threads);
-        draw_figure(args.get("--plot"), results, subtitle);
+                      static_cast<long long>(o.batch), dtype.c_str(), impl.c_str(),
+                      o.train ? "forward+backward" : "inference", info.torch_threads);
+        draw_figure(o.plot, results, subtitle);
     }
     return 0;
 }

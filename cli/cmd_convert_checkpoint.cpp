@@ -2,12 +2,12 @@
 #include <iostream>
 
 #include "command.h"
+#include "common.h"
 #include "linvis/core/error.h"
 #include "linvis/io/safetensors.h"
 #include "linvis/io/torch_checkpoint.h"
 #include "linvis/models/pretrained.h"
 #include "linvis/models/registry.h"
-#include "linvis/tools/args.h"
 
 namespace linvis::cli {
 namespace {
@@ -19,27 +19,35 @@ void print_list(const std::string& title, const std::vector<std::string>& items,
     if (items.size() > limit) std::cout << "  ... " << (items.size() - limit) << " more\n";
 }
 
+struct ConvertOptions {
+    std::string in, out;
+    std::string model;  // map names to it and check shapes when set
+    std::map<std::string, std::string> kwargs;
+    bool ema = false;
+    bool non_strict = false;
+    bool dry_run = false;
+};
+
 int run_convert_checkpoint(int argc, const char* const* argv) {
-    tools::ArgParser args("convert-checkpoint",
-                          "Read an official PyTorch checkpoint (torch.save zip: .pth/.th/.pt, including files "
-                          "that also pickle optimizer state, yacs configs or argparse Namespaces), pick the "
-                          "model (or EMA) state dict, optionally map and check it against a linvis model, "
-                          "and write safetensors.");
-    args.positional("IN", "checkpoint written by torch.save")
-        .positional("OUT", "output .safetensors file")
-        .option("--model", "NAME", "linvis model to map names to and check shapes against (see `linvis models`)")
-        .flag("--ema", "take the EMA weights (model_ema / state_dict_ema / ema)")
-        .multi_option("--model-kwargs", "K=V", "options for the model, e.g. img_size=384")
-        .flag("--non-strict", "write even if keys are missing, unexpected or mismatched (those are left out)")
-        .flag("--dry-run", "read, map and check, print the report, write nothing");
-    if (!args.parse(argc, argv, 1)) return 0;
-    const std::string in = args.positionals().at(0);
-    const std::string out = args.positionals().at(1);
+    ConvertOptions o;
+    CommandApp app("convert-checkpoint",
+                   "Read an official PyTorch checkpoint (torch.save zip: .pth/.th/.pt, including files that also "
+                   "pickle optimizer state, yacs configs or argparse Namespaces), pick the model (or EMA) state dict, "
+                   "optionally map and check it against a linvis model, and write safetensors.");
+    app.add_option("IN", o.in, "checkpoint written by torch.save")->required();
+    app.add_option("OUT", o.out, "output .safetensors file")->required();
+    CLI::Option* model = add_model_option(app, o.model);
+    add_model_kwargs_option(app, o.kwargs)->needs(model);
+    add_weights_flags(app, o.ema, o.non_strict);
+    app.add_flag("--dry-run", o.dry_run, "read, map and check, print the report, write nothing");
+    if (!parse(app, argc, argv)) return 0;
+    const std::string& in = o.in;
+    const std::string& out = o.out;
     const io::CheckpointContents contents = io::read_torch_checkpoint(in);
     io::StateDictReport extract;
     std::string chosen;
     std::map<std::string, torch::Tensor> tensors =
-        io::extract_state_dict(contents, args.get_flag("--ema"), &chosen, &extract);
+        io::extract_state_dict(contents, o.ema, &chosen, &extract);
 
     std::cout << "checkpoint  " << in << " (format version " << contents.format_version << ", "
               << contents.num_storages << " storages)\n"
@@ -53,12 +61,12 @@ int run_convert_checkpoint(int argc, const char* const* argv) {
     std::map<std::string, std::string> metadata = {{"format", "pt"},
                                                    {"source", in},
                                                    {"source_key", chosen.empty() ? "<top level>" : chosen}};
-    if (args.has("--model")) {
-        const std::string name = args.get("--model");
-        models::ModelConfig config(tools::parse_key_values(args.get_all("--model-kwargs"), "--model-kwargs"));
+    if (app.count("--model") > 0) {
+        const std::string& name = o.model;
+        models::ModelConfig config(o.kwargs);
         models::ModelPtr model = models::create_model(name, config);
         models::ModelMappingReport mapping;
-        tensors = models::map_state_dict_to_model(tensors, *model, !args.get_flag("--non-strict"), &mapping);
+        tensors = models::map_state_dict_to_model(tensors, *model, !o.non_strict, &mapping);
         std::vector<std::string> renames;
         for (const auto& [from, to] : mapping.renamed) renames.push_back(from + " -> " + to);
         std::cout << "model       " << name << ": " << tensors.size() << " tensors match, " << renames.size()
@@ -71,10 +79,8 @@ int run_convert_checkpoint(int argc, const char* const* argv) {
         print_list("shape mismatches (not written)", mapping.mismatched);
         metadata["model"] = name;
         for (const auto& [k, v] : config.values()) metadata["model_kwargs." + k] = v;
-    } else if (args.has("--model-kwargs")) {
-        fail("--model-kwargs needs --model");
     }
-    if (args.get_flag("--dry-run")) {
+    if (o.dry_run) {
         std::cout << "dry run: nothing written\n";
         return 0;
     }

@@ -35,18 +35,25 @@ Measurement measure(models::VisionModel& model, const torch::Tensor& image) {
     return m;
 }
 
+struct DemoOptions {
+    std::vector<std::string> models = {"vittt_tiny", "vit3_tiny", "deit_tiny"};
+    std::vector<int64_t> res = {224, 512};
+    std::string save_image;
+    int threads = 0;
+};
+
 int run_demo(int argc, const char* const* argv) {
-    tools::ArgParser args("demo", "Build a linear-time backbone and the DeiT baseline (untrained, seeded), run "
-                                  "them on a generated image at two resolutions and show how compute and time "
-                                  "grow with the number of pixels: linear for the TTT/mLSTM models, quadratic "
-                                  "for softmax attention.");
-    args.option("--models", "A,B,...", "models to compare", "vittt_tiny,vit3_tiny,deit_tiny")
-        .option("--res", "R1,R2", "two square resolutions", "224,512")
-        .option("--save-image", "FILE", "also write the generated input image as PNG", "")
-        .option("--threads", "N", "threads (0: all cores)", "0");
-    if (!args.parse(argc, argv, 1)) return 0;
-    runtime::configure_threads(static_cast<int>(args.get_int("--threads")));
-    const auto resolutions = args.get_int_list("--res");
+    DemoOptions o;
+    CommandApp app("demo", "Build a linear-time backbone and the DeiT baseline (untrained, seeded), run them on a "
+                           "generated image at two resolutions and show how compute and time grow with the number of "
+                           "pixels: linear for the TTT/mLSTM models, quadratic for softmax attention.");
+    add_list(app, "--models", o.models, "models to compare");
+    add_list(app, "--res", o.res, "two square resolutions");
+    app.add_option("--save-image", o.save_image, "also write the generated input image as PNG")->type_name("FILE");
+    add_threads_option(app, o.threads);
+    if (!parse(app, argc, argv)) return 0;
+    runtime::configure_threads(o.threads);
+    const auto& resolutions = o.res;
     LINVIS_CHECK(resolutions.size() == 2, "--res: expected two resolutions, got ", resolutions.size());
     const runtime::Info info = runtime::query();
     std::printf("linvis %s on LibTorch %s, %d threads, %s, BLAS: %s\n\n", info.linvis_version.c_str(),
@@ -54,7 +61,7 @@ int run_demo(int argc, const char* const* argv) {
                 info.blas_is_optimized ? "optimised" : "REFERENCE (slow)");
 
     const torch::Tensor picture = io::demo_image(256, 320);
-    if (!args.get("--save-image").empty()) io::write_png(args.get("--save-image"), picture);
+    if (!o.save_image.empty()) io::write_png(o.save_image, picture);
     std::printf("input: a generated %lldx%lld RGB image, evaluation transform (bicubic resize, centre crop, "
                 "ImageNet normalisation)\n\n",
                 static_cast<long long>(picture.size(1)), static_cast<long long>(picture.size(0)));
@@ -64,7 +71,7 @@ int run_demo(int argc, const char* const* argv) {
     std::printf("%-12s %11s | %15lld px | %15lld px |\n", "", "", static_cast<long long>(resolutions[0]),
                 static_cast<long long>(resolutions[1]));
     std::vector<std::pair<std::string, std::array<Measurement, 2>>> rows;
-    for (const auto& name : args.get_list("--models")) {
+    for (const auto& name : o.models) {
         torch::manual_seed(0);
         std::array<Measurement, 2> m;
         std::string top1;

@@ -52,43 +52,64 @@ plot::HeatmapPanel image_panel(const plot::Canvas& image, const std::string& tit
     return panel;
 }
 
-int run_explain(int argc, const char* const* argv) {
-    tools::ArgParser args("explain",
-                          "Interpretability pictures of the papers: the effective receptive field of the central output "
-                          "position (erf), the Gradient Magnitude Map of a Vision-TTT block (gradmap, Vision-TTT Eq. 6) "
-                          "and the attention of one query patch (attention: DeiT softmax weights or the T5 implicit "
-                          "attention, T5 Eq. 13). Without IMAGE the generated demo image is used. See docs/explain.md.");
-    add_model_options(args, false);
-    args.positional("IMAGE", "JPEG, PNG or BMP files (erf averages over all of them)", false, true)
-        .option("--what", "erf|gradmap|attention", "which map", "", true)
-        .option("--output", "FILE.png", "picture to write", "", true)
-        .option("--block", "N", "block index for gradmap / attention (negative counts from the end)", "-1")
-        .option("--branch", "forth|back", "TTT-Linear branch for gradmap", "forth")
-        .option("--head", "H", "gradmap: one head, or -1 for the norm over all heads", "-1")
-        .option("--query", "Y,X", "attention: query patch (row, column); default the grid centre", "")
-        .option("--img-size", "N", "crop size (the model is built for it)", "224")
-        .option("--decades", "F", "erf: decades shown by the log colour scale", "3")
-        .option("--erf-cells", "N", "erf: show the map as means over square pixel blocks, about N per side "
-                                    "(0: every pixel)", "56")
-        .option("--save-map", "FILE.safetensors", "also write the raw map(s) as float32 tensors", "")
-        .option("--panel-size", "W,H", "pixels of each panel of the picture", "340,360")
-        .option("--seed", "N", "seed of the random initialisation (untrained models)", "0")
-        .option("--threads", "N", "threads (0: all cores)", "0");
-    if (!args.parse(argc, argv, 1)) return 0;
-    torch::manual_seed(static_cast<uint64_t>(args.get_int("--seed")));
-    runtime::configure_threads(static_cast<int>(args.get_int("--threads")));
+struct ExplainOptions {
+    ModelOptions model;  // --model may name several models (erf only)
+    std::vector<std::string> images;
+    std::string what, output;
+    int64_t block = -1;
+    std::string branch = "forth";
+    int64_t head = -1;
+    std::string query;  // Y,X; empty: the grid centre
+    int64_t img_size = 224;
+    double decades = 3;
+    int64_t erf_cells = 56;
+    std::string save_map;
+    std::string panel_size = "340,360";
+    int64_t seed = 0;
+    int threads = 0;
+};
 
-    const std::string what = args.get("--what");
-    LINVIS_CHECK(what == "erf" || what == "gradmap" || what == "attention",
-                 "--what must be erf, gradmap or attention, got '", what, "'");
-    const std::string output = args.get("--output");
+int run_explain(int argc, const char* const* argv) {
+    ExplainOptions o;
+    CommandApp app("explain",
+                   "Interpretability pictures of the papers: the effective receptive field of the central output "
+                   "position (erf), the Gradient Magnitude Map of a Vision-TTT block (gradmap, Vision-TTT Eq. 6) and "
+                   "the attention of one query patch (attention: DeiT softmax weights or the T5 implicit attention, "
+                   "T5 Eq. 13). Without IMAGE the generated demo image is used. See docs/explain.md.");
+    add_model_options(app, o.model, false);
+    app.add_option("IMAGE", o.images, "JPEG, PNG or BMP files (erf averages over all of them)");
+    add_choice(app, "--what", o.what, {"erf", "gradmap", "attention"}, "which map")->required();
+    app.add_option("--output", o.output, "picture to write")->type_name("FILE.png")->required();
+    add_number(app, "--block", o.block, "block index for gradmap / attention (negative counts from the end)");
+    // The library names the branches (and words the error).
+    app.add_option("--branch", o.branch, "TTT-Linear branch for gradmap")
+        ->type_name("forth|back")
+        ->check(CLI::Validator([](const std::string& name) { return (explain::parse_ttt_branch(name), ""); }, ""));
+    add_number(app, "--head", o.head, "gradmap: one head, or -1 for the norm over all heads", int64_t{-1});
+    app.add_option("--query", o.query, "attention: query patch (row, column); default the grid centre")
+        ->type_name("Y,X");
+    add_number(app, "--img-size", o.img_size, "crop size (the model is built for it)", int64_t{1});
+    add_number(app, "--decades", o.decades, "erf: decades shown by the log colour scale");
+    add_number(app, "--erf-cells", o.erf_cells,
+               "erf: show the map as means over square pixel blocks, about N per side (0: every pixel)", int64_t{0});
+    app.add_option("--save-map", o.save_map, "also write the raw map(s) as float32 tensors")
+        ->type_name("FILE.safetensors");
+    app.add_option("--panel-size", o.panel_size, "pixels of each panel of the picture")->type_name("W,H");
+    add_seed_option(app, o.seed);
+    add_threads_option(app, o.threads);
+    if (!parse(app, argc, argv)) return 0;
+    torch::manual_seed(static_cast<uint64_t>(o.seed));
+    runtime::configure_threads(o.threads);
+
+    const std::string& what = o.what;
+    const std::string& output = o.output;
     LINVIS_CHECK(output.size() > 4 && output.substr(output.size() - 4) == ".png", "--output must name a .png file, got '",
                  output, "'");
-    const std::string branch_name = args.get("--branch");
+    const std::string& branch_name = o.branch;
     const explain::TttBranch branch = explain::parse_ttt_branch(branch_name);
-    const double decades = args.get_double("--decades");
+    const double decades = o.decades;
     LINVIS_CHECK(decades > 0 && decades <= 12, "--decades must be in (0, 12], got ", decades);
-    const auto panel_size = split_commas(args.get("--panel-size"));
+    const auto panel_size = split_commas(o.panel_size);
     int cell_width = 0, cell_height = 0;
     try {
         if (panel_size.size() == 2) {
@@ -98,31 +119,30 @@ int run_explain(int argc, const char* const* argv) {
     } catch (const std::exception&) {
     }
     LINVIS_CHECK(cell_width >= 160 && cell_height >= 160 && cell_width <= 4000 && cell_height <= 4000,
-                 "--panel-size must be W,H with each in [160, 4000], got '", args.get("--panel-size"), "'");
-    const int64_t erf_cells = args.get_int("--erf-cells");
-    LINVIS_CHECK(erf_cells >= 0, "--erf-cells must be >= 0, got ", erf_cells);
-    const std::vector<std::string> model_names = split_commas(args.get("--model"));
+                 "--panel-size must be W,H with each in [160, 4000], got '", o.panel_size, "'");
+    const int64_t erf_cells = o.erf_cells;
+    const std::vector<std::string> model_names = split_commas(o.model.model);
     LINVIS_CHECK(!model_names.empty(), "--model is empty");
-    LINVIS_CHECK(model_names.size() == 1 || what == "erf", "--model: several models (", args.get("--model"),
+    LINVIS_CHECK(model_names.size() == 1 || what == "erf", "--model: several models (", o.model.model,
                  ") only with --what erf");
-    LINVIS_CHECK(model_names.size() == 1 || args.get("--weights").empty(),
+    LINVIS_CHECK(model_names.size() == 1 || o.model.weights.empty(),
                  "--weights: give one model when loading weights");
     for (const auto& name : model_names)
         LINVIS_CHECK(models::has_model(name), "--model: unknown model '", name, "' (see 'linvis models')");
 
     io::EvalTransform transform;
-    transform.crop_size = args.get_int("--img-size");
+    transform.crop_size = o.img_size;
     transform.validate();
     torch::Tensor images;
-    if (args.positionals().empty())
+    if (o.images.empty())
         images = transform(io::demo_image()).unsqueeze(0);
     else
-        images = io::load_image_batch(args.positionals(), transform);
+        images = io::load_image_batch(o.images, transform);
     const plot::Canvas input = plot::canvas_from_tensor(display_image(images[0], transform));
     const std::string input_title =
-        args.positionals().empty() ? std::string("input (generated demo image)")
+        o.images.empty() ? std::string("input (generated demo image)")
                                    : (images.size(0) > 1 ? "input 1 of " + std::to_string(images.size(0)) : "input");
-    const std::string trained = args.get("--weights").empty() ? " (untrained)" : "";
+    const std::string trained = o.model.weights.empty() ? " (untrained)" : "";
     const std::map<std::string, std::string> defaults = {{"img_size", std::to_string(transform.crop_size)}};
     std::map<std::string, torch::Tensor> saved;
 
@@ -131,9 +151,9 @@ int run_explain(int argc, const char* const* argv) {
         for (const auto& name : model_names) {
             models::ModelPtr model;
             if (model_names.size() == 1) {
-                model = build_model_from_args(args, defaults);
+                model = build_model(o.model, defaults);
             } else {
-                auto kwargs = tools::parse_key_values(args.get_all("--model-kwargs"), "--model-kwargs");
+                auto kwargs = o.model.kwargs;
                 for (const auto& [key, value] : defaults) kwargs.emplace(key, value);
                 model = models::create_model(name, models::ModelConfig(kwargs));
             }
@@ -166,8 +186,8 @@ int run_explain(int argc, const char* const* argv) {
         figure.save_png(output, cell_width * figure.cols(), cell_height);
     } else {
         LINVIS_CHECK(images.size(0) == 1, "--what ", what, ": give one IMAGE, got ", images.size(0));
-        models::ModelPtr model = build_model_from_args(args, defaults);
-        int64_t block = args.get_int("--block");
+        models::ModelPtr model = build_model(o.model, defaults);
+        int64_t block = o.block;
         int64_t depth = 0;
         for (const auto& item : model->named_children())
             if (item.key() == "blocks") depth = static_cast<int64_t>(item.value()->children().size());
@@ -176,17 +196,17 @@ int run_explain(int argc, const char* const* argv) {
         std::string map_title, bar_label, figure_title;
         plot::Canvas marked = input;
         if (what == "gradmap") {
-            const int64_t head = args.get_int("--head");
+            const int64_t head = o.head;
             map = explain::gradient_magnitude_map(*model, images[0], block, branch, head);
             map_title = "||G_t|| on the patch grid";
             bar_label = "||G_t||";
-            figure_title = args.get("--model") + trained + ": Gradient Magnitude Map, block " + std::to_string(block) +
+            figure_title = o.model.model + trained + ": Gradient Magnitude Map, block " + std::to_string(block) +
                            ", " + branch_name + " branch, " + (head < 0 ? std::string("all heads") :
                                                                            "head " + std::to_string(head));
         } else {
             const int64_t grid_guess = transform.crop_size / 16;
             int64_t qy = grid_guess / 2, qx = grid_guess / 2;
-            const std::string query = args.get("--query");
+            const std::string& query = o.query;
             if (!query.empty()) {
                 const auto parts = split_commas(query);
                 LINVIS_CHECK(parts.size() == 2, "--query must be Y,X (two integers), got '", query, "'");
@@ -203,7 +223,7 @@ int run_explain(int argc, const char* const* argv) {
             map_title = "weights of the query's keys";
             bar_label = "weight";
             const bool implicit = attention.method.rfind("T5", 0) == 0;
-            figure_title = args.get("--model") + trained + ": " + (implicit ? "implicit attention (T5 Eq. 13)"
+            figure_title = o.model.model + trained + ": " + (implicit ? "implicit attention (T5 Eq. 13)"
                                                                             : "softmax attention") +
                            ", block " + std::to_string(block) + ", query (" + std::to_string(qy) + ", " +
                            std::to_string(qx) + "), mean over heads";
@@ -229,9 +249,9 @@ int run_explain(int argc, const char* const* argv) {
                   << map.max().item<float>() << "\n";
     }
     std::cout << "wrote " << output << "\n";
-    const std::string save_map = args.get("--save-map");
+    const std::string& save_map = o.save_map;
     if (!save_map.empty()) {
-        io::save_safetensors(save_map, saved, {{"what", what}, {"model", args.get("--model")}});
+        io::save_safetensors(save_map, saved, {{"what", what}, {"model", o.model.model}});
         std::cout << "wrote " << save_map << "\n";
     }
     return 0;

@@ -8,24 +8,26 @@
 #include "command.h"
 #include "linvis/core/error.h"
 #include "linvis/io/safetensors.h"
-#include "linvis/tools/args.h"
+#include "options.h"
 
 namespace linvis::cli {
 namespace {
 
+struct InspectOptions {
+    std::string file;
+    std::string format = "text";
+};
+
 int run_inspect(int argc, const char* const* argv) {
-    tools::ArgParser args("inspect", "List every tensor of a .safetensors file (dtype, shape, bytes), the total "
-                                     "parameter count and bytes, and the metadata. The whole header is validated "
-                                     "first; a malformed file is reported in one line.");
-    args.option("--format", "text|json", "output format", "text");
-    args.positional("FILE", "a .safetensors file");
-    if (!args.parse(argc, argv, 1)) return 0;
-    const std::string format = args.get("--format");
-    if (format != "text" && format != "json") {
-        std::cerr << "linvis inspect: --format must be text or json, got '" << format << "'\n";
-        return 2;
-    }
-    const std::string path = args.positionals().at(0);
+    InspectOptions o;
+    CommandApp app("inspect", "List every tensor of a .safetensors file (dtype, shape, bytes), the total parameter "
+                              "count and bytes, and the metadata. The whole header is validated first; a malformed "
+                              "file is reported in one line.");
+    add_format_option(app, o.format);
+    app.add_option("FILE", o.file, "a .safetensors file")->required();
+    if (!parse(app, argc, argv)) return 0;
+    const std::string& format = o.format;
+    const std::string& path = o.file;
     const io::SafetensorsFile file = io::SafetensorsFile::open(path);
 
     // Name order reads best; offsets are in the JSON output for those who need file order.

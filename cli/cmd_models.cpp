@@ -10,26 +10,32 @@
 #include "linvis/core/runtime.h"
 #include "linvis/models/profile.h"
 #include "linvis/models/registry.h"
-#include "linvis/tools/args.h"
 
 namespace linvis::cli {
 namespace {
 
-int run_models(int argc, const char* const* argv) {
-    tools::ArgParser args("models", "List every model in the registry with its parameter count (1000 classes) "
-                                    "and GFLOPs at 224x224 (one FLOP per multiply-add, as fvcore and the papers).");
-    args.option("--format", "text|json", "output format", "text")
-        .option("--filter", "TEXT", "only models whose name contains TEXT", "")
-        .flag("--no-flops", "skip the FLOP count (faster)")
-        .option("--res", "R1,R2,...", "also count GFLOPs at these resolutions (models built at each size)", "")
-        .option("--threads", "N", "threads (0: all cores)", "0");
-    if (!args.parse(argc, argv, 1)) return 0;
-    const std::string format = args.get("--format");
-    LINVIS_CHECK(format == "text" || format == "json", "--format must be text or json, got '", format, "'");
-    runtime::configure_threads(static_cast<int>(args.get_int("--threads")));
-    const std::string filter = args.get("--filter");
+struct ModelsOptions {
+    std::string format = "text";
+    std::string filter;
+    bool no_flops = false;
+    std::vector<int64_t> res;  // GFLOPs also at these resolutions
+    int threads = 0;
+};
 
-    const std::vector<int64_t> extra = args.get("--res").empty() ? std::vector<int64_t>{} : args.get_int_list("--res");
+int run_models(int argc, const char* const* argv) {
+    ModelsOptions o;
+    CommandApp app("models", "List every model in the registry with its parameter count (1000 classes) and GFLOPs "
+                             "at 224x224 (one FLOP per multiply-add, as fvcore and the papers).");
+    add_format_option(app, o.format);
+    app.add_option("--filter", o.filter, "only models whose name contains TEXT");
+    app.add_flag("--no-flops", o.no_flops, "skip the FLOP count (faster)");
+    add_list(app, "--res", o.res, "also count GFLOPs at these resolutions (models built at each size)");
+    add_threads_option(app, o.threads);
+    if (!parse(app, argc, argv)) return 0;
+    const std::string& format = o.format;
+    runtime::configure_threads(o.threads);
+    const std::string& filter = o.filter;
+    const std::vector<int64_t>& extra = o.res;
     nlohmann::json rows = nlohmann::json::array();
     if (format == "text") {
         std::printf("%-16s %-8s %14s %11s", "name", "family", "params", "GFLOPs@224");
@@ -38,7 +44,7 @@ int run_models(int argc, const char* const* argv) {
     }
     for (const auto& info : models::list_models()) {
         if (!filter.empty() && info.name.find(filter) == std::string::npos) continue;
-        const models::ModelSummary s = models::summarize_model(info.name, !args.get_flag("--no-flops"), extra);
+        const models::ModelSummary s = models::summarize_model(info.name, !o.no_flops, extra);
         if (format == "json") {
             rows.push_back({{"name", s.name}, {"family", s.family}, {"description", s.description},
                             {"params", s.params},

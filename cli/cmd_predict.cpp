@@ -13,27 +13,37 @@
 namespace linvis::cli {
 namespace {
 
+struct PredictOptions {
+    ModelOptions model;
+    std::vector<std::string> images;
+    int64_t img_size = 224;
+    double crop_pct = 0.875;
+    int64_t top = 5;
+    int threads = 0;
+};
+
 int run_predict(int argc, const char* const* argv) {
-    tools::ArgParser args("predict", "Classify images: the top-5 classes (ImageNet names built in) with their "
-                                     "probabilities, after the standard evaluation transform (resize the shorter "
-                                     "side with bicubic interpolation, centre crop, normalise).");
-    add_model_options(args, true);
-    args.positional("IMAGE", "JPEG, PNG or BMP files", true, true)
-        .option("--img-size", "N", "crop size (the model is built for it)", "224")
-        .option("--crop-pct", "F", "crop fraction: the shorter side is resized to img-size / crop-pct", "0.875")
-        .option("--top", "K", "classes to show", "5")
-        .option("--threads", "N", "threads (0: all cores)", "0");
-    if (!args.parse(argc, argv, 1)) return 0;
-    runtime::configure_threads(static_cast<int>(args.get_int("--threads")));
+    PredictOptions o;
+    CommandApp app("predict", "Classify images: the top-5 classes (ImageNet names built in) with their "
+                              "probabilities, after the standard evaluation transform (resize the shorter side with "
+                              "bicubic interpolation, centre crop, normalise).");
+    add_model_options(app, o.model, true);
+    app.add_option("IMAGE", o.images, "JPEG, PNG or BMP files")->required();
+    add_number(app, "--img-size", o.img_size, "crop size (the model is built for it)", int64_t{1});
+    add_number(app, "--crop-pct", o.crop_pct, "crop fraction: the shorter side is resized to img-size / crop-pct");
+    add_number(app, "--top", o.top, "classes to show", int64_t{0});
+    add_threads_option(app, o.threads);
+    if (!parse(app, argc, argv)) return 0;
+    runtime::configure_threads(o.threads);
     io::EvalTransform transform;
-    transform.crop_size = args.get_int("--img-size");
-    transform.crop_pct = args.get_double("--crop-pct");
+    transform.crop_size = o.img_size;
+    transform.crop_pct = o.crop_pct;
     transform.validate();
-    models::ModelPtr model = build_model_from_args(args, {{"img_size", std::to_string(transform.crop_size)}});
-    const int64_t top = std::min<int64_t>(args.get_int("--top"), model->num_classes());
+    models::ModelPtr model = build_model(o.model, {{"img_size", std::to_string(transform.crop_size)}});
+    const int64_t top = std::min<int64_t>(o.top, model->num_classes());
     const bool imagenet = model->num_classes() == models::kImageNetClasses;
     torch::NoGradGuard no_grad;
-    for (const auto& path : args.positionals()) {
+    for (const auto& path : o.images) {
         torch::Tensor batch = io::load_image_batch({path}, transform);
         torch::Tensor probs = torch::softmax(model->forward(batch).to(torch::kFloat32), -1)[0];
         auto [values, indices] = probs.topk(top);

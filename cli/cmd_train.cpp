@@ -23,25 +23,28 @@ namespace {
 
 namespace fs = std::filesystem;
 
-void add_data_options(tools::ArgParser& args) {
-    args.option("--dataset", "NAME", "fashion-mnist | cifar10 | cifar100 | folder:DIR (DIR/train, DIR/val)", "", true)
-        .option("--data-dir", "DIR", "where cifar10/cifar100 (or a non-Debian Fashion-MNIST) live", "")
-        .option("--img-size", "N", "input resolution (default: the data set's own, 224 for folders)", "0")
-        .option("--limit-eval", "N", "evaluate on the first N images only (0: all)", "0")
-        .option("--eval-batch-size", "N", "images per evaluation batch", "256")
-        .option("--workers", "N", "image decoding threads for folders", "2")
-        .option("--threads", "N", "threads for LibTorch and BLAS (0: all cores)", "0");
-}
+// Options of train and eval: the data set, threads and autocast. The options write straight into `config`,
+// whose defaults are the command line's.
+struct DataOptions {
+    train::DataConfig config;
+    int threads = 0;
+    bool bf16 = false;
+};
 
-train::DataConfig data_config_from(const tools::ArgParser& args) {
-    train::DataConfig c;
-    c.dataset = args.get("--dataset");
-    c.data_dir = args.get("--data-dir");
-    c.img_size = args.get_int("--img-size");
-    c.limit_eval = args.get_int("--limit-eval");
-    c.eval_batch_size = args.get_int("--eval-batch-size");
-    c.workers = static_cast<int>(args.get_int("--workers"));
-    return c;
+void add_data_options(CLI::App& app, DataOptions& o) {
+    app.add_option("--dataset", o.config.dataset,
+                   "fashion-mnist | cifar10 | cifar100 | folder:DIR (DIR/train, DIR/val)")
+        ->type_name("NAME")
+        ->required();
+    app.add_option("--data-dir", o.config.data_dir, "where cifar10/cifar100 (or a non-Debian Fashion-MNIST) live")
+        ->type_name("DIR");
+    add_number(app, "--img-size", o.config.img_size, "input resolution (0: the data set's own, 224 for folders)",
+               int64_t{0});
+    add_number(app, "--limit-eval", o.config.limit_eval, "evaluate on the first N images only (0: all)");
+    add_number(app, "--eval-batch-size", o.config.eval_batch_size, "images per evaluation batch");
+    add_number(app, "--workers", o.config.workers, "image decoding threads for folders");
+    add_threads_option(app, o.threads);
+    app.add_flag("--bf16", o.bf16, "bfloat16 autocast");
 }
 
 // Options the model needs to match the data, unless the user set them: classes, channels,
@@ -82,96 +85,96 @@ void draw_curves(const std::string& path, const std::string& title, const std::v
     figure.save_png(path, 1500, 450);
 }
 
-int run_train(int argc, const char* const* argv) {
-    tools::ArgParser args("train", "Train a model with the DeiT recipe (AdamW, cosine schedule with warm-up, label "
-                                   "smoothing, mixup/cutmix, drop path, EMA) on Fashion-MNIST, CIFAR or an "
-                                   "ImageFolder tree. Writes checkpoint.pt every epoch (atomically), best/last "
-                                   "weights as safetensors, metrics.jsonl and curves.png into --output.");
-    args.option("--model", "NAME", "model name (see 'linvis models')", "", true)
-        .multi_option("--model-kwargs", "K=V", "model options, e.g. depth=6 embed_dim=128 patch_size=2")
-        .option("--output", "DIR", "output directory", "", true)
-        .option("--epochs", "N", "epochs", "10")
-        .option("--batch-size", "N", "images per batch", "128")
-        .option("--accum-steps", "N", "gradient accumulation: optimiser step every N batches", "1")
-        .option("--limit-train", "N", "train on the first N images only (0: all)", "0")
-        .option("--lr", "F", "peak learning rate", "5e-4")
-        .option("--min-lr", "F", "final learning rate", "1e-5")
-        .option("--warmup-lr", "F", "learning rate at the start of warm-up", "1e-6")
-        .option("--warmup-epochs", "F", "linear warm-up length", "1")
-        .option("--weight-decay", "F", "AdamW weight decay (norms, biases, position embeddings excluded)", "0.05")
-        .option("--smoothing", "F", "label smoothing", "0.1")
-        .option("--mixup", "F", "mixup alpha (0: off)", "0.8")
-        .option("--cutmix", "F", "cutmix alpha (0: off)", "1.0")
-        .option("--mixup-prob", "F", "probability of mixing a batch", "1.0")
-        .option("--mixup-switch-prob", "F", "probability of cutmix when both are on", "0.5")
-        .option("--drop-path", "F", "stochastic depth rate (model option drop_path_rate)", "0.1")
-        .option("--clip-grad", "F", "clip the global gradient norm (0: off)", "0")
-        .option("--ema-decay", "F", "EMA of the weights (0: off; DeiT uses 0.99996)", "0")
-        .option("--augment", "MODE", "full: random crop + flip (DeiT recipe for folders) | flip: horizontal flip only | none",
-                "full")
-        .flag("--no-augment", "same as --augment none")
-        .option("--eval-every", "N", "evaluate after every N-th epoch (and always after the last)", "1")
-        .flag("--bf16", "bfloat16 autocast")
-        .option("--seed", "N", "seed of initialisation, data order and augmentation", "0")
-        .flag("--resume", "continue from OUTPUT/checkpoint.pt exactly where it stopped")
-        .option("--init-from", "FILE", "inherit every tensor whose name and shape match (T5 conversion)", "")
-        .option("--new-lr-mult", "F", "lr multiplier of parameters not inherited with --init-from", "20")
-        .flag("--freeze-inherited", "train only the parameters not inherited with --init-from")
-        .flag("--no-progress", "no progress bar");
-    add_data_options(args);
-    if (!args.parse(argc, argv, 1)) return 0;
-    runtime::configure_threads(static_cast<int>(args.get_int("--threads")));
+struct TrainOptions {
+    std::string model;
+    std::map<std::string, std::string> kwargs;
+    train::TrainConfig config;  // written by the options, with the command line's defaults
+    std::string drop_path = "0.1";  // handed to the model as written
+    std::string augment = "full";
+    bool no_augment = false;
+    int64_t seed = 0;
+    std::string init_from;
+    double new_lr_mult = 20;
+    bool freeze_inherited = false;
+    bool no_progress = false;
+    DataOptions data;
+};
 
-    train::DataConfig data_config = data_config_from(args);
-    data_config.batch_size = args.get_int("--batch-size");
-    data_config.limit_train = args.get_int("--limit-train");
-    data_config.seed = static_cast<uint64_t>(args.get_int("--seed"));
-    data_config.augment =
-        args.get_flag("--no-augment") ? train::DataConfig::Augment::None : train::parse_augment(args.get("--augment"));
+int run_train(int argc, const char* const* argv) {
+    TrainOptions o;
+    train::TrainConfig& config = o.config;
+    CommandApp app("train", "Train a model with the DeiT recipe (AdamW, cosine schedule with warm-up, label "
+                            "smoothing, mixup/cutmix, drop path, EMA) on Fashion-MNIST, CIFAR or an ImageFolder "
+                            "tree. Writes checkpoint.pt every epoch (atomically), best/last weights as safetensors, "
+                            "metrics.jsonl and curves.png into --output.");
+    add_model_option(app, o.model)->required();
+    add_model_kwargs_option(app, o.kwargs);
+    app.add_option("--output", config.output_dir, "output directory")->type_name("DIR")->required();
+    add_number(app, "--epochs", config.epochs, "epochs");
+    add_number(app, "--batch-size", o.data.config.batch_size, "images per batch");
+    add_number(app, "--accum-steps", config.accumulation_steps,
+               "gradient accumulation: optimiser step every N batches");
+    add_number(app, "--limit-train", o.data.config.limit_train, "train on the first N images only (0: all)");
+    add_number(app, "--lr", config.optimizer.lr, "peak learning rate");
+    add_number(app, "--min-lr", config.min_lr, "final learning rate");
+    add_number(app, "--warmup-lr", config.warmup_lr, "learning rate at the start of warm-up");
+    add_number(app, "--warmup-epochs", config.warmup_epochs, "linear warm-up length");
+    add_number(app, "--weight-decay", config.optimizer.weight_decay,
+               "AdamW weight decay (norms, biases, position embeddings excluded)");
+    add_number(app, "--smoothing", config.mixup.label_smoothing, "label smoothing");
+    add_number(app, "--mixup", config.mixup.mixup_alpha, "mixup alpha (0: off)");
+    add_number(app, "--cutmix", config.mixup.cutmix_alpha, "cutmix alpha (0: off)");
+    add_number(app, "--mixup-prob", config.mixup.prob, "probability of mixing a batch");
+    add_number(app, "--mixup-switch-prob", config.mixup.switch_prob, "probability of cutmix when both are on");
+    app.add_option("--drop-path", o.drop_path, "stochastic depth rate (model option drop_path_rate)")
+        ->type_name("FLOAT")
+        ->check(real_check("--drop-path"));  // checked, not rewritten: check() hands the check a copy
+    add_number(app, "--clip-grad", config.clip_grad, "clip the global gradient norm (0: off)");
+    add_number(app, "--ema-decay", config.ema_decay, "EMA of the weights (0: off; DeiT uses 0.99996)");
+    add_choice(app, "--augment", o.augment, {"full", "flip", "none"},
+               "full: random crop + flip (DeiT recipe for folders) | flip: horizontal flip only | none");
+    app.add_flag("--no-augment", o.no_augment, "same as --augment none");
+    add_number(app, "--eval-every", config.eval_every, "evaluate after every N-th epoch (and always after the last)");
+    add_seed_option(app, o.seed);
+    app.add_flag("--resume", config.resume, "continue from OUTPUT/checkpoint.pt exactly where it stopped");
+    app.add_option("--init-from", o.init_from, "inherit every tensor whose name and shape match (T5 conversion)")
+        ->type_name("FILE");
+    add_number(app, "--new-lr-mult", o.new_lr_mult, "lr multiplier of parameters not inherited with --init-from");
+    app.add_flag("--freeze-inherited", o.freeze_inherited, "train only the parameters not inherited with --init-from");
+    app.add_flag("--no-progress", o.no_progress, "no progress bar");
+    add_data_options(app, o.data);
+    if (!parse(app, argc, argv)) return 0;
+    runtime::configure_threads(o.data.threads);
+
+    train::DataConfig& data_config = o.data.config;
+    data_config.seed = static_cast<uint64_t>(o.seed);
+    data_config.augment = o.no_augment ? train::DataConfig::Augment::None : train::parse_augment(o.augment);
     train::DataSources data = train::make_data_sources(data_config);
     std::cerr << data.description << "\n";
 
-    auto kwargs = tools::parse_key_values(args.get_all("--model-kwargs"), "--model-kwargs");
-    for (const auto& [key, value] : model_defaults_for(data, args.get("--model"))) kwargs.emplace(key, value);
-    kwargs.emplace("drop_path_rate", args.get("--drop-path"));
+    auto kwargs = o.kwargs;
+    for (const auto& [key, value] : model_defaults_for(data, o.model)) kwargs.emplace(key, value);
+    kwargs.emplace("drop_path_rate", o.drop_path);
     torch::manual_seed(data_config.seed);
-    models::ModelPtr model = models::create_model(args.get("--model"), models::ModelConfig(kwargs));
-    std::cerr << args.get("--model") << ": " << with_commas(models::count_parameters(*model)) << " parameters";
+    models::ModelPtr model = models::create_model(o.model, models::ModelConfig(kwargs));
+    std::cerr << o.model << ": " << with_commas(models::count_parameters(*model)) << " parameters";
     for (const auto& [key, value] : kwargs) std::cerr << " " << key << "=" << value;
     std::cerr << "\n";
 
-    train::TrainConfig config;
-    config.epochs = args.get_int("--epochs");
-    config.accumulation_steps = args.get_int("--accum-steps");
-    config.optimizer.lr = args.get_double("--lr");
-    config.optimizer.weight_decay = args.get_double("--weight-decay");
-    config.min_lr = args.get_double("--min-lr");
-    config.warmup_lr = args.get_double("--warmup-lr");
-    config.warmup_epochs = args.get_double("--warmup-epochs");
-    config.clip_grad = args.get_double("--clip-grad");
-    config.ema_decay = args.get_double("--ema-decay");
-    config.eval_every = args.get_int("--eval-every");
-    config.mixup.mixup_alpha = args.get_double("--mixup");
-    config.mixup.cutmix_alpha = args.get_double("--cutmix");
-    config.mixup.prob = args.get_double("--mixup-prob");
-    config.mixup.switch_prob = args.get_double("--mixup-switch-prob");
-    config.mixup.label_smoothing = args.get_double("--smoothing");
-    config.bf16 = args.get_flag("--bf16");
+    config.bf16 = o.data.bf16;
     config.seed = data_config.seed;
-    config.output_dir = args.get("--output");
-    config.resume = args.get_flag("--resume");
-    config.progress = !args.get_flag("--no-progress");
+    config.progress = !o.no_progress;
 
-    if (!args.get("--init-from").empty()) {
+    if (!o.init_from.empty()) {
         // T5 protocol: inherit the softmax model's weights, train the new parameters faster.
-        const auto weights = io::SafetensorsFile::open(args.get("--init-from")).load_all();
+        const auto weights = io::SafetensorsFile::open(o.init_from).load_all();
         const train::InheritanceReport report = train::inherit_weights(*model, weights);
         std::cerr << train::describe(report);
         config.optimizer.boosted_parameters.insert(report.new_parameters.begin(), report.new_parameters.end());
         for (const auto& mismatch : report.shape_mismatch)
             config.optimizer.boosted_parameters.insert(mismatch.substr(0, mismatch.find(':')));
-        config.optimizer.lr_multiplier = args.get_double("--new-lr-mult");
-        config.optimizer.train_only_boosted = args.get_flag("--freeze-inherited");
+        config.optimizer.lr_multiplier = o.new_lr_mult;
+        config.optimizer.train_only_boosted = o.freeze_inherited;
         if (data.eval) {
             const train::EvalResult before = train::evaluate(*model, *data.eval, config.bf16);
             std::cerr << "converted model before fine-tuning: top-1 " << before.top1 << "%, top-5 " << before.top5
@@ -185,17 +188,17 @@ int run_train(int argc, const char* const* argv) {
 
     train::Trainer trainer(model, config);
     trainer.save_weights = [&](const std::string& path, const torch::nn::Module& module) {
-        io::save_weights(module, path, {{"model", args.get("--model")}});
+        io::save_weights(module, path, {{"model", o.model}});
     };
     const std::string curves = (fs::path(config.output_dir) / "curves.png").string();
-    const std::string title = "linvis train: " + args.get("--model") + " on " + args.get("--dataset");
+    const std::string title = "linvis train: " + o.model + " on " + o.data.config.dataset;
     trainer.on_epoch_end = [&](const std::vector<train::EpochRecord>& history) {
         draw_curves(curves, title, history);
     };
     const bool finished = trainer.fit(*data.train, data.eval.get());
     if (!finished) return 130;
     const auto& last = trainer.history().back();
-    std::printf("trained %s for %lld epochs: ", args.get("--model").c_str(), static_cast<long long>(config.epochs));
+    std::printf("trained %s for %lld epochs: ", o.model.c_str(), static_cast<long long>(config.epochs));
     if (last.has_eval) std::printf("test top-1 %.2f%%, top-5 %.2f%%, loss %.4f", last.eval.top1, last.eval.top5, last.eval.loss);
     if (last.has_eval_ema) std::printf(" (EMA top-1 %.2f%%)", last.eval_ema.top1);
     std::printf("\noutputs in %s: best.safetensors, last.safetensors, checkpoint.pt, metrics.jsonl, curves.png\n",
@@ -203,30 +206,35 @@ int run_train(int argc, const char* const* argv) {
     return 0;
 }
 
+struct EvalOptions {
+    ModelOptions model;
+    DataOptions data;
+    std::string format = "text";
+};
+
 int run_eval(int argc, const char* const* argv) {
-    tools::ArgParser args("eval", "Top-1/top-5 accuracy and cross-entropy of a model on a data set's evaluation "
-                                  "split. With --format json the last line is a JSON object with top1, top5, "
-                                  "loss and images.");
-    add_model_options(args, true);
-    add_data_options(args);
-    args.option("--format", "text|json", "output format", "text").flag("--bf16", "bfloat16 autocast");
-    if (!args.parse(argc, argv, 1)) return 0;
-    const std::string format = args.get("--format");
-    LINVIS_CHECK(format == "text" || format == "json", "--format must be text or json, got '", format, "'");
-    runtime::configure_threads(static_cast<int>(args.get_int("--threads")));
-    train::DataSources data = train::make_data_sources(data_config_from(args), false);
+    EvalOptions o;
+    CommandApp app("eval", "Top-1/top-5 accuracy and cross-entropy of a model on a data set's evaluation split. With "
+                           "--format json the last line is a JSON object with top1, top5, loss and images.");
+    add_model_options(app, o.model, true);
+    add_data_options(app, o.data);
+    add_format_option(app, o.format);
+    if (!parse(app, argc, argv)) return 0;
+    const std::string& format = o.format;
+    runtime::configure_threads(o.data.threads);
+    train::DataSources data = train::make_data_sources(o.data.config, false);
     if (format == "text") std::cerr << data.description << "\n";
-    models::ModelPtr model = build_model_from_args(args, model_defaults_for(data, args.get("--model")));
-    const train::EvalResult result = train::evaluate(*model, *data.eval, args.get_flag("--bf16"), format == "text");
+    models::ModelPtr model = build_model(o.model, model_defaults_for(data, o.model.model));
+    const train::EvalResult result = train::evaluate(*model, *data.eval, o.data.bf16, format == "text");
     if (format == "json") {
-        std::cout << nlohmann::json({{"model", args.get("--model")}, {"dataset", args.get("--dataset")},
+        std::cout << nlohmann::json({{"model", o.model.model}, {"dataset", o.data.config.dataset},
                                      {"top1", result.top1}, {"top5", result.top5}, {"loss", result.loss},
                                      {"images", result.images}, {"skipped_images", result.skipped_images}})
                          .dump()
                   << "\n";
     } else {
-        std::printf("%s on %s: top-1 %.2f%%  top-5 %.2f%%  loss %.4f  (%lld images)\n", args.get("--model").c_str(),
-                    args.get("--dataset").c_str(), result.top1, result.top5, result.loss,
+        std::printf("%s on %s: top-1 %.2f%%  top-5 %.2f%%  loss %.4f  (%lld images)\n", o.model.model.c_str(),
+                    o.data.config.dataset.c_str(), result.top1, result.top5, result.loss,
                     static_cast<long long>(result.images));
     }
     return 0;

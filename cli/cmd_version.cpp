@@ -6,20 +6,26 @@
 #include "command.h"
 #include "linvis/core/runtime.h"
 #include "linvis/ops/impl.h"
-#include "linvis/tools/args.h"
+#include "options.h"
 
 namespace linvis::cli {
 namespace {
 
+struct VersionOptions {
+    std::string format = "text";
+    int threads = 0;  // configured before reporting
+};
+
 int run_version(int argc, const char* const* argv) {
-    tools::ArgParser args("version", "Print the linvis and LibTorch versions, the BLAS LibTorch calls, "
-                                     "thread counts, the SIMD level of this CPU and CUDA availability.");
-    args.option("--format", "text|json", "output format", "text");
-    args.option("--threads", "N", "threads to configure before reporting (0: all cores)", "0");
-    if (!args.parse(argc, argv, 1)) return 0;
-    runtime::configure_threads(static_cast<int>(args.get_int("--threads")));
+    VersionOptions o;
+    CommandApp app("version", "Print the linvis and LibTorch versions, the BLAS LibTorch calls, thread counts, the "
+                              "SIMD level of this CPU and CUDA availability.");
+    add_format_option(app, o.format);
+    add_threads_option(app, o.threads);
+    if (!parse(app, argc, argv)) return 0;
+    runtime::configure_threads(o.threads);
     const runtime::Info info = runtime::query();
-    if (args.get("--format") == "json") {
+    if (o.format == "json") {
         nlohmann::json j = {{"linvis", info.linvis_version},
                             {"libtorch", info.torch_version},
                             {"blas", info.blas},
@@ -33,10 +39,6 @@ int run_version(int argc, const char* const* argv) {
                             {"cuda_devices", info.cuda_devices}};
         std::cout << j.dump() << "\n";
         return 0;
-    }
-    if (args.get("--format") != "text") {
-        std::cerr << "linvis version: --format must be text or json, got '" << args.get("--format") << "'\n";
-        return 2;
     }
     std::cout << "linvis     " << info.linvis_version << "\n"
               << "LibTorch   " << info.torch_version << "\n"

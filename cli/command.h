@@ -8,7 +8,7 @@
 
 namespace linvis::cli {
 
-// argv[0] is the command name; the command parses the rest with tools::ArgParser.
+// argv[0] is the command name; the command parses the rest with its CommandApp (options.h).
 using CommandFn = std::function<int(int argc, const char* const* argv)>;
 
 struct Command {

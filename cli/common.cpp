@@ -8,24 +8,26 @@
 
 namespace linvis::cli {
 
-void add_model_options(tools::ArgParser& args, bool weights_required) {
-    args.option("--model", "NAME", "model name (see 'linvis models')", "", true)
-        .multi_option("--model-kwargs", "K=V", "model options, e.g. img_size=384 num_classes=10 depth=6")
-        .option("--weights", "FILE", "weights: .safetensors, or an official PyTorch checkpoint (.pth)", "",
-                weights_required)
-        .flag("--ema", "take the EMA weights of a PyTorch training checkpoint")
-        .flag("--non-strict", "load the tensors that match and report the rest instead of refusing");
+CLI::Option* add_model_option(CLI::App& app, std::string& model) {
+    return app.add_option("--model", model, "model name (see 'linvis models')")->type_name("NAME");
 }
 
-models::ModelPtr build_model_from_args(const tools::ArgParser& args,
-                                       const std::map<std::string, std::string>& defaults) {
-    auto kwargs = tools::parse_key_values(args.get_all("--model-kwargs"), "--model-kwargs");
+void add_model_options(CLI::App& app, ModelOptions& options, bool weights_required) {
+    add_model_option(app, options.model)->required();
+    add_model_kwargs_option(app, options.kwargs);
+    app.add_option("--weights", options.weights, "weights: .safetensors, or an official PyTorch checkpoint (.pth)")
+        ->type_name("FILE")
+        ->required(weights_required);
+    add_weights_flags(app, options.ema, options.non_strict);
+}
+
+models::ModelPtr build_model(const ModelOptions& options, const std::map<std::string, std::string>& defaults) {
+    auto kwargs = options.kwargs;
     for (const auto& [key, value] : defaults) kwargs.emplace(key, value);
-    models::ModelPtr model = models::create_model(args.get("--model"), models::ModelConfig(kwargs));
-    const std::string weights = args.get("--weights");
+    models::ModelPtr model = models::create_model(options.model, models::ModelConfig(kwargs));
+    const std::string& weights = options.weights;
     if (!weights.empty()) {
-        const auto result =
-            models::load_model_weights(*model, weights, args.get_flag("--ema"), !args.get_flag("--non-strict"));
+        const auto result = models::load_model_weights(*model, weights, options.ema, !options.non_strict);
         std::cerr << "loaded " << result.loaded << " tensors from " << weights << " (" << result.format
                   << (result.chosen_key.empty() ? "" : ", key '" + result.chosen_key + "'") << ")";
         if (!result.mapping.renamed.empty()) std::cerr << ", " << result.mapping.renamed.size() << " renamed";

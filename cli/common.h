@@ -5,17 +5,26 @@
 #include <string>
 
 #include "linvis/models/model.h"
-#include "linvis/tools/args.h"
+#include "options.h"
 
 namespace linvis::cli {
 
-// Declares --model, --model-kwargs, --weights, --ema and --non-strict.
-void add_model_options(tools::ArgParser& args, bool weights_required);
+// --model, --model-kwargs, --weights, --ema and --non-strict.
+struct ModelOptions {
+    std::string model;
+    std::map<std::string, std::string> kwargs;
+    std::string weights;
+    bool ema = false;
+    bool non_strict = false;
+};
 
-// Builds the model named by --model with --model-kwargs (plus `defaults` for keys the user did
-// not give) and, when --weights is set, loads them (reporting what was mapped on stderr).
-models::ModelPtr build_model_from_args(const tools::ArgParser& args,
-                                       const std::map<std::string, std::string>& defaults = {});
+// --model NAME: a registered model (several commands require it).
+CLI::Option* add_model_option(CLI::App& app, std::string& model);
+void add_model_options(CLI::App& app, ModelOptions& options, bool weights_required);
+
+// Builds options.model with options.kwargs (plus `defaults` for keys the user did not give) and, when weights
+// are given, loads them (reporting what was mapped on stderr).
+models::ModelPtr build_model(const ModelOptions& options, const std::map<std::string, std::string>& defaults = {});
 
 std::string with_commas(int64_t n);
 

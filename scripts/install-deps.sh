@@ -5,6 +5,7 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libtorch-dev libopenblas-dev libopenblas0-pthread   # LibTorch 1.13 and the BLAS it should call
   nlohmann-json3-dev libstb-dev                         # JSON headers; JPEG/PNG/BMP decoding
+  libcli11-dev                                          # command-line parsing of the linvis program
   zlib1g-dev                                            # gzip IDX files (Fashion-MNIST), PNG CRCs
   fonts-dejavu-core                                     # DejaVu Sans for text in plots (linvis/tools/plot.h)
   libgtest-dev libgmock-dev                             # unit tests

@@ -1,4 +1,4 @@
-// Core utilities: error messages, argument parsing, FLOP counting, runtime facts.
+// Core utilities: error messages, FLOP counting, runtime facts (command-line parsing: test_cli_args.cpp).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -6,10 +6,8 @@
 #include "linvis/core/flops.h"
 #include "linvis/core/precision.h"
 #include "linvis/core/runtime.h"
-#include "linvis/tools/args.h"
 
 using linvis::Error;
-using linvis::tools::ArgParser;
 
 TEST(Error, CheckNamesExpectedAndActual) {
     try {
@@ -19,38 +17,6 @@ TEST(Error, CheckNamesExpectedAndActual) {
     } catch (const Error& e) {
         EXPECT_STREQ(e.what(), "file.safetensors: tensor 'w': expected shape [2, 3], got [3]");
     }
-}
-
-TEST(Args, ParsesOptionsFlagsListsAndPositionals) {
-    ArgParser args("bench", "test");
-    args.option("--res", "LIST", "resolutions", "224")
-        .option("--batch", "N", "batch", "1")
-        .multi_option("--model-kwargs", "K=V", "kwargs")
-        .flag("--train", "train")
-        .positional("FILE", "input", true, true);
-    ASSERT_TRUE(args.parse({"a.st", "--res", "224,384", "--model-kwargs", "depth=2", "embed_dim=64", "--train",
-                            "--batch=4", "b.st"}));
-    EXPECT_EQ(args.get_int_list("--res"), (std::vector<int64_t>{224, 384}));
-    EXPECT_EQ(args.get_int("--batch"), 4);
-    EXPECT_TRUE(args.get_flag("--train"));
-    EXPECT_EQ(args.get_all("--model-kwargs"), (std::vector<std::string>{"depth=2", "embed_dim=64"}));
-    EXPECT_EQ(args.positionals(), (std::vector<std::string>{"a.st", "b.st"}));
-}
-
-TEST(Args, RejectsUnknownOptionMissingValueAndBadNumber) {
-    ArgParser args("run", "test");
-    args.option("--batch", "N", "batch", "1").option("--model", "NAME", "model", "", true);
-    EXPECT_THROW(args.parse({"--model", "x", "--bogus"}), Error);
-    EXPECT_THROW(args.parse({"--model"}), Error);
-    EXPECT_THROW(args.parse({"--batch", "2"}), Error);  // --model is required
-    ASSERT_TRUE(args.parse({"--model", "x", "--batch", "two"}));
-    EXPECT_THROW(args.get_int("--batch"), Error);
-}
-
-TEST(Args, KeyValuesNeedEquals) {
-    auto kv = linvis::tools::parse_key_values({"depth=2", "img_size=64"}, "--model-kwargs");
-    EXPECT_EQ(kv.at("depth"), "2");
-    EXPECT_THROW(linvis::tools::parse_key_values({"depth"}, "--model-kwargs"), Error);
 }
 
 TEST(Flops, CountsMultiplyAddsOfLinearMatmulAndConv) {

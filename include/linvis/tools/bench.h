@@ -22,7 +22,7 @@ struct BenchCase {
     int64_t batch = 1;
     int threads = 0;               // 0: all cores
     std::string dtype = "f32";     // f32 | bf16
-    std::string impl = "reference";  // reference | fused (passed to the model as option impl)
+    std::string impl = "reference";  // auto | reference | fused: the model option impl (auto: the model's default)
     bool train = false;            // forward + backward instead of inference
     int warmup = 2;
     int iters = 5;                 // at most this many timed iterations ...
