@@ -107,33 +107,53 @@ std::vector<int64_t> parse_list(const ModelConfig& config, const std::string& ke
     return out;
 }
 
+// The per-stage shape of a size; every option of the family (read_hvit3_options) on top of it.
 struct HVit3Config {
     std::vector<int64_t> dims, depths, heads;
 };
+
+struct HVit3Options {
+    int64_t num_classes = 1000, img_size = 224, in_chans = 3;
+    std::vector<int64_t> dims, depths, heads;  // per stage
+    double mlp_ratio = 4.0, drop_path_rate = 0.0;
+    ops::Impl impl = ops::Impl::Auto;
+};
+
+// The one config style of linvis' families: an options struct read from the ModelConfig over the
+// size's defaults, checked here (see read_plain_vit_options for the plain ViTs).
+HVit3Options read_hvit3_options(const ModelConfig& config, const HVit3Config& base) {
+    HVit3Options o;
+    o.num_classes = config.get_int("num_classes", o.num_classes);
+    o.img_size = config.get_int("img_size", o.img_size);
+    o.in_chans = config.get_int("in_chans", o.in_chans);
+    o.dims = parse_list(config, "embed_dims", base.dims);
+    o.depths = parse_list(config, "depths", base.depths);
+    o.heads = parse_list(config, "num_heads", base.heads);
+    o.mlp_ratio = config.get_double("mlp_ratio", o.mlp_ratio);
+    o.drop_path_rate = config.get_double("drop_path_rate", o.drop_path_rate);
+    o.impl = ops::parse_impl(config.get_string("impl", ops::impl_name(o.impl)));
+    LINVIS_CHECK(o.num_classes >= 0 && o.in_chans > 0 && o.img_size >= 32, "hvit3: bad options num_classes=",
+                 o.num_classes, " in_chans=", o.in_chans, " img_size=", o.img_size);
+    LINVIS_CHECK(o.drop_path_rate >= 0.0 && o.drop_path_rate < 1.0, "hvit3: drop_path_rate must be in [0, 1), got ",
+                 o.drop_path_rate);
+    for (int s = 0; s < 4; ++s)
+        LINVIS_CHECK(o.depths[s] >= 1 && o.dims[s] % 4 == 0 && o.heads[s] >= 1 && o.dims[s] % o.heads[s] == 0,
+                     "hvit3: stage ", s, ": need depth >= 1, dim % 4 == 0 and dim % heads == 0, got depth ",
+                     o.depths[s], " dim ", o.dims[s], " heads ", o.heads[s]);
+    return o;
+}
 
 // Output side of a k3/s2/p1 conv.
 int64_t half_up(int64_t n) { return (n - 1) / 2 + 1; }
 
 class HVit3Model : public VisionModel {
 public:
-    HVit3Model(const HVit3Config& base, const ModelConfig& config) {
-        num_classes_ = config.get_int("num_classes", 1000);
-        img_size_ = config.get_int("img_size", 224);
-        in_chans_ = config.get_int("in_chans", 3);
-        dims_ = parse_list(config, "embed_dims", base.dims);
-        const auto depths = parse_list(config, "depths", base.depths);
-        const auto heads = parse_list(config, "num_heads", base.heads);
-        const double mlp_ratio = config.get_double("mlp_ratio", 4.0);
-        const double dpr = config.get_double("drop_path_rate", 0.0);
-        const ops::Impl impl = ops::parse_impl(config.get_string("impl", "auto"));
-        LINVIS_CHECK(num_classes_ >= 0 && in_chans_ > 0 && img_size_ >= 32, "hvit3: bad options num_classes=",
-                     num_classes_, " in_chans=", in_chans_, " img_size=", img_size_);
-        LINVIS_CHECK(dpr >= 0.0 && dpr < 1.0, "hvit3: drop_path_rate must be in [0, 1), got ", dpr);
-        for (int s = 0; s < 4; ++s)
-            LINVIS_CHECK(depths[s] >= 1 && dims_[s] % 4 == 0 && heads[s] >= 1 && dims_[s] % heads[s] == 0,
-                         "hvit3: stage ", s, ": need depth >= 1, dim % 4 == 0 and dim % heads == 0, got depth ",
-                         depths[s], " dim ", dims_[s], " heads ", heads[s]);
-
+    explicit HVit3Model(const HVit3Options& o)
+        : num_classes_(o.num_classes), img_size_(o.img_size), in_chans_(o.in_chans), dims_(o.dims) {
+        const auto& depths = o.depths;
+        const auto& heads = o.heads;
+        const double mlp_ratio = o.mlp_ratio, dpr = o.drop_path_rate;
+        const ops::Impl impl = o.impl;
         patch_embed = register_module("patch_embed", make_stem(in_chans_, dims_[0]));
         layers = register_module("layers", torch::nn::ModuleList());
         int64_t total = 0;
@@ -229,7 +249,9 @@ private:
 };
 
 ModelFactory factory(HVit3Config base) {
-    return [base](const ModelConfig& config) -> ModelPtr { return std::make_shared<HVit3Model>(base, config); };
+    return [base](const ModelConfig& config) -> ModelPtr {
+        return std::make_shared<HVit3Model>(read_hvit3_options(config, base));
+    };
 }
 
 const ModelRegistrar reg_tiny("hvit3_tiny", "hvit3", "H-ViT³-T (arXiv 2512.01643): dims 64-512, depths 1-3-9-4; 28.70M params",

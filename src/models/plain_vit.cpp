@@ -62,6 +62,16 @@ TransformerShape read_transformer_shape(const ModelConfig& config, const PlainVi
     return shape;
 }
 
+std::shared_ptr<PlainVit> make_transformer_vit(const ModelConfig& config, const PlainVitOptions& defaults,
+                                               int64_t default_heads, const MixerFactory& make_mixer, bool cpe) {
+    const PlainVitOptions o = read_plain_vit_options(config, defaults);
+    const TransformerShape shape = read_transformer_shape(config, o, default_heads);
+    return std::make_shared<PlainVit>(o, [&](int64_t, double drop_path) {
+        return std::make_shared<nn::TransformerBlockImpl>(shape.block(o, drop_path, cpe),
+                                                          make_mixer(o.embed_dim, shape.num_heads, o.impl));
+    });
+}
+
 void init_timm_linears(torch::nn::Module& model) {
     for (const auto& module : model.modules(/*include_self=*/false)) {
         if (auto* linear = module->as<torch::nn::Linear>()) {

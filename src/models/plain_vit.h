@@ -62,6 +62,18 @@ struct TransformerShape {
 };
 TransformerShape read_transformer_shape(const ModelConfig& config, const PlainVitOptions& o, int64_t default_heads);
 
+class PlainVit;
+
+// Builds the token mixer of one TransformerBlock for width `dim` and `heads` heads.
+using MixerFactory = std::function<std::shared_ptr<nn::Mixer>(int64_t dim, int64_t heads, ops::Impl impl)>;
+
+// A TransformerBlock family (DeiT, T5, ViT3): the skeleton with the options read over `defaults`,
+// num_heads (default `default_heads`) and mlp_ratio read from `config`, and in every block the mixer of
+// `make_mixer`; `cpe` adds ViT3's positional convolution before it.
+std::shared_ptr<PlainVit> make_transformer_vit(const ModelConfig& config, const PlainVitOptions& defaults,
+                                               int64_t default_heads, const MixerFactory& make_mixer,
+                                               bool cpe = false);
+
 // timm 0.4.12's init (mode ''): every Linear of `model` trunc_normal(.02) with zero bias (DeiT, T5).
 void init_timm_linears(torch::nn::Module& model);
 

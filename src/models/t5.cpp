@@ -75,11 +75,8 @@ ModelPtr make_t5(const ModelConfig& config, const std::string& name, int64_t dim
     defaults.class_token = false;
     defaults.fixed_input_size = true;
     defaults.pooling = Pooling::Mean;
-    const PlainVitOptions o = read_plain_vit_options(config, defaults);
-    const TransformerShape shape = read_transformer_shape(config, o, heads);
-    auto model = std::make_shared<PlainVit>(o, [&](int64_t, double drop_path) {
-        return std::make_shared<nn::TransformerBlockImpl>(shape.block(o, drop_path),
-                                                          std::make_shared<T5AttentionImpl>(o.embed_dim, shape.num_heads, o.impl));
+    auto model = make_transformer_vit(config, defaults, heads, [](int64_t d, int64_t h, ops::Impl impl) {
+        return std::make_shared<T5AttentionImpl>(d, h, impl);
     });
     init_timm_linears(*model);
     return model;

@@ -21,12 +21,10 @@ ModelFactory factory(const std::string& name, Vit3Size size) {
         defaults.depth = size.depth;
         defaults.pos_embed = PosEmbedKind::None;
         defaults.pooling = Pooling::Mean;
-        const PlainVitOptions o = read_plain_vit_options(config, defaults);
-        const TransformerShape shape = read_transformer_shape(config, o, size.num_heads);
-        return std::make_shared<PlainVit>(o, [&](int64_t, double drop_path) {
-            return std::make_shared<nn::TransformerBlockImpl>(shape.block(o, drop_path, /*cpe=*/true),
-                                                              nn::Vit3Ttt(o.embed_dim, shape.num_heads, true, o.impl).ptr());
-        });
+        return make_transformer_vit(
+            config, defaults, size.num_heads,
+            [](int64_t d, int64_t h, ops::Impl impl) { return nn::Vit3Ttt(d, h, /*qkv_bias=*/true, impl).ptr(); },
+            /*cpe=*/true);
     };
 }
 

@@ -3,6 +3,7 @@
 // stabiliser start m = -inf of the reference (src/ops/mlstm/reference.cpp), so the result equals the
 // parallel form to rounding. Derivation of the backward and the memory formula: docs/perf_mlstm.md.
 #include "ops/mlstm/cpu.h"
+#include "ops/mlstm/checks.h"
 
 #include <algorithm>
 #include <chrono>
@@ -619,13 +620,9 @@ public:
     }
 };
 
+// Gate pre-activations as a (B, NH, S) view, checked as the reference checks them.
 torch::Tensor gate_vector(const torch::Tensor& gate, const torch::Tensor& q, const char* name) {
-    const bool column = gate.dim() == 4 && gate.size(3) == 1;
-    LINVIS_CHECK((gate.dim() == 3 || column) && gate.size(0) == q.size(0) && gate.size(1) == q.size(1) &&
-                     gate.size(2) == q.size(2),
-                 "mlstm (fused): ", name, ": expected shape [", q.size(0), ", ", q.size(1), ", ", q.size(2),
-                 ", 1], got ", shape_string(gate.sizes()));
-    return column ? gate.squeeze(-1) : gate;
+    return mlstm_checks::gate_as_column(gate, q, name).squeeze(-1);
 }
 
 }  // namespace
@@ -655,15 +652,7 @@ double mlstm_fused_gemm_gflops(int64_t L, int64_t DH, int64_t DV, double seconds
 torch::Tensor mlstm_chunkwise_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                     const torch::Tensor& igate_preact, const torch::Tensor& fgate_preact,
                                     int64_t chunk_size, double eps) {
-    LINVIS_CHECK(q.dim() == 4, "mlstm (fused): q: expected (B, NH, S, DHQK), got shape ", shape_string(q.sizes()));
-    LINVIS_CHECK(k.sizes() == q.sizes(), "mlstm (fused): k: expected shape ", shape_string(q.sizes()), ", got ",
-                 shape_string(k.sizes()));
-    LINVIS_CHECK(v.dim() == 4 && v.size(0) == q.size(0) && v.size(1) == q.size(1) && v.size(2) == q.size(2),
-                 "mlstm (fused): v: expected shape [", q.size(0), ", ", q.size(1), ", ", q.size(2), ", DHV], got ",
-                 shape_string(v.sizes()));
-    LINVIS_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-                 "mlstm (fused): q, k, v must share one dtype");
-    LINVIS_CHECK(q.is_floating_point(), "mlstm (fused): q: expected a floating-point tensor");
+    mlstm_checks::check_qkv(q, k, v);
     LINVIS_CHECK(q.device().is_cpu(), "mlstm (fused): only CPU tensors are supported, got ", q.device().str());
     LINVIS_CHECK(chunk_size > 0, "mlstm (fused): chunk_size: expected > 0, got ", chunk_size);
     const auto compute = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;

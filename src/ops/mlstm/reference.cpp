@@ -7,6 +7,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "ops/mlstm/checks.h"
 #include "ops/mlstm/reference.h"
 
 namespace linvis::ops {
@@ -14,27 +15,8 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// Gate pre-activations as (B, NH, S, 1), checked against q's (B, NH, S).
-torch::Tensor gate_as_column(const torch::Tensor& gate, const torch::Tensor& q, const char* name) {
-    torch::Tensor g = gate.dim() == 3 ? gate.unsqueeze(-1) : gate;
-    LINVIS_CHECK(g.dim() == 4 && g.size(0) == q.size(0) && g.size(1) == q.size(1) && g.size(2) == q.size(2) &&
-                     g.size(3) == 1,
-                 "mlstm: ", name, ": expected shape [", q.size(0), ", ", q.size(1), ", ", q.size(2), ", 1], got ",
-                 shape_string(gate.sizes()));
-    return g;
-}
-
-void check_qkv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-    LINVIS_CHECK(q.dim() == 4, "mlstm: q: expected (B, NH, S, DHQK), got shape ", shape_string(q.sizes()));
-    LINVIS_CHECK(k.sizes() == q.sizes(), "mlstm: k: expected shape ", shape_string(q.sizes()), ", got ",
-                 shape_string(k.sizes()));
-    LINVIS_CHECK(v.dim() == 4 && v.size(0) == q.size(0) && v.size(1) == q.size(1) && v.size(2) == q.size(2),
-                 "mlstm: v: expected shape [", q.size(0), ", ", q.size(1), ", ", q.size(2), ", DHV], got ",
-                 shape_string(v.sizes()));
-    LINVIS_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-                 "mlstm: q, k, v must share one dtype");
-    LINVIS_CHECK(q.is_floating_point(), "mlstm: q: expected a floating-point tensor");
-}
+using mlstm_checks::check_qkv;
+using mlstm_checks::gate_as_column;
 
 bool is_reduced(const torch::Tensor& t) {
     return t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf;
