@@ -43,17 +43,9 @@ private:
 };
 
 ModelPtr make_deit(const ModelConfig& config, const std::string& name, int64_t dim, int64_t heads) {
-    PlainVitOptions defaults;
-    defaults.name = name;
-    defaults.embed_dim = dim;
-    defaults.class_token = true;
-    defaults.fixed_input_size = true;
-    defaults.pooling = Pooling::ClassToken;
-    auto model = make_transformer_vit(config, defaults, heads, [](int64_t d, int64_t h, ops::Impl impl) {
+    return make_timm_vit(config, name, dim, heads, /*class_token=*/true, [](int64_t d, int64_t h, ops::Impl impl) {
         return std::make_shared<SoftmaxAttentionImpl>(d, h, impl);
     });
-    init_timm_linears(*model);
-    return model;
 }
 
 const ModelRegistrar deit_tiny("deit_tiny", "deit", "DeiT-Ti (timm deit_tiny_patch16_224): 5.72M params, 1.25 GMACs at 224",

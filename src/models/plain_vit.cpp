@@ -72,14 +72,23 @@ std::shared_ptr<PlainVit> make_transformer_vit(const ModelConfig& config, const 
     });
 }
 
-void init_timm_linears(torch::nn::Module& model) {
-    for (const auto& module : model.modules(/*include_self=*/false)) {
+std::shared_ptr<PlainVit> make_timm_vit(const ModelConfig& config, const std::string& name, int64_t embed_dim,
+                                        int64_t num_heads, bool class_token, const MixerFactory& make_mixer) {
+    PlainVitOptions defaults;
+    defaults.name = name;
+    defaults.embed_dim = embed_dim;
+    defaults.class_token = class_token;
+    defaults.fixed_input_size = true;
+    defaults.pooling = class_token ? Pooling::ClassToken : Pooling::Mean;
+    std::shared_ptr<PlainVit> model = make_transformer_vit(config, defaults, num_heads, make_mixer);
+    for (const auto& module : model->modules(/*include_self=*/false)) {
         if (auto* linear = module->as<torch::nn::Linear>()) {
             nn::trunc_normal_(linear->weight, 0.02);
             torch::NoGradGuard no_grad;
             if (linear->bias.defined()) linear->bias.zero_();
         }
     }
+    return model;
 }
 
 PlainVit::PlainVit(const PlainVitOptions& o, const BlockFactory& make_block, torch::nn::AnyModule final_norm)

@@ -74,8 +74,10 @@ std::shared_ptr<PlainVit> make_transformer_vit(const ModelConfig& config, const 
                                                int64_t default_heads, const MixerFactory& make_mixer,
                                                bool cpe = false);
 
-// timm 0.4.12's init (mode ''): every Linear of `model` trunc_normal(.02) with zero bias (DeiT, T5).
-void init_timm_linears(torch::nn::Module& model);
+// A timm 0.4.12 VisionTransformer around `make_mixer` (DeiT, T5): images of img_size only, the class
+// token (pooled) or none (mean pooling), every Linear initialised trunc_normal(.02) with zero bias.
+std::shared_ptr<PlainVit> make_timm_vit(const ModelConfig& config, const std::string& name, int64_t embed_dim,
+                                        int64_t num_heads, bool class_token, const MixerFactory& make_mixer);
 
 class PlainVit : public VisionModel {
 public:

@@ -69,17 +69,9 @@ private:
 };
 
 ModelPtr make_t5(const ModelConfig& config, const std::string& name, int64_t dim, int64_t heads) {
-    PlainVitOptions defaults;
-    defaults.name = name;
-    defaults.embed_dim = dim;
-    defaults.class_token = false;
-    defaults.fixed_input_size = true;
-    defaults.pooling = Pooling::Mean;
-    auto model = make_transformer_vit(config, defaults, heads, [](int64_t d, int64_t h, ops::Impl impl) {
+    return make_timm_vit(config, name, dim, heads, /*class_token=*/false, [](int64_t d, int64_t h, ops::Impl impl) {
         return std::make_shared<T5AttentionImpl>(d, h, impl);
     });
-    init_timm_linears(*model);
-    return model;
 }
 
 const ModelRegistrar t5_tiny("t5_tiny", "t5", "T5-T (Transformer to TTT, DeiT-Ti shape, official T5_tiny): 6.21M params, 1.34 GMACs at 224",
