@@ -10,7 +10,7 @@
 // Parameter names equal the official state_dict keys (timm names; B6 for T5).
 // Options: num_classes (1000), img_size (224), in_chans (3), patch_size (16), embed_dim, depth,
 //   num_heads, mlp_ratio (4), drop_path_rate (0; linearly increasing per block as timm),
-//   impl (reference), pos_embed_antialias (true; see resample_abs_pos_embed).
+//   impl (auto), pos_embed_antialias (true; see resample_abs_pos_embed).
 // forward_features returns the final normalised tokens: (B, 1 + T, D) for DeiT (class token first,
 // as timm), (B, T, D) for T5. forward_intermediates returns the raw (un-normalised) outputs of the
 // chosen blocks, patch tokens only (B, T, D), like timm's forward_intermediates(norm=False,
