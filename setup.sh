@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 ./scripts/install-deps.sh
-./scripts/build.sh
+LINVIS_TARGETS=linvis_cli ./scripts/build.sh   # the library and the command; ./test.sh builds the tests
 ./build/linvis demo
