@@ -41,10 +41,14 @@ void print_help() {
 
 // OpenMP workers that spin while idle starve OpenBLAS's pthreads on a small machine;
 // OMP_WAIT_POLICY is read once when the OpenMP runtime starts, so the process restarts
-// itself once with the variable set. LINVIS_NO_REEXEC=1 turns this off.
+// itself once with the variable set. The same restart gives OpenBLAS the kernels of this CPU when
+// it does not recognise it (runtime::openblas_coretype_override). LINVIS_NO_REEXEC=1 turns this off.
 void ensure_passive_openmp(char** argv) {
-    if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("LINVIS_NO_REEXEC") != nullptr) return;
-    setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+    if (std::getenv("LINVIS_NO_REEXEC") != nullptr) return;
+    const std::string coretype = linvis::runtime::openblas_coretype_override();
+    if (std::getenv("OMP_WAIT_POLICY") != nullptr && coretype.empty()) return;
+    if (std::getenv("OMP_WAIT_POLICY") == nullptr) setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+    if (!coretype.empty()) setenv("OPENBLAS_CORETYPE", coretype.c_str(), 1);
     setenv("LINVIS_NO_REEXEC", "1", 1);
     execv("/proc/self/exe", argv);
     // execv only returns on failure: carry on with the default policy.

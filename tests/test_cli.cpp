@@ -46,6 +46,12 @@ TEST(Cli, HelpVersionAndErrorsExitCodes) {
     ASSERT_EQ(version.status, 0) << version.output;
     auto info = nlohmann::json::parse(last_line(version.output));
     EXPECT_TRUE(info.contains("libtorch") && info.contains("blas") && info.contains("simd"));
+    // OpenBLAS never runs its generic SSE3 (Prescott) kernels on a CPU with AVX2: where the loaded
+    // OpenBLAS does not know the CPU, the command restarts itself with OPENBLAS_CORETYPE set.
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        info.value("blas", std::string()).find("OpenBLAS") != std::string::npos)
+        EXPECT_EQ(info.value("blas", std::string()).find("kernels: Prescott"), std::string::npos) << info.dump();
     auto unknown = run_cli("frobnicate");
     EXPECT_NE(unknown.status, 0);
     EXPECT_NE(unknown.output.find("unknown command 'frobnicate'"), std::string::npos);

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <strings.h>
 #include <string>
 #include <thread>
 
@@ -74,6 +75,15 @@ const char* simd_name(SimdLevel level) {
         case SimdLevel::Scalar: return "scalar";
     }
     return "scalar";
+}
+
+std::string openblas_coretype_override() {
+    auto corename = find_symbol<openblas_config_fn>("openblas_get_corename");
+    if (corename == nullptr || std::getenv("OPENBLAS_CORETYPE") != nullptr) return "";
+    const char* core = corename();
+    if (core == nullptr || strcasecmp(core, "prescott") != 0) return "";
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? "Haswell" : "";
 }
 
 bool set_blas_threads(int threads) {
