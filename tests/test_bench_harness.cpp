@@ -1,5 +1,6 @@
-// The measurement harness of linvis bench (include/linvis/tools/bench.h): a child process's answer,
-// timeout, signal and exit status; the timing and peak-memory helpers.
+// The measurement harness of linvis bench and bench_ops (include/linvis/tools/bench.h): a child
+// process's answer, timeout, signal and exit status; the timing and peak-memory helpers; and the
+// bench_ops command line.
 #include <signal.h>
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "linvis/tools/bench.h"
+#include "support/cli.h"
 
 using linvis::tools::ChildResult;
 using linvis::tools::run_in_child;
@@ -110,4 +112,20 @@ TEST(BenchHarness, PeakRssGrowthSeesMemoryTouchedSinceItStarted) {
     std::vector<char> block(kBytes, 1);  // written, hence resident
     EXPECT_GE(peak.bytes(), kBytes * 3 / 4);
     EXPECT_EQ(block[kBytes / 2], 1);
+}
+
+TEST(BenchOps, EveryOpAnswersHelpWithItsOptions) {
+    const auto top = linvis::testing::run_program(LINVIS_BENCH_OPS_PATH, "--help");
+    EXPECT_EQ(top.status, 0) << top.output;
+    const std::vector<std::pair<std::string, std::vector<std::string>>> ops = {
+        {"ttt_linear", {"--tokens", "--heads", "--head-dim", "--mini-batch", "--reps", "--threads"}},
+        {"vit3_t5", {"--iters", "--side", "--threads"}},
+        {"mlstm", {"--reps", "--model-reps", "--tokens", "--skip-model", "--threads"}}};
+    for (const auto& [op, options] : ops) {
+        EXPECT_NE(top.output.find(op), std::string::npos) << op;
+        const auto help = linvis::testing::run_program(LINVIS_BENCH_OPS_PATH, op + " --help");
+        EXPECT_EQ(help.status, 0) << op << ": " << help.output;
+        for (const auto& option : options) EXPECT_NE(help.output.find(option), std::string::npos) << op << option;
+    }
+    EXPECT_NE(linvis::testing::run_program(LINVIS_BENCH_OPS_PATH, "ttt_linear --tokens many").status, 0);
 }
