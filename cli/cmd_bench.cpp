@@ -3,13 +3,7 @@
 // Every (model, resolution) case runs in a fresh child process (`linvis bench-case`, internal)
 // so the peak memory reported is that case's own. Results: a terminal table with ratios to a
 // baseline model, and optionally JSON, CSV and a PNG figure.
-#include <poll.h>
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -32,64 +26,18 @@ namespace {
 using tools::BenchCase;
 using tools::BenchResult;
 
-// Runs one case in a child process and parses the JSON line it prints.
+// Runs one case in a child process (`linvis bench-case <json>`) and reads the result it prints.
 BenchResult run_isolated(const BenchCase& c, double timeout_s) {
     BenchResult failed;
     failed.config = c;
     failed.status = "error";
-    int pipe_fds[2];
-    if (pipe(pipe_fds) != 0) {
-        failed.message = "pipe() failed";
-        return failed;
-    }
-    const std::string payload = tools::to_json(c).dump();
-    const pid_t pid = fork();
-    if (pid == 0) {
-        dup2(pipe_fds[1], STDOUT_FILENO);
-        close(pipe_fds[0]);
-        close(pipe_fds[1]);
-        const char* child_argv[] = {"linvis", "bench-case", payload.c_str(), nullptr};
-        execv("/proc/self/exe", const_cast<char* const*>(child_argv));
-        _exit(127);
-    }
-    close(pipe_fds[1]);
-    std::string output;
-    char buffer[4096];
-    const auto start = std::chrono::steady_clock::now();
-    bool timed_out = false;
-    while (true) {
-        struct pollfd pfd {pipe_fds[0], POLLIN, 0};
-        const int ready = poll(&pfd, 1, 1000);
-        if (ready > 0) {
-            const ssize_t n = read(pipe_fds[0], buffer, sizeof(buffer));
-            if (n <= 0) break;
-            output.append(buffer, static_cast<size_t>(n));
-        }
-        if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout_s) {
-            kill(pid, SIGKILL);
-            timed_out = true;
-            break;
-        }
-    }
-    close(pipe_fds[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    if (timed_out) {
-        failed.message = str_cat("timed out after ", timeout_s, " s");
-        return failed;
-    }
-    // The result is the last line the child printed; anything before it is the model's own output.
-    while (!output.empty() && output.back() == '\n') output.pop_back();
-    const auto newline = output.rfind('\n');
-    const size_t last_line_start = newline == std::string::npos ? 0 : newline + 1;
-    if (output.empty() || output[last_line_start] != '{') {
-        failed.message = WIFSIGNALED(status) ? str_cat("child killed by signal ", WTERMSIG(status),
-                                                       WTERMSIG(status) == SIGKILL ? " (out of memory?)" : "")
-                                             : str_cat("child exited with status ", WEXITSTATUS(status));
+    const tools::ChildResult child = tools::run_in_child({"bench-case", tools::to_json(c).dump()}, timeout_s);
+    if (!child.ok()) {
+        failed.message = child.message;
         return failed;
     }
     try {
-        return tools::bench_result_from_json(nlohmann::json::parse(output.substr(last_line_start)));
+        return tools::bench_result_from_json(child.json);
     } catch (const std::exception& e) {
         failed.message = str_cat("unreadable child output: ", e.what());
         return failed;

@@ -1,10 +1,17 @@
 #include "linvis/tools/bench.h"
 
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -22,12 +29,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) {
     return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-double median(std::vector<double> values) {
-    std::sort(values.begin(), values.end());
-    const size_t n = values.size();
-    return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
 torch::ScalarType parse_dtype(const std::string& dtype) {
@@ -73,16 +74,165 @@ int64_t peak_rss_bytes() {
     return static_cast<int64_t>(usage.ru_maxrss) * 1024;  // Linux reports KiB
 }
 
+double median(std::vector<double> values) {
+    if (values.empty()) return 0.0;
+    std::sort(values.begin(), values.end());
+    const size_t n = values.size();
+    return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+std::vector<double> time_passes(const std::function<void()>& pass, int warmup, int reps, double max_seconds,
+                                int min_reps) {
+    for (int i = 0; i < warmup; ++i) pass();
+    std::vector<double> seconds;
+    const auto loop_start = Clock::now();
+    for (int i = 0; i < std::max(1, reps); ++i) {
+        const auto start = Clock::now();
+        pass();
+        seconds.push_back(seconds_since(start));
+        if (i + 1 >= min_reps && seconds_since(loop_start) > max_seconds) break;
+    }
+    return seconds;
+}
+
+namespace {
+
+// A "Key:   123 kB" line of /proc/self/status, in bytes; -1 when missing.
+int64_t proc_status_bytes(const char* key) {
+    std::ifstream status("/proc/self/status");
+    std::string line;
+    while (std::getline(status, line))
+        if (line.rfind(key, 0) == 0) return std::atoll(line.c_str() + std::strlen(key)) * 1024;
+    return -1;
+}
+
+}  // namespace
+
+PeakRssGrowth::PeakRssGrowth() {
+    std::ofstream("/proc/self/clear_refs") << "5";  // 5: reset VmHWM to the current RSS (Linux >= 4.0)
+    base_bytes_ = proc_status_bytes("VmRSS:");
+}
+
+int64_t PeakRssGrowth::bytes() const {
+    return proc_status_bytes("VmHWM:") - base_bytes_;
+}
+
+namespace {
+
+// What a finished child printed and how it ended.
+struct ChildExit {
+    std::string output;
+    int wait_status = 0;
+    bool timed_out = false;
+};
+
+// Reads the child's output until it closes its standard output, then reaps it; kills it (SIGKILL)
+// when `timeout_s` passes first.
+ChildExit collect_child(pid_t pid, int output_fd, double timeout_s) {
+    ChildExit result;
+    const auto start = Clock::now();
+    bool output_closed = false;
+    char buffer[4096];
+    while (true) {
+        const double left_s = timeout_s - seconds_since(start);
+        if (left_s < 0) {
+            kill(pid, SIGKILL);
+            waitpid(pid, &result.wait_status, 0);
+            result.timed_out = true;
+            break;
+        }
+        // Wake up at least every 0.2 s: the deadline is checked between waits.
+        const int wait_ms = static_cast<int>(std::min(200.0, left_s * 1e3)) + 1;
+        if (!output_closed) {
+            struct pollfd pfd {output_fd, POLLIN, 0};
+            const int ready = poll(&pfd, 1, wait_ms);
+            if (ready < 0 && errno != EINTR) output_closed = true;
+            if (ready <= 0) continue;
+            const ssize_t n = read(output_fd, buffer, sizeof(buffer));
+            if (n > 0) result.output.append(buffer, static_cast<size_t>(n));
+            else if (n == 0 || errno != EINTR) output_closed = true;
+            continue;
+        }
+        // The output is closed: the child is exiting (or left a descendant holding the pipe).
+        if (waitpid(pid, &result.wait_status, WNOHANG) == pid) break;
+        poll(nullptr, 0, std::min(wait_ms, 20));
+    }
+    return result;
+}
+
+std::string self_executable() {
+    char path[4096];
+    const ssize_t n = readlink("/proc/self/exe", path, sizeof(path) - 1);
+    return n > 0 ? std::string(path, static_cast<size_t>(n)) : std::string("/proc/self/exe");
+}
+
+}  // namespace
+
+ChildResult run_in_child(const std::vector<std::string>& args, double timeout_s) {
+    ChildResult result;
+    // Everything the child needs is prepared before fork(): after it, the child of a multi-threaded
+    // process may only call async-signal-safe functions until it execs.
+    const std::string executable = self_executable();
+    std::vector<char*> argv{const_cast<char*>(executable.c_str())};
+    for (const auto& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
+    argv.push_back(nullptr);
+    int pipe_fds[2];
+    // Close-on-exec: no other child started meanwhile inherits the pipe and holds it open.
+    if (pipe2(pipe_fds, O_CLOEXEC) != 0) {
+        result.message = str_cat("pipe() failed: ", std::strerror(errno));
+        return result;
+    }
+    const pid_t pid = fork();
+    if (pid < 0) {
+        result.message = str_cat("fork() failed: ", std::strerror(errno));
+        close(pipe_fds[0]);
+        close(pipe_fds[1]);
+        return result;
+    }
+    if (pid == 0) {
+        dup2(pipe_fds[1], STDOUT_FILENO);  // the duplicate is not close-on-exec
+        execv("/proc/self/exe", argv.data());
+        _exit(127);
+    }
+    close(pipe_fds[1]);
+    const ChildExit child = collect_child(pid, pipe_fds[0], timeout_s);
+    close(pipe_fds[0]);
+    const int status = child.wait_status;
+    if (child.timed_out) {
+        result.status = ChildResult::Status::TimedOut;
+        result.message = str_cat("timed out after ", timeout_s, " s");
+    } else if (WIFSIGNALED(status)) {
+        result.status = ChildResult::Status::KilledBySignal;
+        result.message = str_cat("child killed by signal ", WTERMSIG(status),
+                                 WTERMSIG(status) == SIGKILL ? " (out of memory?)" : "");
+    } else if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        result.status = ChildResult::Status::ExitedNonZero;
+        result.message = str_cat("child exited with status ", WEXITSTATUS(status));
+    } else {
+        // The answer is the last line; anything before it is the measured code's own output.
+        std::string output = child.output;
+        while (!output.empty() && (output.back() == '\n' || output.back() == '\r')) output.pop_back();
+        const auto newline = output.rfind('\n');
+        const std::string last_line = newline == std::string::npos ? output : output.substr(newline + 1);
+        result.status = ChildResult::Status::UnreadableOutput;
+        try {
+            if (last_line.empty()) fail("the child printed nothing");
+            result.json = nlohmann::json::parse(last_line);
+            result.status = ChildResult::Status::Ok;
+        } catch (const std::exception& e) {
+            result.message = str_cat("unreadable child output: ", e.what());
+        }
+    }
+    return result;
+}
+
 double measure_sgemm_gflops(int64_t n, int repeats) {
     torch::NoGradGuard no_grad;
     torch::Tensor a = torch::randn({n, n}), b = torch::randn({n, n});
-    torch::mm(a, b);  // warm-up: BLAS thread start, page faults
+    // One warm-up product: BLAS thread start, page faults.
     std::vector<double> rates;
-    for (int i = 0; i < repeats; ++i) {
-        const auto start = Clock::now();
-        torch::mm(a, b);
-        rates.push_back(2.0 * n * n * n / seconds_since(start) * 1e-9);
-    }
+    for (const double seconds : time_passes([&] { torch::mm(a, b); }, 1, repeats))
+        rates.push_back(2.0 * n * n * n / seconds * 1e-9);
     return median(rates);
 }
 
@@ -141,23 +291,13 @@ BenchResult measure_case(const BenchCase& c) {
         torch::Tensor images = torch::randn({c.batch, 3, c.res, c.res}).to(dtype);
         torch::Tensor labels = torch::randint(0, model->num_classes(), {c.batch}, torch::kLong);
         result.base_mem_bytes = current_rss_bytes();
-        for (int i = 0; i < std::max(1, c.warmup); ++i) {
-            if (i == 0) {
-                flops::Counter counter;
-                run_pass(*model, images, labels, c.train);
-                result.gflops = counter.gflops() / static_cast<double>(c.batch);
-            } else {
-                run_pass(*model, images, labels, c.train);
-            }
-        }
-        std::vector<double> times;
-        const auto loop_start = Clock::now();
-        for (int i = 0; i < std::max(1, c.iters); ++i) {
-            const auto start = Clock::now();
+        {  // the first warm-up pass counts the FLOPs
+            flops::Counter counter;
             run_pass(*model, images, labels, c.train);
-            times.push_back(seconds_since(start));
-            if (i + 1 >= 3 && seconds_since(loop_start) > c.max_seconds) break;
+            result.gflops = counter.gflops() / static_cast<double>(c.batch);
         }
+        const std::vector<double> times = time_passes([&] { run_pass(*model, images, labels, c.train); },
+                                                      std::max(1, c.warmup) - 1, c.iters, c.max_seconds);
         result.iterations = static_cast<int>(times.size());
         result.latency_ms = median(times) * 1e3;
         result.images_per_s = c.batch / median(times);

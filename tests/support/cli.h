@@ -1,4 +1,4 @@
-// Runs the built linvis command line from a test and captures what it prints.
+// Runs the built linvis command line (or another built program) from a test and captures what it prints.
 #pragma once
 
 #include <sys/wait.h>
@@ -14,9 +14,9 @@ struct CommandResult {
     std::string output;  // stdout and stderr together
 };
 
-// `arguments` follow the program name, e.g. "models --format json"; LINVIS_CLI_PATH is set by CMake.
-inline CommandResult run_cli(const std::string& arguments) {
-    const std::string command = std::string(LINVIS_CLI_PATH) + " " + arguments + " 2>&1";
+// Runs `program` with `arguments` (one shell word string, e.g. "models --format json").
+inline CommandResult run_program(const std::string& program, const std::string& arguments) {
+    const std::string command = program + " " + arguments + " 2>&1";
     CommandResult result;
     FILE* pipe = popen(command.c_str(), "r");
     if (pipe == nullptr) return result;
@@ -26,6 +26,11 @@ inline CommandResult run_cli(const std::string& arguments) {
     const int status = pclose(pipe);
     result.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     return result;
+}
+
+// `arguments` follow the program name, e.g. "models --format json"; LINVIS_CLI_PATH is set by CMake.
+inline CommandResult run_cli(const std::string& arguments) {
+    return run_program(LINVIS_CLI_PATH, arguments);
 }
 
 }  // namespace linvis::testing

@@ -1,17 +1,20 @@
-// Throughput, latency and memory measurement of models, the engine behind `linvis bench`.
+// Throughput, latency and memory measurement: the engine behind `linvis bench` and the harness the
+// op benchmarks (bench/bench_ops.cpp) share.
 //
 // One BenchCase (model, resolution, batch, dtype, implementation, inference or training)
 // is measured by measure_case() inside the calling process; `linvis bench` runs each case
-// in a fresh child process so that the peak resident memory it reports belongs to that
-// case alone (not the lifetime maximum of a process that measured several models).
+// in a fresh child process (run_in_child) so that the peak resident memory it reports belongs
+// to that case alone (not the lifetime maximum of a process that measured several models).
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json_fwd.hpp>
+#include <nlohmann/json.hpp>
 
 namespace linvis::tools {
 
@@ -61,8 +64,53 @@ BenchResult bench_result_from_json(const nlohmann::json& j);
 nlohmann::json to_json(const BenchCase& bench_case);
 BenchCase bench_case_from_json(const nlohmann::json& j);
 
-// Current and peak resident set size of this process in bytes.
+// Current and peak (lifetime) resident set size of this process in bytes.
 int64_t current_rss_bytes();
 int64_t peak_rss_bytes();
+
+// ---------------------------------------------------------------- timing and memory of a measurement
+
+// The median of `values` (the mean of the middle two for an even count); 0 for none.
+double median(std::vector<double> values);
+
+// Runs `pass` `warmup` times untimed, then `reps` times (at least once) timed, and returns the seconds
+// of each timed pass. Once `min_reps` passes are timed, stops early when the timed loop has taken more
+// than `max_seconds`.
+std::vector<double> time_passes(const std::function<void()>& pass, int warmup, int reps,
+                                double max_seconds = std::numeric_limits<double>::infinity(), int min_reps = 3);
+
+// The peak resident memory this process adds over what it holds when the object is made: the
+// constructor resets the kernel's high-water mark (VmHWM, through /proc/self/clear_refs, where the
+// kernel allows it) and notes the current resident set; bytes() is the high-water mark since then
+// minus that. Make it once the inputs of a measurement exist, so that it reports what the measured
+// work itself allocates at its peak.
+class PeakRssGrowth {
+public:
+    PeakRssGrowth();
+    int64_t bytes() const;
+
+private:
+    int64_t base_bytes_ = 0;
+};
+
+// ---------------------------------------------------------------- measuring in a child process
+
+// How a measurement in a child process ended.
+struct ChildResult {
+    enum class Status { Ok, NotStarted, TimedOut, KilledBySignal, ExitedNonZero, UnreadableOutput };
+    Status status = Status::NotStarted;
+    nlohmann::json json;   // Ok: the child's answer, the last line of its standard output, parsed
+    std::string message;   // otherwise what went wrong, one line: "timed out after 900 s",
+                           // "child killed by signal 9 (out of memory?)", "child exited with status 1", ...
+    bool ok() const { return status == Status::Ok; }
+};
+
+// Runs this executable again (/proc/self/exe) with the arguments `args` (argv[1], ...) in a child
+// process and waits for it. The child's standard output comes back through a pipe (its standard
+// error is this process's); its answer is the last line it prints, one JSON value, and whatever it
+// prints before is ignored. A child still running after `timeout_s` seconds is killed (SIGKILL).
+// A child killed by a signal or exiting with a non-zero status is a failure even if it printed a
+// JSON line. Never throws; safe to call from a multi-threaded process (the child only execs).
+ChildResult run_in_child(const std::vector<std::string>& args, double timeout_s);
 
 }  // namespace linvis::tools
