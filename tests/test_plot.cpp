@@ -14,12 +14,12 @@
 #include <vector>
 
 #include "linvis/core/error.h"
-#include "linvis/tools/plot.h"
+#include "linvis/plot/plot.h"
 #include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
 using linvis::Error;
-using namespace linvis::tools::plot;
+using namespace linvis::plot;
 
 using linvis::testing::TempDir;
 

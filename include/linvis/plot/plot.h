@@ -1,4 +1,6 @@
-// Small, dependency-light picture making: an RGB canvas, line charts, heat maps, PNG output.
+// The plotting library (target linvis_plot, kept out of liblinvis): an RGB canvas, line charts,
+// heat maps and PNG output. It depends on liblinvis (images, tensors, the atomic writer), never the
+// other way round; the linvis program and the tests link it.
 //
 // Used for the benchmark figures (throughput / peak memory vs resolution, one line per
 // model), training curves (loss / accuracy / lr vs epoch) and interpretability pictures
@@ -28,7 +30,7 @@ namespace at {
 class Tensor;
 }
 
-namespace linvis::tools::plot {
+namespace linvis::plot {
 
 // ------------------------------------------------------------------ colours
 
@@ -149,8 +151,8 @@ public:
     // shrinking by more than 2x averages pixel blocks first to avoid aliasing.
     Canvas resized(int width, int height) const;
 
-    // Writes an 8-bit RGB PNG atomically: to a temporary file in the same directory, then
-    // renamed over `path`. Throws linvis::Error naming `path` when it cannot be written.
+    // Writes an 8-bit RGB PNG (io::encode_image) atomically (io::write_file_atomically). Throws
+    // linvis::Error naming `path` when it cannot be written.
     void save_png(const std::string& path) const;
 
 private:
@@ -159,7 +161,7 @@ private:
     std::vector<uint8_t> rgb_;
 };
 
-// Reads a PNG (or anything stb_image decodes) as RGB. Throws linvis::Error naming the path.
+// Reads a PNG (or a JPEG / BMP; io::read_image) as RGB. Throws linvis::Error naming the path.
 Canvas load_png(const std::string& path);
 
 // Width / ascent / descent of `text` at pixel height `size` in the current font.
@@ -384,4 +386,4 @@ private:
     mutable Rect image_rect_;
 };
 
-}  // namespace linvis::tools::plot
+}  // namespace linvis::plot
