@@ -25,29 +25,6 @@ struct Vec3 {
     double a, b, c;
 };
 
-// Oklab (Ottosson 2020) from / to sRGB bytes.
-Vec3 to_oklab(Color col) {
-    double r = srgb_to_linear(col.r / 255.0), g = srgb_to_linear(col.g / 255.0),
-           b = srgb_to_linear(col.b / 255.0);
-    double l = std::cbrt(0.4122214708 * r + 0.5363325363 * g + 0.0514459929 * b);
-    double m = std::cbrt(0.2119034982 * r + 0.6806995451 * g + 0.1073969566 * b);
-    double s = std::cbrt(0.0883024619 * r + 0.2817188376 * g + 0.6299787005 * b);
-    return {0.2104542553 * l + 0.7936177850 * m - 0.0040720468 * s,
-            1.9779984951 * l - 2.4285922050 * m + 0.4505937099 * s,
-            0.0259040371 * l + 0.7827717662 * m - 0.8086757660 * s};
-}
-Color from_oklab(Vec3 lab) {
-    double l = lab.a + 0.3963377774 * lab.b + 0.2158037573 * lab.c;
-    double m = lab.a - 0.1055613458 * lab.b - 0.0638541728 * lab.c;
-    double s = lab.a - 0.0894841775 * lab.b - 1.2914855480 * lab.c;
-    l = l * l * l, m = m * m * m, s = s * s * s;
-    double r = 4.0767416621 * l - 3.3077115913 * m + 0.2309699292 * s;
-    double g = -1.2684380046 * l + 2.6097574011 * m - 0.3413193965 * s;
-    double b = -0.0041960863 * l - 0.7034186147 * m + 1.7076147010 * s;
-    return {to_byte(255 * linear_to_srgb(clamp01(r))), to_byte(255 * linear_to_srgb(clamp01(g))),
-            to_byte(255 * linear_to_srgb(clamp01(b)))};
-}
-
 // CIELAB (D65 white) from / to sRGB, for Moreland's Msh space.
 double lab_f(double t) { return t > 216.0 / 24389.0 ? std::cbrt(t) : (24389.0 / 27.0 * t + 16.0) / 116.0; }
 double lab_finv(double t) {
@@ -137,16 +114,10 @@ Color colormap_color(Colormap cm, double t) {
     t = clamp01(t);
     switch (cm) {
         case Colormap::Viridis: {
-            // viridis at t = 0, 0.25, 0.5, 0.75, 1 (its published 5-colour sampling).
-            static const Color anchors[] = {
-                {0x44, 0x01, 0x54}, {0x3B, 0x52, 0x8B}, {0x21, 0x91, 0x8C}, {0x5E, 0xC9, 0x62}, {0xFD, 0xE7, 0x25}};
-            double pos = t * 4;
-            int i = std::min(3, static_cast<int>(pos));
-            double f = pos - i;
-            if (f == 0) return anchors[i];
-            if (f == 1) return anchors[i + 1];
-            Vec3 a = to_oklab(anchors[i]), b = to_oklab(anchors[i + 1]);
-            return from_oklab({a.a + f * (b.a - a.a), a.b + f * (b.b - a.b), a.c + f * (b.c - a.c)});
+            // matplotlib's lookup: N equal bins over [0, 1], t = 1 in the last.
+            const ColormapTable& table = viridis_table();
+            const auto& c = table[std::min(table.size() - 1, static_cast<size_t>(t * table.size()))];
+            return {to_byte(255 * c[0]), to_byte(255 * c[1]), to_byte(255 * c[2])};
         }
         case Colormap::CoolWarm: {
             // Moreland's end colours; the interpolation is exact at the ends.

@@ -19,6 +19,7 @@
 // linvis::Error naming the chart / path and the problem.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -65,10 +66,17 @@ enum class Colormap {
 };
 
 // Colour of `cm` at t in [0, 1] (clamped). NaN maps to mid grey (128, 128, 128).
-// Viridis is interpolated in Oklab between its five published anchors (t = 0, .25, .5, .75, 1),
-// CoolWarm is computed with Moreland's Msh formula from its two published end colours.
+// Viridis is looked up like matplotlib does: entry min(255, floor(t * 256)) of its published table,
+// rounded to bytes. CoolWarm is computed with Moreland's Msh formula from its two published end
+// colours (within 1/255 of matplotlib's coolwarm, 4/255 near the red end where matplotlib
+// interpolates linearly between Moreland's 33 samples).
 Color colormap_color(Colormap cm, double t);
 std::string colormap_name(Colormap cm);
+
+// A colour map as published: 256 RGB entries in [0, 1].
+using ColormapTable = std::array<std::array<double, 3>, 256>;
+// matplotlib's viridis table (van der Walt & Smith; CC0 data), entry for entry.
+const ColormapTable& viridis_table();
 
 // ------------------------------------------------------------------ canvas
 
