@@ -186,6 +186,10 @@ TEST(Plot, NiceTicksAndLabels) {
     EXPECT_EQ(neg, (std::vector<double>{-2, 0, 2}));
     EXPECT_EQ(log_ticks(0.8, 1500), (std::vector<double>{1, 10, 100, 1000}));
     EXPECT_EQ(log_ticks(30, 300), (std::vector<double>{50, 100, 200}));
+    // Narrower than one 1..9 step: linear nice ticks instead of none.
+    auto narrow = log_ticks(213.9, 214.4);
+    ASSERT_GE(narrow.size(), 2u);
+    for (double t : narrow) EXPECT_TRUE(t >= 213.9 && t <= 214.4) << t;
     EXPECT_EQ(format_tick(0.5, 0.25), "0.50");
     EXPECT_EQ(format_tick(40, 20), "40");
     EXPECT_EQ(format_tick(2e6, 1e6), "2e6");

@@ -79,6 +79,12 @@ std::vector<double> log_ticks(double lo, double hi, int target) {
             }
         if (out.size() >= 3) break;
     }
+    // A range narrower than one 1..9 step (a peak memory of 214.0 to 214.3 MiB) would get no tick
+    // and no label: linear nice ticks then, which are positive here.
+    if (out.size() < 2) {
+        std::vector<double> linear = nice_ticks(lo, hi, target);
+        if (linear.size() > out.size()) out = linear;
+    }
     return out;
 }
 

@@ -287,7 +287,8 @@ private:
 // steps of 1, 2, 2.5 or 5 times a power of ten. Only ticks inside [lo, hi] are returned.
 std::vector<double> nice_ticks(double lo, double hi, int target = 6);
 // Ticks on a log10 axis covering [lo, hi] (lo > 0): the powers of ten inside; when fewer
-// than two fit, also 2x and 5x multiples; when there are too many, every k-th power.
+// than two fit, also 2x and 5x multiples; when there are too many, every k-th power; when even
+// the 1..9 multiples give fewer than two (a range like [213.9, 214.4]), nice_ticks.
 std::vector<double> log_ticks(double lo, double hi, int target = 6);
 // Tick label text: trailing zeros removed, "1e+06"-style only for very large / small values.
 std::string format_tick(double value, double step);
