@@ -17,7 +17,7 @@
 #include "linvis/core/runtime.h"
 #include "linvis/models/registry.h"
 #include "linvis/tools/bench.h"
-#include "linvis/tools/plot.h"
+#include "linvis/plot/plot.h"
 #include "options.h"
 
 namespace linvis::cli {
@@ -109,7 +109,6 @@ void write_csv(const std::string& path, const std::vector<BenchResult>& results,
 
 // Throughput and peak memory against resolution, one line per model (the papers' figures).
 void draw_figure(const std::string& path, const std::vector<BenchResult>& results, const std::string& subtitle) {
-    namespace plot = tools::plot;
     // One line per (model, implementation); the implementation is named when the run mixes them.
     auto label = [&](const BenchResult& r) {
         bool mixed = false;

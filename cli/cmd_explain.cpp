@@ -16,12 +16,11 @@
 #include "linvis/io/transforms.h"
 #include "linvis/models/registry.h"
 #include "linvis/tools/explain.h"
-#include "linvis/tools/plot.h"
+#include "linvis/plot/plot.h"
 
 namespace linvis::cli {
 namespace {
 
-namespace plot = tools::plot;
 namespace explain = tools::explain;
 
 

@@ -13,7 +13,7 @@
 #include "linvis/io/state_dict.h"
 #include "linvis/models/deit_t5.h"
 #include "linvis/models/registry.h"
-#include "linvis/tools/plot.h"
+#include "linvis/plot/plot.h"
 #include "linvis/train/data_sources.h"
 #include "linvis/train/finetune.h"
 #include "linvis/train/trainer.h"
@@ -58,7 +58,6 @@ std::map<std::string, std::string> model_defaults_for(const train::DataSources& 
 }
 
 void draw_curves(const std::string& path, const std::string& title, const std::vector<train::EpochRecord>& history) {
-    namespace plot = tools::plot;
     std::vector<double> epochs, train_loss, train_acc, lr, eval_epochs, eval_loss, eval_acc;
     for (const auto& r : history) {
         epochs.push_back(static_cast<double>(r.epoch + 1));

@@ -7,7 +7,7 @@ packages=(
   nlohmann-json3-dev libstb-dev                         # JSON headers; JPEG/PNG/BMP decoding
   libcli11-dev                                          # command-line parsing of the linvis program
   zlib1g-dev                                            # gzip IDX files (Fashion-MNIST), PNG CRCs
-  fonts-dejavu-core                                     # DejaVu Sans for text in plots (linvis/tools/plot.h)
+  fonts-dejavu-core                                     # DejaVu Sans for text in plots (linvis/plot/plot.h)
   libgtest-dev libgmock-dev                             # unit tests
   clang libclang-rt-14-dev                              # libFuzzer target for the safetensors reader
   dataset-fashion-mnist                                 # training data used by 'linvis train'

@@ -1,10 +1,12 @@
 // The layering of docs/architecture.md, checked on the source tree: core -> io -> ops -> nn -> models
-// -> train / tools, each layer including only layers above it, and no op reference including a kernel.
+// -> train / tools -> plot, each layer including only layers above it, and no op reference including a
+// kernel. Plotting is its own library: the built liblinvis holds none of it.
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <iterator>
 #include <regex>
 #include <string>
 #include <vector>
@@ -13,8 +15,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const std::map<std::string, int> kRank = {{"core", 0}, {"io", 1},    {"ops", 2},  {"nn", 3},
-                                          {"models", 4}, {"train", 5}, {"tools", 5}};
+// plot (the linvis_plot library) ranks below every layer of liblinvis, so none of them can include it.
+const std::map<std::string, int> kRank = {{"core", 0},   {"io", 1},    {"ops", 2},   {"nn", 3},
+                                          {"models", 4}, {"train", 5}, {"tools", 5}, {"plot", 6}};
 
 // Every linvis include of `file` that names a layer: "linvis/<layer>/..." or, from src/, "<layer>/...".
 std::vector<std::pair<std::string, std::string>> layer_includes(const fs::path& file) {
@@ -67,4 +70,22 @@ TEST(Architecture, OpReferencesIncludeNoKernel) {
                 << file.string() << " includes " << included << "/" << rest;
     }
     EXPECT_GE(references, 7);
+}
+
+namespace {
+
+std::string file_bytes(const char* path) {
+    std::ifstream in(path, std::ios::binary);
+    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+}  // namespace
+
+TEST(Architecture, CoreLibraryHoldsNoPlotting) {
+    const std::string core = file_bytes(LINVIS_CORE_LIBRARY), plot = file_bytes(LINVIS_PLOT_LIBRARY);
+    ASSERT_FALSE(core.empty()) << LINVIS_CORE_LIBRARY;
+    // "6linvis4plot" is how the namespace linvis::plot appears in mangled symbol names.
+    EXPECT_NE(plot.find("6linvis4plot"), std::string::npos) << LINVIS_PLOT_LIBRARY;
+    EXPECT_EQ(core.find("6linvis4plot"), std::string::npos) << LINVIS_CORE_LIBRARY << " holds plotting code";
+    EXPECT_EQ(core.find("stbtt_"), std::string::npos) << LINVIS_CORE_LIBRARY << " uses stb_truetype";
 }

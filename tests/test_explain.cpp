@@ -16,7 +16,7 @@
 #include "linvis/ops/attention.h"
 #include "linvis/ops/ttt_linear.h"
 #include "linvis/tools/explain.h"
-#include "linvis/tools/plot.h"
+#include "linvis/plot/plot.h"
 #include "support/cli.h"
 #include "support/testing.h"
 
@@ -334,14 +334,14 @@ TEST(Explain, CliWritesPicturesAndRejectsBadOptions) {
     auto r = run_cli("explain --model vittt_tiny --what gradmap --block 1 --branch back" + small + " --output " + png +
                      " --save-map " + raw);
     ASSERT_EQ(r.status, 0) << r.output;
-    auto picture = tools::plot::load_png(png);
+    auto picture = plot::load_png(png);
     EXPECT_EQ(picture.width(), 3 * 340);
     EXPECT_EQ(picture.height(), 360);
     EXPECT_TRUE(fs::exists(raw));
     const std::string erf_png = (dir / "erf.png").string();
     r = run_cli("explain --model vittt_tiny,deit_tiny --what erf" + small + " --output " + erf_png);
     ASSERT_EQ(r.status, 0) << r.output;
-    EXPECT_EQ(tools::plot::load_png(erf_png).width(), 2 * 340);
+    EXPECT_EQ(plot::load_png(erf_png).width(), 2 * 340);
     r = run_cli("explain --model t5_tiny --what attention --query 1,2" + small + " --output " +
                 (dir / "att.png").string());
     ASSERT_EQ(r.status, 0) << r.output;

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -14,12 +15,12 @@
 #include <vector>
 
 #include "linvis/core/error.h"
-#include "linvis/tools/plot.h"
+#include "linvis/plot/plot.h"
 #include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
 using linvis::Error;
-using namespace linvis::tools::plot;
+using namespace linvis::plot;
 
 using linvis::testing::TempDir;
 
@@ -185,6 +186,10 @@ TEST(Plot, NiceTicksAndLabels) {
     EXPECT_EQ(neg, (std::vector<double>{-2, 0, 2}));
     EXPECT_EQ(log_ticks(0.8, 1500), (std::vector<double>{1, 10, 100, 1000}));
     EXPECT_EQ(log_ticks(30, 300), (std::vector<double>{50, 100, 200}));
+    // Narrower than one 1..9 step: linear nice ticks instead of none.
+    auto narrow = log_ticks(213.9, 214.4);
+    ASSERT_GE(narrow.size(), 2u);
+    for (double t : narrow) EXPECT_TRUE(t >= 213.9 && t <= 214.4) << t;
     EXPECT_EQ(format_tick(0.5, 0.25), "0.50");
     EXPECT_EQ(format_tick(40, 20), "40");
     EXPECT_EQ(format_tick(2e6, 1e6), "2e6");
@@ -433,6 +438,23 @@ TEST(Heatmap, ColormapEndsAndMonotoneLightness) {
     }
     EXPECT_GT(luma(colormap_color(Colormap::CoolWarm, 0.5)), luma(colormap_color(Colormap::CoolWarm, 0.25)));
     EXPECT_GT(luma(colormap_color(Colormap::CoolWarm, 0.5)), luma(colormap_color(Colormap::CoolWarm, 0.75)));
+}
+
+TEST(Heatmap, ViridisIsMatplotlibsPublishedTable) {
+    // matplotlib/matplotlib@v3.11.2:lib/matplotlib/_cm_listed.py, _viridis_data (CC0): entries 0, 128, 255.
+    const ColormapTable& v = viridis_table();
+    EXPECT_EQ(v[0], (std::array<double, 3>{0.267004, 0.004874, 0.329415}));
+    EXPECT_EQ(v[128], (std::array<double, 3>{0.127568, 0.566949, 0.550556}));
+    EXPECT_EQ(v[255], (std::array<double, 3>{0.993248, 0.906157, 0.143936}));
+    // matplotlib's lookup: t in [k / 256, (k + 1) / 256) takes entry k, rounded to bytes; the quarter
+    // points are viridis' published 5-colour sampling.
+    EXPECT_EQ(colormap_color(Colormap::Viridis, 0.25), (Color{0x3B, 0x52, 0x8B}));
+    EXPECT_EQ(colormap_color(Colormap::Viridis, 0.75), (Color{0x5E, 0xC9, 0x62}));
+    EXPECT_EQ(colormap_color(Colormap::Viridis, 127.5 / 256), (Color{33, 144, 141}));  // entry 127
+    EXPECT_EQ(colormap_color(Colormap::Viridis, 1), (Color{253, 231, 37}));
+    // Moreland's formula against matplotlib's coolwarm (256-entry lookup table, entries 64 and 192).
+    EXPECT_TRUE(near(colormap_color(Colormap::CoolWarm, 64 / 255.0), Color{141, 176, 254}, 1));
+    EXPECT_TRUE(near(colormap_color(Colormap::CoolWarm, 192 / 255.0), Color{244, 152, 122}, 1));
 }
 
 TEST(Heatmap, BilinearUpsamplingMatchesAlignCornersFalse) {

@@ -1,10 +1,10 @@
-// Tensor entry points of the plotting module (kept apart so plot.cpp needs no LibTorch).
+// Tensor entry points of the plotting library: LibTorch images and maps to canvases.
 #include <torch/torch.h>
 
 #include "linvis/core/error.h"
-#include "linvis/tools/plot.h"
+#include "linvis/plot/plot.h"
 
-namespace linvis::tools::plot {
+namespace linvis::plot {
 
 namespace {
 
@@ -38,4 +38,4 @@ Canvas heatmap_overlay(const at::Tensor& image_hwc_uint8, const at::Tensor& map_
                            cm, range);
 }
 
-}  // namespace linvis::tools::plot
+}  // namespace linvis::plot

@@ -1,4 +1,6 @@
-// Small, dependency-light picture making: an RGB canvas, line charts, heat maps, PNG output.
+// The plotting library (target linvis_plot, kept out of liblinvis): an RGB canvas, line charts,
+// heat maps and PNG output. It depends on liblinvis (images, tensors, the atomic writer), never the
+// other way round; the linvis program and the tests link it.
 //
 // Used for the benchmark figures (throughput / peak memory vs resolution, one line per
 // model), training curves (loss / accuracy / lr vs epoch) and interpretability pictures
@@ -17,6 +19,7 @@
 // linvis::Error naming the chart / path and the problem.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -28,7 +31,7 @@ namespace at {
 class Tensor;
 }
 
-namespace linvis::tools::plot {
+namespace linvis::plot {
 
 // ------------------------------------------------------------------ colours
 
@@ -63,10 +66,17 @@ enum class Colormap {
 };
 
 // Colour of `cm` at t in [0, 1] (clamped). NaN maps to mid grey (128, 128, 128).
-// Viridis is interpolated in Oklab between its five published anchors (t = 0, .25, .5, .75, 1),
-// CoolWarm is computed with Moreland's Msh formula from its two published end colours.
+// Viridis is looked up like matplotlib does: entry min(255, floor(t * 256)) of its published table,
+// rounded to bytes. CoolWarm is computed with Moreland's Msh formula from its two published end
+// colours (within 1/255 of matplotlib's coolwarm, 4/255 near the red end where matplotlib
+// interpolates linearly between Moreland's 33 samples).
 Color colormap_color(Colormap cm, double t);
 std::string colormap_name(Colormap cm);
+
+// A colour map as published: 256 RGB entries in [0, 1].
+using ColormapTable = std::array<std::array<double, 3>, 256>;
+// matplotlib's viridis table (van der Walt & Smith; CC0 data), entry for entry.
+const ColormapTable& viridis_table();
 
 // ------------------------------------------------------------------ canvas
 
@@ -149,8 +159,8 @@ public:
     // shrinking by more than 2x averages pixel blocks first to avoid aliasing.
     Canvas resized(int width, int height) const;
 
-    // Writes an 8-bit RGB PNG atomically: to a temporary file in the same directory, then
-    // renamed over `path`. Throws linvis::Error naming `path` when it cannot be written.
+    // Writes an 8-bit RGB PNG (io::encode_image) atomically (io::write_file_atomically). Throws
+    // linvis::Error naming `path` when it cannot be written.
     void save_png(const std::string& path) const;
 
 private:
@@ -159,7 +169,7 @@ private:
     std::vector<uint8_t> rgb_;
 };
 
-// Reads a PNG (or anything stb_image decodes) as RGB. Throws linvis::Error naming the path.
+// Reads a PNG (or a JPEG / BMP; io::read_image) as RGB. Throws linvis::Error naming the path.
 Canvas load_png(const std::string& path);
 
 // Width / ascent / descent of `text` at pixel height `size` in the current font.
@@ -277,7 +287,8 @@ private:
 // steps of 1, 2, 2.5 or 5 times a power of ten. Only ticks inside [lo, hi] are returned.
 std::vector<double> nice_ticks(double lo, double hi, int target = 6);
 // Ticks on a log10 axis covering [lo, hi] (lo > 0): the powers of ten inside; when fewer
-// than two fit, also 2x and 5x multiples; when there are too many, every k-th power.
+// than two fit, also 2x and 5x multiples; when there are too many, every k-th power; when even
+// the 1..9 multiples give fewer than two (a range like [213.9, 214.4]), nice_ticks.
 std::vector<double> log_ticks(double lo, double hi, int target = 6);
 // Tick label text: trailing zeros removed, "1e+06"-style only for very large / small values.
 std::string format_tick(double value, double step);
@@ -384,4 +395,4 @@ private:
     mutable Rect image_rect_;
 };
 
-}  // namespace linvis::tools::plot
+}  // namespace linvis::plot
