@@ -225,8 +225,7 @@ OpFn ttt_linear_op(Impl impl, int64_t mini_batch) {
     return [impl, mini_batch](const std::vector<Tensor>& x) {
         ops::TttLinearOptions options;
         options.mini_batch_size = mini_batch;
-        options.impl = impl;
-        return ops::ttt_linear(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], options).output;
+        return ops::ttt_linear(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], options, impl).output;
     };
 }
 

@@ -36,7 +36,7 @@ Inputs make_inputs(int64_t B, int64_t NH, int64_t S, int64_t DH, int64_t DV, tor
 }
 
 torch::Tensor run(const Inputs& in, ops::MlstmMode mode, int64_t chunk = 64) {
-    return ops::mlstm(in.q, in.k, in.v, in.i, in.f, mode, chunk);
+    return ops::mlstm(in.q, in.k, in.v, in.i, in.f, mode, chunk, ops::kMlstmEps, ops::Impl::Reference);
 }
 
 // Output and input gradients for the loss sum(h * probe).
@@ -248,7 +248,7 @@ TEST(Mlstm, RejectsBadShapes) {
 namespace {
 void gradcheck_form(ops::MlstmMode mode) {
     auto in = make_inputs(1, 2, 5, 3, 2, torch::kFloat64, 51, true);
-    auto f = [mode](const std::vector<torch::Tensor>& x) { return ops::mlstm(x[0], x[1], x[2], x[3], x[4], mode, 2); };
+    auto f = [mode](const std::vector<torch::Tensor>& x) { return ops::mlstm(x[0], x[1], x[2], x[3], x[4], mode, 2, ops::kMlstmEps, ops::Impl::Reference); };
     EXPECT_TRUE(gradcheck(f, in.list(), 1e-6, 1e-7, 1e-5));
 }
 }  // namespace

@@ -221,7 +221,7 @@ TEST(T5, MatchesManualSpec) {
     auto q = torch::randn({B, N, C}, f64()), k = torch::randn({B, N, C}, f64()) + 2.0,
          v = torch::randn({B, N, C}, f64());
     auto p = random_t5_params(C, h, torch::kFloat64);
-    auto got = t5_ttt_attention(q, k, v, p, h, H, W);
+    auto got = t5_ttt_attention(q, k, v, p, h, H, W, Impl::Reference);
     EXPECT_TRUE(all_close(got, manual_t5(q, k, v, p, h, H, W), 1e-11, 1e-12));
 
     auto pd = random_dit5_params(C, h, torch::kFloat64);
@@ -244,12 +244,12 @@ TEST(T5, MatchesManualSpec) {
     auto bad = p;
     bad.w3 = torch::randn({1, h, 4, 3}, f64());
     try {
-        t5_ttt_attention(q, k, v, bad, h, H, W);
+        t5_ttt_attention(q, k, v, bad, h, H, W, Impl::Reference);
         FAIL() << "no error for a bad w3";
     } catch (const linvis::Error& e) {
         EXPECT_NE(std::string(e.what()).find("w3"), std::string::npos) << e.what();
     }
-    EXPECT_THROW(t5_ttt_attention(q, k, v, p, h, 5, 5), linvis::Error);
+    EXPECT_THROW(t5_ttt_attention(q, k, v, p, h, 5, 5, Impl::Reference), linvis::Error);
 }
 
 TEST(T5, FlopsCount) {
@@ -258,7 +258,7 @@ TEST(T5, FlopsCount) {
     auto q = torch::randn({B, N, C}), k = torch::randn({B, N, C}), v = torch::randn({B, N, C});
     {
         linvis::flops::Counter counter;
-        t5_ttt_attention(q, k, v, random_t5_params(C, h, torch::kFloat32), h, H, W);
+        t5_ttt_attention(q, k, v, random_t5_params(C, h, torch::kFloat32), h, H, W, Impl::Reference);
         // 9 d x d products per (sample, head): z1, z2, da2, G1, G2, G3 and three read-out products;
         // two depthwise 3x3 convs.
         EXPECT_EQ(counter.macs(), 9 * B * h * N * d * d + 2 * 9 * B * N * C);
@@ -280,7 +280,7 @@ TEST(Ops, GradcheckT5Attention) {
     for (auto& t : in) t = t.detach().clone().requires_grad_();
     EXPECT_TRUE(gradcheck(
         [&](const std::vector<torch::Tensor>& x) {
-            return t5_ttt_attention(x[0], x[1], x[2], T5TttParams{x[3], x[4], x[5], x[6], x[7], x[8], x[9]}, h, H, W);
+            return t5_ttt_attention(x[0], x[1], x[2], T5TttParams{x[3], x[4], x[5], x[6], x[7], x[8], x[9]}, h, H, W, Impl::Reference);
         },
         in));
 }
@@ -307,11 +307,11 @@ TEST(T5, BatchIndependence) {
     auto q = torch::randn({B, N, C}), k = torch::randn({B, N, C}), v = torch::randn({B, N, C});
     auto p = random_t5_params(C, h, torch::kFloat32, 0.05);
     auto pd = random_dit5_params(C, h, torch::kFloat32, 0.05);
-    auto full = t5_ttt_attention(q, k, v, p, h, H, W);
+    auto full = t5_ttt_attention(q, k, v, p, h, H, W, Impl::Reference);
     auto full_mixed = dit5_mixed_attention(q, k, v, pd, h, H, W, 5);
     for (int64_t b = 0; b < B; ++b) {
         auto one = [&](const torch::Tensor& t) { return t.narrow(0, b, 1); };
-        EXPECT_TRUE(all_close(one(full), t5_ttt_attention(one(q), one(k), one(v), p, h, H, W), 1e-5, 1e-6)) << b;
+        EXPECT_TRUE(all_close(one(full), t5_ttt_attention(one(q), one(k), one(v), p, h, H, W, Impl::Reference), 1e-5, 1e-6)) << b;
         EXPECT_TRUE(all_close(one(full_mixed), dit5_mixed_attention(one(q), one(k), one(v), pd, h, H, W, 5), 1e-5,
                               1e-6)) << b;
     }
@@ -328,9 +328,9 @@ TEST(T5, Bfloat16WithinTolerance) {
     auto d64 = [](const torch::Tensor& t) { return t.to(torch::kFloat64); };
     T5TttParams p64{d64(p.w1), d64(p.w2), d64(p.w3), d64(p.q_conv_weight), d64(p.q_conv_bias), d64(p.k_conv_weight),
                     d64(p.k_conv_bias)};
-    auto out = t5_ttt_attention(q, k, v, p, h, H, W);
+    auto out = t5_ttt_attention(q, k, v, p, h, H, W, Impl::Reference);
     ASSERT_EQ(out.scalar_type(), torch::kBFloat16);
-    double err = relative_error(out, t5_ttt_attention(d64(q), d64(k), d64(v), p64, h, H, W));
+    double err = relative_error(out, t5_ttt_attention(d64(q), d64(k), d64(v), p64, h, H, W, Impl::Reference));
 
     auto pd = random_dit5_params(C, h, torch::kBFloat16, 0.02);
     Dit5TttParams pd64{d64(pd.w1), d64(pd.w2), d64(pd.qk_scale), d64(pd.qk_offset), d64(pd.q_conv_weight),

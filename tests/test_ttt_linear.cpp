@@ -8,6 +8,7 @@
 #include "linvis/ops/ttt_linear.h"
 #include "support/testing.h"
 
+using linvis::ops::Impl;
 using linvis::ops::TttInnerModel;
 using linvis::ops::TttLinearOptions;
 using linvis::ops::TttLinearResult;
@@ -51,8 +52,9 @@ TttInputs make_inputs(int64_t B, int64_t nh, int64_t T, int64_t d, int64_t b, to
     return in.to(dtype);
 }
 
-TttLinearResult run(const TttInputs& in, const TttLinearOptions& opt) {
-    return linvis::ops::ttt_linear(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, opt);
+// The reference (this file's subject; the fused kernel is tested in test_ttt_linear_fused.cpp).
+TttLinearResult run(const TttInputs& in, const TttLinearOptions& opt, Impl impl = Impl::Reference) {
+    return linvis::ops::ttt_linear(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, opt, impl);
 }
 
 TttLinearOptions options(int64_t b, bool dual = true, bool causal = true, bool rope = false) {
@@ -434,9 +436,7 @@ TEST(TttLinear, RejectsBadInputs) {
     bad.lr = in.lr.to(torch::kFloat64);
     EXPECT_THROW(run(bad, options(4)), linvis::Error);
     // impl=fused validates the same way (the fused kernel itself is tested in test_ttt_linear_fused.cpp)
-    TttLinearOptions fused = options(4);
-    fused.impl = linvis::ops::Impl::Fused;
     bad = in;
     bad.k = in.k.narrow(2, 0, 7);
-    EXPECT_THROW(run(bad, fused), linvis::Error);
+    EXPECT_THROW(run(bad, options(4), Impl::Fused), linvis::Error);
 }

@@ -52,8 +52,19 @@ TttInputs make_inputs(int64_t B, int64_t nh, int64_t T, int64_t d, int64_t b, ui
     return in;
 }
 
-TttLinearOptions options(int64_t b, bool causal, Impl impl, int64_t ckpt = 4) {
-    TttLinearOptions opt;
+// TTT-Linear options plus the implementation to run them with (ops::ttt_linear's last argument).
+struct RunOptions : TttLinearOptions {
+    Impl impl = Impl::Auto;
+};
+
+TttLinearResult ttt(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& lr,
+                    const torch::Tensor& lti, const torch::Tensor& w0, const torch::Tensor& b0,
+                    const torch::Tensor& gamma, const torch::Tensor& beta, const RunOptions& o) {
+    return linvis::ops::ttt_linear(q, k, v, lr, lti, w0, b0, gamma, beta, o, o.impl);
+}
+
+RunOptions options(int64_t b, bool causal, Impl impl, int64_t ckpt = 4) {
+    RunOptions opt;
     opt.mini_batch_size = b;
     opt.causal = causal;
     opt.impl = impl;
@@ -68,8 +79,8 @@ struct RunResult {
 };
 
 // Output, final state and the gradients of sum(out * P) + sum(W_T * P_W) + sum(b_T * P_b).
-RunResult run_with_grads(const TttInputs& in, const TttLinearOptions& opt, uint64_t probe_seed) {
-    TttLinearResult r = linvis::ops::ttt_linear(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, opt);
+RunResult run_with_grads(const TttInputs& in, const RunOptions& opt, uint64_t probe_seed) {
+    TttLinearResult r = ttt(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, opt);
     torch::manual_seed(probe_seed);
     auto po = torch::TensorOptions().dtype(torch::kFloat64);
     torch::Tensor loss = (r.output * torch::randn(r.output.sizes(), po).to(r.output.scalar_type())).sum() +
@@ -201,18 +212,18 @@ TEST(TttLinearFused, OptionsRopeTauStateAndGradNorms) {
     for (int mask : {1, 2, 4, 8, 16, 31}) {
         const bool rope = mask & 1, no_tau = mask & 2, batched = mask & 4, norms = mask & 8, primal = mask & 16;
         TttInputs in = make_inputs(2, 2, 21, 8, 4, 77, batched).to(torch::kFloat64, true);
-        TttLinearOptions ro = options(4, true, Impl::Reference);
+        RunOptions ro = options(4, true, Impl::Reference);
         ro.use_rope = rope;
         ro.use_token_coefficient = !no_tau;
         ro.return_grad_norms = norms;
         ro.dual_form = !primal;
-        TttLinearOptions fo = ro;
+        RunOptions fo = ro;
         fo.impl = Impl::Fused;
         fo.checkpoint_every = 2;
         torch::Tensor lti = no_tau ? torch::Tensor() : in.lti;
-        auto run_opt = [&](const TttLinearOptions& o, torch::Tensor* out_norms) {
+        auto run_opt = [&](const RunOptions& o, torch::Tensor* out_norms) {
             TttLinearResult r =
-                linvis::ops::ttt_linear(in.q, in.k, in.v, in.lr, lti, in.w0, in.b0, in.gamma, in.beta, o);
+                ttt(in.q, in.k, in.v, in.lr, lti, in.w0, in.b0, in.gamma, in.beta, o);
             if (out_norms) *out_norms = r.grad_norms;
             torch::manual_seed(3);
             // randn(sizes), not randn_like: the fused output is a permuted view, and randn_like
@@ -237,10 +248,10 @@ TEST(TttLinearFused, OptionsRopeTauStateAndGradNorms) {
         }
         if (rope) {
             // the switch is honoured: without RoPE the result differs
-            TttLinearOptions no_rope = fo;
+            RunOptions no_rope = fo;
             no_rope.use_rope = false;
             torch::NoGradGuard ng;
-            auto plain = linvis::ops::ttt_linear(in.q, in.k, in.v, in.lr, lti, in.w0, in.b0, in.gamma, in.beta, no_rope);
+            auto plain = ttt(in.q, in.k, in.v, in.lr, lti, in.w0, in.b0, in.gamma, in.beta, no_rope);
             EXPECT_GT(relative_error(plain.output, fused.back()), 1e-3);
         }
     }
@@ -250,19 +261,19 @@ TEST(TttLinearFused, OptionsRopeTauStateAndGradNorms) {
 // autograd node (not the reference graph).
 TEST(TttLinearFused, InferenceBuildsNoGraph) {
     TttInputs in = make_inputs(1, 2, 20, 16, 16, 5).to(torch::kFloat32, true);
-    TttLinearOptions fo = options(16, true, Impl::Fused);
+    RunOptions fo = options(16, true, Impl::Fused);
     {
         torch::NoGradGuard ng;
-        auto r = linvis::ops::ttt_linear(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, fo);
+        auto r = ttt(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, fo);
         EXPECT_FALSE(r.output.requires_grad());
         EXPECT_EQ(r.output.grad_fn(), nullptr);
     }
     {
         c10::InferenceMode im;
-        auto r = linvis::ops::ttt_linear(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, fo);
+        auto r = ttt(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, fo);
         EXPECT_FALSE(r.output.requires_grad());
     }
-    auto r = linvis::ops::ttt_linear(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, fo);
+    auto r = ttt(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, fo);
     ASSERT_NE(r.output.grad_fn(), nullptr);
     EXPECT_NE(r.output.grad_fn()->name().find("TttLinearFused"), std::string::npos) << r.output.grad_fn()->name();
 }
@@ -271,42 +282,42 @@ TEST(TttLinearFused, InferenceBuildsNoGraph) {
 // numbers); a bad checkpoint interval is an error.
 TEST(TttLinearFused, FallbacksAndErrors) {
     TttInputs in = make_inputs(1, 2, 13, 8, 4, 9).to(torch::kFloat64, false);
-    TttLinearOptions ro = options(4, true, Impl::Reference);
+    RunOptions ro = options(4, true, Impl::Reference);
     ro.inner_model = TttInnerModel::Linear;
     // The linear inner model has no fused kernel: Auto runs the reference, Fused is an error naming it.
-    TttLinearOptions ao = ro;
+    RunOptions ao = ro;
     ao.impl = Impl::Auto;
-    auto a = linvis::ops::ttt_linear(in.q, in.k, in.v, 0.1 * in.lr, in.lti, in.w0, {}, {}, {}, ro);
-    auto b = linvis::ops::ttt_linear(in.q, in.k, in.v, 0.1 * in.lr, in.lti, in.w0, {}, {}, {}, ao);
+    auto a = ttt(in.q, in.k, in.v, 0.1 * in.lr, in.lti, in.w0, {}, {}, {}, ro);
+    auto b = ttt(in.q, in.k, in.v, 0.1 * in.lr, in.lti, in.w0, {}, {}, {}, ao);
     EXPECT_TRUE(torch::equal(a.output, b.output));
-    TttLinearOptions fo = ro;
+    RunOptions fo = ro;
     fo.impl = Impl::Fused;
     try {
-        linvis::ops::ttt_linear(in.q, in.k, in.v, 0.1 * in.lr, in.lti, in.w0, {}, {}, {}, fo);
+        ttt(in.q, in.k, in.v, 0.1 * in.lr, in.lti, in.w0, {}, {}, {}, fo);
         ADD_FAILURE() << "impl fused accepted the linear inner model";
     } catch (const linvis::Error& e) {
         EXPECT_NE(std::string(e.what()).find("ttt_linear: impl 'fused' cannot take this input: inner model 'linear'"),
                   std::string::npos) << e.what();
     }
-    TttLinearOptions bad = options(4, true, Impl::Fused, 0);
-    EXPECT_THROW(linvis::ops::ttt_linear(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, bad),
+    RunOptions bad = options(4, true, Impl::Fused, 0);
+    EXPECT_THROW(ttt(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, bad),
                  linvis::Error);
     // shape errors are still reported before dispatch
-    TttLinearOptions fused = options(4, true, Impl::Fused);
-    EXPECT_THROW(linvis::ops::ttt_linear(in.q, in.k.narrow(2, 0, 7), in.v, in.lr, in.lti, in.w0, in.b0, in.gamma,
+    RunOptions fused = options(4, true, Impl::Fused);
+    EXPECT_THROW(ttt(in.q, in.k.narrow(2, 0, 7), in.v, in.lr, in.lti, in.w0, in.b0, in.gamma,
                                          in.beta, fused),
                  linvis::Error);
     // the fused op counts the same FLOPs as the reference
     int64_t ref_flops = 0, fused_flops = 0;
     {
         linvis::flops::Counter c;
-        linvis::ops::ttt_linear(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta,
+        ttt(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta,
                                 options(4, true, Impl::Reference));
         ref_flops = c.macs();
     }
     {
         linvis::flops::Counter c;
-        linvis::ops::ttt_linear(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, fused);
+        ttt(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, fused);
         fused_flops = c.macs();
     }
     EXPECT_EQ(fused_flops, ref_flops);

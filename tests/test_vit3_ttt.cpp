@@ -114,7 +114,7 @@ TEST(Vit3Ttt, OfficialStepMatchesManualSpec) {
     Tensor w1 = torch::randn({1, heads, d, d}, torch::kFloat64) * 0.3;
     Tensor w2 = torch::randn({1, heads, d, d}, torch::kFloat64) * 0.3;
     Tensor w3 = torch::randn({d, 1, 3, 3}, torch::kFloat64) * 0.3;
-    Tensor ours = vit3_ttt_mix(qkv, w1, w2, w3, heads, H, W);
+    Tensor ours = vit3_ttt_mix(qkv, w1, w2, w3, heads, H, W, Tensor(), Impl::Reference);
     Tensor manual = manual_official(qkv, w1, w2, w3, heads, H, W);
     EXPECT_TRUE(all_close(ours, manual, 1e-12, 1e-14));
     // The step must change the output: without it x1 = (q W1) * silu(q W2).
@@ -125,7 +125,7 @@ TEST(Vit3Ttt, OfficialStepMatchesManualSpec) {
     // float32: same ops in the same order as the official code -> identical SwiGLU branch bits;
     // the depthwise gradient differs in summation order ('prod' vs 'conv') only.
     Tensor ours32 = vit3_ttt_mix(qkv.to(torch::kFloat32), w1.to(torch::kFloat32), w2.to(torch::kFloat32),
-                                 w3.to(torch::kFloat32), heads, H, W);
+                                 w3.to(torch::kFloat32), heads, H, W, Tensor(), Impl::Reference);
     Tensor manual32 = manual_official(qkv.to(torch::kFloat32), w1.to(torch::kFloat32), w2.to(torch::kFloat32),
                                       w3.to(torch::kFloat32), heads, H, W);
     EXPECT_TRUE(all_close(ours32, manual32, 1e-5, 1e-6));
@@ -144,7 +144,7 @@ TEST(Vit3Ttt, OfficialStepMatchesManualSpec) {
     Tensor q2 = torch::randn({B, 1, N, d}, torch::kFloat64), k2 = torch::randn_like(q2), v2 = torch::randn_like(q2);
     auto img = [&](const Tensor& t) { return t.squeeze(1).transpose(1, 2).reshape({B, d, H, W}); };
     Tensor generic = vit3_ttt_generic(q2, k2, v2, {w3.reshape({1, 1, d, 3, 3})}, o, H, W);
-    Tensor branch = vit3_ttt_dwconv_branch(img(q2), img(k2), img(v2), w3);
+    Tensor branch = vit3_ttt_dwconv_branch(img(q2), img(k2), img(v2), w3, kVit3InnerScale, Impl::Reference);
     EXPECT_TRUE(all_close(img(generic), branch, 1e-12, 1e-14));
 }
 
@@ -173,7 +173,7 @@ TEST(Ops, GradcheckVit3Official) {
     Tensor rope = vit3_rope_rotations(H, W, C).to(torch::kFloat64);
     for (bool with_rope : {false, true}) {
         auto f = [&](const std::vector<Tensor>& in) {
-            return vit3_ttt_mix(in[0], in[1], in[2], in[3], heads, H, W, with_rope ? rope : Tensor());
+            return vit3_ttt_mix(in[0], in[1], in[2], in[3], heads, H, W, with_rope ? rope : Tensor(), Impl::Reference);
         };
         EXPECT_TRUE(gradcheck(f, inputs, 1e-6, 1e-6, 1e-4)) << "rope " << with_rope;
     }
@@ -263,15 +263,15 @@ TEST(Vit3Ttt, BatchIndependence) {
     Tensor w1 = torch::randn({1, heads, d, d}) * 0.02, w2 = torch::randn({1, heads, d, d}) * 0.02;
     Tensor w3 = torch::randn({d, 1, 3, 3}) * 0.02;
     Tensor rope = vit3_rope_rotations(H, W, C);
-    Tensor batched = vit3_ttt_mix(qkv, w1, w2, w3, heads, H, W, rope);
+    Tensor batched = vit3_ttt_mix(qkv, w1, w2, w3, heads, H, W, rope, Impl::Reference);
     for (int64_t b = 0; b < B; ++b) {
-        Tensor alone = vit3_ttt_mix(qkv.narrow(0, b, 1), w1, w2, w3, heads, H, W, rope);
+        Tensor alone = vit3_ttt_mix(qkv.narrow(0, b, 1), w1, w2, w3, heads, H, W, rope, Impl::Reference);
         EXPECT_TRUE(all_close(batched.narrow(0, b, 1), alone, 1e-5, 1e-6)) << "sample " << b;
     }
     {
         // Closed-form gradients: inference needs no autograd at all.
         c10::InferenceMode inference;
-        EXPECT_TRUE(torch::equal(vit3_ttt_mix(qkv, w1, w2, w3, heads, H, W, rope), batched));
+        EXPECT_TRUE(torch::equal(vit3_ttt_mix(qkv, w1, w2, w3, heads, H, W, rope, Impl::Reference), batched));
     }
     Vit3TttOptions o;
     o.model = Vit3InnerModel::Conv3x3;
@@ -295,9 +295,9 @@ TEST(Vit3Ttt, Bfloat16WithinTolerance) {
     Tensor w1 = torch::randn({1, heads, d, d}, torch::kFloat64) * 0.02;
     Tensor w2 = torch::randn({1, heads, d, d}, torch::kFloat64) * 0.02;
     Tensor w3 = torch::randn({d, 1, 3, 3}, torch::kFloat64) * 0.02;
-    Tensor ref = vit3_ttt_mix(qkv, w1, w2, w3, heads, H, W);
+    Tensor ref = vit3_ttt_mix(qkv, w1, w2, w3, heads, H, W, Tensor(), Impl::Reference);
     auto run = [&](torch::Dtype t) {
-        return vit3_ttt_mix(qkv.to(t), w1.to(t), w2.to(t), w3.to(t), heads, H, W);
+        return vit3_ttt_mix(qkv.to(t), w1.to(t), w2.to(t), w3.to(t), heads, H, W, Tensor(), Impl::Reference);
     };
     Tensor bf = run(torch::kBFloat16);
     EXPECT_EQ(bf.scalar_type(), torch::kBFloat16);
@@ -325,7 +325,7 @@ TEST(Vit3Ttt, FlopsCountInnerMatmuls) {
     Tensor qkv = torch::randn({B, N, 3 * C + 3 * d});
     Tensor w1 = torch::zeros({1, heads, d, d}), w2 = torch::zeros({1, heads, d, d}), w3 = torch::zeros({d, 1, 3, 3});
     linvis::flops::Counter counter;
-    vit3_ttt_mix(qkv, w1, w2, w3, heads, H, W);
+    vit3_ttt_mix(qkv, w1, w2, w3, heads, H, W, Tensor(), Impl::Reference);
     // z1, z2, G1, G2, two output products: 6 * N*C*d; conv branch: gradient + output 2 * 9*N*d.
     EXPECT_EQ(counter.macs(), B * (6 * N * C * d + 2 * 9 * N * d));
 }
@@ -338,7 +338,7 @@ TEST(Vit3Ttt, RejectsBadShapes) {
     o.num_minibatches = 7;
     EXPECT_THROW(vit3_ttt_generic(q, q, q, make_weights(o, 2, 4, 0.1, torch::kFloat32), o, 2, 3), linvis::Error);
     EXPECT_THROW(vit3_ttt_mix(torch::randn({1, 6, 100}), torch::zeros({1, 2, 4, 4}), torch::zeros({1, 2, 4, 4}),
-                              torch::zeros({4, 1, 3, 3}), 2, 2, 3),
+                              torch::zeros({4, 1, 3, 3}), 2, 2, 3, Tensor(), Impl::Reference),
                  linvis::Error);
     EXPECT_THROW(parse_vit3_inner_loss("l3"), linvis::Error);
     EXPECT_EQ(parse_vit3_inner_model("swiglu"), Vit3InnerModel::SwiGLU);

@@ -92,9 +92,8 @@ torch::Tensor TttLinearBranchImpl::forward(const torch::Tensor& x, torch::Tensor
     ops::TttLinearOptions opt;
     opt.mini_batch_size = options_.mini_batch_size;
     opt.return_grad_norms = grad_norms != nullptr;
-    opt.impl = options_.impl;
     ops::TttLinearResult r = ops::ttt_linear(xq, xk, xv, lr, learnable_token_idx, W1, b1, ttt_norm_weight,
-                                             ttt_norm_bias, opt);
+                                             ttt_norm_bias, opt, options_.impl);
     if (grad_norms != nullptr) *grad_norms = r.grad_norms;
     return layer_norm(post_norm, r.output.permute({0, 2, 1, 3}).reshape({B, T, options_.dim}));
 }

@@ -41,13 +41,6 @@ struct TttLinearOptions {
     double eps = 1e-6;              // inner LN eps (biased variance)
     bool return_final_state = false;
     bool return_grad_norms = false;
-    // Reference: plain LibTorch ops with autograd. Fused: the CPU kernel of
-    // src/ops/ttt_linear/cpu.cpp (docs/perf_ttt_linear.md) for the ResidualLayerNorm inner
-    // model on CPU tensors (causal or not, RoPE through ttt_rope first, dual_form ignored since
-    // dual and primal are the same function; grad_norms come back detached). Impl::Auto runs it
-    // whenever it takes the input; Impl::Fused with the Linear inner model or non-CPU tensors is an
-    // error (linvis/ops/impl.h).
-    Impl impl = Impl::Auto;
     // Fused only: (W, b) is checkpointed every this many mini-batches for the backward, which
     // recomputes the states in between (memory ~ T/(b * checkpoint_every) * nh * d^2 values).
     int64_t checkpoint_every = 4;
@@ -74,10 +67,16 @@ struct TttLinearResult {
 // Everything is computed in the input dtype (float64, float32 or bfloat16), as the reference.
 // While a flops::Counter is active, adds the multiply-adds of the inner products listed in
 // docs/ops_ttt_linear.md (per mini-batch and head: 3 M d^2 + 2 M^2 d causal, 3 M d^2 non-causal).
+// impl (linvis/ops/impl.h): Reference = plain LibTorch ops with autograd; Fused = the CPU kernel of
+// src/ops/ttt_linear/cpu.cpp (docs/perf_ttt_linear.md) for the ResidualLayerNorm inner model on CPU
+// tensors (causal or not, RoPE through ttt_rope first, dual_form ignored since dual and primal are the
+// same function; grad_norms come back detached). Auto runs the kernel whenever it takes the input;
+// Fused with the Linear inner model or non-CPU tensors is an error.
 TttLinearResult ttt_linear(const torch::Tensor& xq, const torch::Tensor& xk, const torch::Tensor& xv,
                            const torch::Tensor& lr, const torch::Tensor& learnable_token_idx,
                            const torch::Tensor& w0, const torch::Tensor& b0, const torch::Tensor& ln_weight,
-                           const torch::Tensor& ln_bias, const TttLinearOptions& options = TttLinearOptions());
+                           const torch::Tensor& ln_bias, const TttLinearOptions& options = TttLinearOptions(),
+                           Impl impl = Impl::Auto);
 
 // Per-token per-head learning rate of spec 2.5: eta_base * sigmoid(x . w_lr[h] + b_lr[h]) / head_dim.
 //   x: (B, T, C) the TTT-layer input (not XK); w_lr: (nh, 1, C); b_lr: (nh, 1). Returns (B, nh, T).

@@ -23,7 +23,7 @@ void check_same_dtype(const torch::Tensor& t, const char* name, const torch::Ten
 TttLinearResult ttt_linear(const torch::Tensor& xq_in, const torch::Tensor& xk_in, const torch::Tensor& xv,
                            const torch::Tensor& lr, const torch::Tensor& learnable_token_idx,
                            const torch::Tensor& w0, const torch::Tensor& b0, const torch::Tensor& ln_weight,
-                           const torch::Tensor& ln_bias, const TttLinearOptions& opt) {
+                           const torch::Tensor& ln_bias, const TttLinearOptions& opt, Impl impl) {
     LINVIS_CHECK(xq_in.dim() == 4, "ttt_linear: xq: expected (B, nh, T, d), got ", shape_string(xq_in.sizes()));
     const int64_t B = xq_in.size(0), nh = xq_in.size(1), T = xq_in.size(2), d = xq_in.size(3);
     LINVIS_CHECK(xk_in.sizes() == xq_in.sizes(), "ttt_linear: xk: expected shape ", shape_string(xq_in.sizes()),
@@ -76,7 +76,7 @@ TttLinearResult ttt_linear(const torch::Tensor& xq_in, const torch::Tensor& xk_i
                                 : std::string();
     // The fused scan beats the reference's per-mini-batch small products with its AVX-512 kernels and
     // also with its portable loops (vittt_tiny at 1024 on the AVX2 EPYC: fused was the faster path).
-    if (use_fused(opt.impl, "ttt_linear", unsupported, /*fused_is_faster=*/true)) {
+    if (use_fused(impl, "ttt_linear", unsupported, /*fused_is_faster=*/true)) {
         torch::Tensor tau = opt.use_token_coefficient ? ttt_token_coefficient(learnable_token_idx, opt.mini_batch_size)
                                                       : torch::ones({opt.mini_batch_size}, xq.options());
         if (flops::counting()) {
