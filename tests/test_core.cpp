@@ -45,9 +45,13 @@ TEST(Precision, ReducedPrecisionProductsAccumulateInFloat32) {
     for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
         const int64_t k = 1024;
         auto ones = torch::ones({8, k}, torch::TensorOptions().dtype(dtype));
-        auto mm = linvis::flops::matmul(ones, ones.t());
-        EXPECT_EQ(mm.scalar_type(), dtype);
-        EXPECT_TRUE(torch::all(mm.to(torch::kFloat32) == static_cast<float>(k)).item<bool>()) << mm[0][0];
+        // Both operand layouts: LibTorch 1.13's AVX2 path accumulates the row-major (non-transposed)
+        // product in bf16 (256, measured under qemu -cpu max), the transposed one in float.
+        for (const auto& right : {torch::ones({k, 8}, ones.options()), ones.t()}) {
+            auto mm = linvis::flops::matmul(ones, right);
+            EXPECT_EQ(mm.scalar_type(), dtype);
+            EXPECT_TRUE(torch::all(mm.to(torch::kFloat32) == static_cast<float>(k)).item<bool>()) << mm[0][0];
+        }
         auto lin = linvis::flops::linear(ones, ones.narrow(0, 0, 4));
         EXPECT_TRUE(torch::all(lin.to(torch::kFloat32) == static_cast<float>(k)).item<bool>()) << lin[0][0];
         auto image = torch::ones({1, k, 3, 3}, torch::TensorOptions().dtype(dtype));
@@ -55,7 +59,7 @@ TEST(Precision, ReducedPrecisionProductsAccumulateInFloat32) {
         EXPECT_TRUE(torch::all(conv.to(torch::kFloat32) == static_cast<float>(k)).item<bool>()) << conv[0][0][0][0];
         // Gradients flow through the widened product and come back in the input dtype.
         auto a = ones.clone().requires_grad_(true);
-        linvis::flops::matmul(a, ones.t()).sum().backward();
+        linvis::flops::matmul(a, torch::ones({k, 8}, ones.options())).sum().backward();
         EXPECT_EQ(a.grad().scalar_type(), dtype);
         EXPECT_TRUE(torch::all(a.grad().to(torch::kFloat32) == 8.0f).item<bool>());
     }
