@@ -205,8 +205,7 @@ std::vector<torch::Tensor> PlainVit::forward_intermediates(const torch::Tensor& 
     int64_t tap = 0;
     for (auto& block : blocks_) {
         for (int64_t s = 0; s < block->num_sub_blocks() && tap <= last; ++s, ++tap) {
-            x = block->num_sub_blocks() == 1 ? block->forward(x, e.height, e.width)
-                                             : block->forward_sub_block(s, x, e.height, e.width);
+            x = block->forward_sub_block(s, x, e.height, e.width);
             for (size_t k = 0; k < wanted.size(); ++k)
                 if (wanted[k] == tap) outputs[k] = x.narrow(1, e.prefix, e.height * e.width);
         }

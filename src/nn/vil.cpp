@@ -167,18 +167,5 @@ torch::Tensor VilBlockPairImpl::forward_sub_block(int64_t index, const torch::Te
     return (index == 0 ? rowwise_from_top_left : rowwise_from_bot_right)->forward(x, grid_h, grid_w);
 }
 
-torch::Tensor resize_pos_embed_2d(const torch::Tensor& embed, int64_t h, int64_t w) {
-    LINVIS_CHECK(embed.dim() == 4 && embed.size(0) == 1, "pos_embed.embed: expected shape [1, H, W, D], got ",
-                 shape_string(embed.sizes()));
-    LINVIS_CHECK(h > 0 && w > 0, "pos_embed.embed: target grid must be positive, got ", h, "x", w);
-    if (embed.size(1) == h && embed.size(2) == w) return embed;
-    namespace F = torch::nn::functional;
-    torch::Tensor channels_first = embed.permute({0, 3, 1, 2});
-    torch::Tensor resized = F::interpolate(channels_first, F::InterpolateFuncOptions()
-                                                               .size(std::vector<int64_t>{h, w})
-                                                               .mode(torch::kBicubic)
-                                                               .align_corners(false));
-    return resized.permute({0, 2, 3, 1});
-}
 
 }  // namespace linvis::nn

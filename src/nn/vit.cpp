@@ -5,7 +5,6 @@
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/nn/common.h"
-#include "linvis/nn/vil.h"
 
 namespace linvis::nn {
 
@@ -95,8 +94,7 @@ GridPosEmbedImpl::GridPosEmbedImpl(int64_t height, int64_t width, int64_t dim) {
 }
 
 torch::Tensor GridPosEmbedImpl::forward(const torch::Tensor& grid) {
-    if (grid.size(1) == embed.size(1) && grid.size(2) == embed.size(2)) return grid + embed;
-    return grid + resize_pos_embed_2d(embed, grid.size(1), grid.size(2));
+    return grid + resize_pos_embed_2d(embed, grid.size(1), grid.size(2));  // embed itself on its own grid
 }
 
 MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool with_dwc) {

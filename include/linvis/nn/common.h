@@ -26,4 +26,8 @@ torch::Tensor resample_abs_pos_embed(const torch::Tensor& pos_embed, std::array<
                                      std::array<int64_t, 2> old_grid, int64_t num_prefix_tokens = 0,
                                      bool antialias = true);
 
+// Bicubic resize of a (1, H, W, D) position embedding to (1, h, w, D), as the official
+// interpolate_sincos (F.interpolate bicubic, align_corners False, no antialias).
+torch::Tensor resize_pos_embed_2d(const torch::Tensor& embed, int64_t h, int64_t w);
+
 }  // namespace linvis::nn

@@ -110,11 +110,4 @@ public:
 };
 TORCH_MODULE(VilBlockPair);
 
-// Per-sample stochastic depth on a residual branch (training only): keeps each sample's branch
-// with probability 1 - p and scales kept branches by 1 / (1 - p).
-
-// Bicubic resize of a (1, H, W, D) position embedding to (1, h, w, D), as the official
-// interpolate_sincos (F.interpolate bicubic, align_corners False, no antialias).
-torch::Tensor resize_pos_embed_2d(const torch::Tensor& embed, int64_t h, int64_t w);
-
 }  // namespace linvis::nn

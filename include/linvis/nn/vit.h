@@ -11,6 +11,8 @@
 
 #include <torch/torch.h>
 
+#include "linvis/nn/common.h"
+
 namespace linvis::nn {
 
 // timm trunc_normal_(t, mean 0, std, a, b): inverse-CDF sampling of N(0, std^2) truncated to the
