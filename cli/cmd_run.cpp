@@ -26,7 +26,9 @@ int run_run(int argc, const char* const* argv) {
     RunOptions o;
     CommandApp app("run", "Run a model on the tensor 'input' (B, C, H, W) of a safetensors file and write 'logits' "
                           "(B, classes) and, with --features, 'features' (the final normalised tokens before "
-                          "pooling, or the last feature map) to another safetensors file.");
+                          "pooling, or the last feature map) to another safetensors file. A model built with "
+                          "--model-kwargs features_only=true [out_indices=i,j,...] writes its feature maps "
+                          "'features.0', 'features.1', ... (NCHW) instead, for an input of any size.");
     add_model_options(app, o.model, false);
     app.add_option("--input", o.input, "safetensors file with a tensor named 'input'")->type_name("FILE")->required();
     app.add_option("--output", o.output, "safetensors file to write")->type_name("FILE")->required();
@@ -57,12 +59,28 @@ int run_run(int argc, const char* const* argv) {
     LINVIS_CHECK(input.dim() == 4, input_path, ": tensor 'input': expected shape (B, C, H, W), got ",
                  shape_string(input.sizes()));
     std::map<std::string, std::string> defaults;
-    if (input.size(2) == input.size(3)) defaults["img_size"] = std::to_string(input.size(2));
+    // A classifier is built for the input's size; a backbone keeps its native grid (position embeddings
+    // are resampled to the input's grid, which need not be square or a multiple of the patch).
+    const bool backbone = models::ModelConfig(o.model.kwargs).get_bool("features_only", false);
+    if (input.size(2) == input.size(3) && !backbone) defaults["img_size"] = std::to_string(input.size(2));
     defaults["in_chans"] = std::to_string(input.size(1));
     torch::manual_seed(static_cast<uint64_t>(o.seed));
     models::ModelPtr model = build_model(o.model, defaults);
     model->to(dtype);
     torch::NoGradGuard no_grad;
+    if (const std::vector<int64_t> stages = model->feature_indices(); !stages.empty()) {
+        // A features_only backbone: its maps, features.0 ... (NCHW), in out_indices order.
+        std::vector<torch::Tensor> maps = model->forward_feature_maps(input.to(dtype), stages);
+        std::map<std::string, torch::Tensor> out;
+        std::cout << "wrote " << o.output << ":";
+        for (size_t k = 0; k < maps.size(); ++k) {
+            out["features." + std::to_string(k)] = maps[k].contiguous();
+            std::cout << (k ? ", " : " ") << "features." << k << " " << shape_string(maps[k].sizes());
+        }
+        io::save_safetensors(o.output, out, {{"model", o.model.model}, {"input", input_path}, {"dtype", dtype_name}});
+        std::cout << "\n";
+        return 0;
+    }
     torch::Tensor features = model->forward_features(input.to(dtype));
     torch::Tensor logits = model->forward_head(features, false);
     std::map<std::string, torch::Tensor> out = {{"logits", logits.contiguous()}};

@@ -27,11 +27,15 @@ models::ModelPtr build_model(const ModelOptions& options, const std::map<std::st
     models::ModelPtr model = models::create_model(options.model, models::ModelConfig(kwargs));
     const std::string& weights = options.weights;
     if (!weights.empty()) {
-        const auto result = models::load_model_weights(*model, weights, options.ema, !options.non_strict);
+        // A features_only backbone takes classification checkpoints as the official det/seg code does:
+        // non-strictly, reporting what was left out.
+        const bool strict = !options.non_strict && model->feature_indices().empty();
+        const auto result = models::load_model_weights(*model, weights, options.ema, strict);
         std::cerr << "loaded " << result.loaded << " tensors from " << weights << " (" << result.format
                   << (result.chosen_key.empty() ? "" : ", key '" + result.chosen_key + "'") << ")";
         if (!result.mapping.renamed.empty()) std::cerr << ", " << result.mapping.renamed.size() << " renamed";
         if (!result.mapping.adapted.empty()) std::cerr << ", " << result.mapping.adapted.size() << " resized";
+        if (!result.mapping.dropped.empty()) std::cerr << ", " << result.mapping.dropped.size() << " left out";
         std::cerr << "\n";
         for (const auto& key : result.mapping.missing) std::cerr << "  missing (kept as initialised): " << key << "\n";
         for (const auto& key : result.mapping.unexpected) std::cerr << "  unexpected (ignored): " << key << "\n";

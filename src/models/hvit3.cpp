@@ -1,7 +1,8 @@
 // Hierarchical H-ViT³: hvit3_tiny / hvit3_small / hvit3_base (spec vit3_t5_official.md A4,
 // official vittt/models/h_vittt.py). Conv stem (/4), four stages of TTT blocks with 2-D RoPE
 // on q1/k1 and a conv MLP, conv patch merging between stages, BatchNorm1d + GAP head.
-#include <sstream>
+#include <map>
+#include <string>
 
 #include "linvis/nn/common.h"
 #include "linvis/core/error.h"
@@ -18,14 +19,21 @@ namespace lnn = linvis::nn;
 
 class HVit3BlockImpl : public torch::nn::Module {
 public:
+    // `rope_in_attn`: the det/seg backbone's layout, whose TTTAttention owns the RoPE buffer
+    // (attn.rope.rotations); the classification block holds it itself (rope.rotations).
     HVit3BlockImpl(int64_t dim, int64_t heads, int64_t grid_h, int64_t grid_w, double mlp_ratio, double dpr,
-                   ops::Impl impl)
+                   ops::Impl impl, bool rope_in_attn)
         : drop_path_rate(dpr) {
         // Registration order of the official TTTBlock: cpe, norm1, rope, attn, norm2, mlp.
         cpe = register_module("cpe", torch::nn::Conv2d(torch::nn::Conv2dOptions(dim, dim, 3).padding(1).groups(dim)));
         norm1 = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim}).eps(1e-5)));
-        rope = register_module("rope", lnn::Vit3Rope(grid_h, grid_w, dim));
-        attn = register_module("attn", lnn::Vit3Ttt(dim, heads, true, impl));
+        if (rope_in_attn) {
+            attn = register_module("attn", lnn::Vit3Ttt(dim, heads, true, impl));
+            rope = attn->register_module("rope", lnn::Vit3Rope(grid_h, grid_w, dim));
+        } else {
+            rope = register_module("rope", lnn::Vit3Rope(grid_h, grid_w, dim));
+            attn = register_module("attn", lnn::Vit3Ttt(dim, heads, true, impl));
+        }
         norm2 = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim}).eps(1e-5)));
         mlp = register_module("mlp", lnn::Mlp(dim, static_cast<int64_t>(dim * mlp_ratio), true));
     }
@@ -86,37 +94,31 @@ public:
 };
 TORCH_MODULE(BasicLayer);
 
-std::vector<int64_t> parse_list(const ModelConfig& config, const std::string& key, const std::vector<int64_t>& dflt) {
-    if (!config.has(key)) {
-        config.get_string(key, "");
-        return dflt;
-    }
-    std::vector<int64_t> out;
-    std::stringstream in(config.get_string(key, ""));
-    std::string item;
-    while (std::getline(in, item, ',')) {
-        try {
-            size_t used = 0;
-            out.push_back(std::stoll(item, &used));
-            if (used != item.size()) throw std::invalid_argument(item);
-        } catch (const std::exception&) {
-            fail("hvit3: option ", key, ": expected comma-separated integers, got '", config.get_string(key, ""), "'");
-        }
-    }
+std::vector<int64_t> read_stage_list(const ModelConfig& config, const std::string& key,
+                                     const std::vector<int64_t>& dflt) {
+    std::vector<int64_t> out = config.get_int_list(key, dflt);
     LINVIS_CHECK(out.size() == 4, "hvit3: option ", key, ": expected 4 values (one per stage), got ", out.size());
     return out;
 }
 
 // The per-stage shape of a size; every option of the family (read_hvit3_options) on top of it.
 struct HVit3Config {
-    std::vector<int64_t> dims, depths, heads;
+    std::vector<int64_t> dims, depths;
 };
+
+// The official code fixes the head width at 32 (h_vittt.py's sizes and the det/seg TTTAttention).
+constexpr int64_t kHeadDim = 32;
 
 struct HVit3Options {
     int64_t num_classes = 1000, img_size = 224, in_chans = 3;
     std::vector<int64_t> dims, depths, heads;  // per stage
     double mlp_ratio = 4.0, drop_path_rate = 0.0;
     ops::Impl impl = ops::Impl::Auto;
+    // features_only: the official detection/segmentation backbone (spec A6): a LayerNorm norm{i} per
+    // reported stage, no BatchNorm or head, RoPE under attn and recomputed for every grid, the Stem
+    // and PatchMerging padding for any input size.
+    FeatureOptions features;
+    std::vector<int64_t> out_indices;  // resolved
 };
 
 // The one config style of linvis' families: an options struct read from the ModelConfig over the
@@ -126,9 +128,18 @@ HVit3Options read_hvit3_options(const ModelConfig& config, const HVit3Config& ba
     o.num_classes = config.get_int("num_classes", o.num_classes);
     o.img_size = config.get_int("img_size", o.img_size);
     o.in_chans = config.get_int("in_chans", o.in_chans);
-    o.dims = parse_list(config, "embed_dims", base.dims);
-    o.depths = parse_list(config, "depths", base.depths);
-    o.heads = parse_list(config, "num_heads", base.heads);
+    o.dims = read_stage_list(config, "embed_dims", base.dims);
+    o.depths = read_stage_list(config, "depths", base.depths);
+    std::vector<int64_t> heads_of_width;
+    for (int64_t d : o.dims) heads_of_width.push_back(d % kHeadDim == 0 ? d / kHeadDim : 0);
+    o.heads = read_stage_list(config, "num_heads", heads_of_width);
+    o.features = read_feature_options(config);
+    if (o.features.features_only) {
+        o.num_classes = 0;
+        o.out_indices = lnn::take_indices(4, o.features.out_indices.empty() ? std::vector<int64_t>{0, 1, 2, 3}
+                                                                              : o.features.out_indices,
+                                          "hvit3 out_indices (stages)");
+    }
     o.mlp_ratio = config.get_double("mlp_ratio", o.mlp_ratio);
     o.drop_path_rate = config.get_double("drop_path_rate", o.drop_path_rate);
     o.impl = ops::parse_impl(config.get_string("impl", ops::impl_name(o.impl)));
@@ -139,8 +150,13 @@ HVit3Options read_hvit3_options(const ModelConfig& config, const HVit3Config& ba
     for (int s = 0; s < 4; ++s)
         LINVIS_CHECK(o.depths[s] >= 1 && o.dims[s] % 4 == 0 && o.heads[s] >= 1 && o.dims[s] % o.heads[s] == 0,
                      "hvit3: stage ", s, ": need depth >= 1, dim % 4 == 0 and dim % heads == 0, got depth ",
-                     o.depths[s], " dim ", o.dims[s], " heads ", o.heads[s]);
+                     o.depths[s], " dim ", o.dims[s], " heads ", o.heads[s],
+                     o.heads[s] == 0 ? " (give num_heads: the width is not a multiple of 32)" : "");
     return o;
+}
+
+bool ends_with(const std::string& text, const std::string& suffix) {
+    return text.size() >= suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 // Output side of a k3/s2/p1 conv.
@@ -149,8 +165,22 @@ int64_t half_up(int64_t n) { return (n - 1) / 2 + 1; }
 class HVit3Model : public VisionModel {
 public:
     explicit HVit3Model(const HVit3Options& o)
-        : num_classes_(o.num_classes), img_size_(o.img_size), in_chans_(o.in_chans), dims_(o.dims) {
+        : num_classes_(o.num_classes),
+          img_size_(o.img_size),
+          in_chans_(o.in_chans),
+          dims_(o.dims),
+          backbone_(o.features.features_only),
+          out_indices_(o.out_indices) {
         const auto& depths = o.depths;
+        // The backbone registers its output norms first, as the official ViTTT backbone does.
+        if (backbone_)
+            for (int64_t i : out_indices_) {
+                const std::string name = "norm" + std::to_string(i);
+                if (!stage_norms_.count(i))
+                    stage_norms_.emplace(i, register_module(name, torch::nn::LayerNorm(torch::nn::LayerNormOptions(
+                                                                      {dims_[static_cast<size_t>(i)]})
+                                                                      .eps(1e-5))));
+            }
         const auto& heads = o.heads;
         const double mlp_ratio = o.mlp_ratio, dpr = o.drop_path_rate;
         const ops::Impl impl = o.impl;
@@ -164,17 +194,19 @@ public:
             BasicLayer layer;
             for (int64_t j = 0; j < depths[s]; ++j)
                 layer->blocks->push_back(HVit3Block(dims_[s], heads[s], grid, grid, mlp_ratio,
-                                                    rates[static_cast<size_t>(block_index++)], impl));
+                                                    rates[static_cast<size_t>(block_index++)], impl, backbone_));
             if (s < 3) layer->downsample = layer->register_module("downsample", make_patch_merging(dims_[s], dims_[s + 1]));
             layers->push_back(layer);
             grid = half_up(grid);
         }
+        if (backbone_) return;
         norm = register_module("norm", torch::nn::BatchNorm1d(torch::nn::BatchNorm1dOptions(dims_[3]).eps(1e-5)));
         if (num_classes_ > 0) head = register_module("head", lnn::vit_linear(dims_[3], num_classes_));
     }
 
     Tensor forward_features(const Tensor& images) override {
         Tensor x = run(images, {});
+        if (backbone_) return stage_norms_.count(3) ? normed_map(3, x) : x;
         // BatchNorm1d on (B, C, L), returned as the (B, C, H, W) map.
         const auto sizes = x.sizes().vec();
         return norm->forward(x.flatten(2)).view(sizes);
@@ -197,10 +229,28 @@ public:
         return out;
     }
 
+    std::vector<Tensor> forward_feature_maps(const Tensor& images, const std::vector<int64_t>& indices) override {
+        const std::vector<int64_t> wanted = lnn::take_indices(4, indices, "hvit3 (stages)");
+        std::vector<Tensor> stages;
+        run(images, &stages);
+        std::vector<Tensor> out;
+        for (int64_t j : wanted) out.push_back(stage_norms_.count(j) ? normed_map(j, stages[j]) : stages[j]);
+        return out;
+    }
+    std::vector<int64_t> feature_indices() const override { return out_indices_; }
+
     int64_t num_classes() const override { return num_classes_; }
-    // Official keys are used as they are; a headless model (num_classes=0) drops the classifier.
+    // Official keys are used as they are; a headless model (num_classes=0) drops the classifier. The
+    // backbone takes a classification checkpoint as the official one does (non-strict): the head and
+    // the final BatchNorm are left out and each block's RoPE buffer moves under attn.
     std::string map_checkpoint_key(const std::string& key) const override {
         if (num_classes_ == 0 && key.rfind("head.", 0) == 0) return "";
+        if (backbone_) {
+            if (key.rfind("norm.", 0) == 0) return "";
+            const std::string block_rope = ".rope.rotations", attn_rope = ".attn.rope.rotations";
+            if (key.rfind("layers.", 0) == 0 && ends_with(key, block_rope) && !ends_with(key, attn_rope))
+                return key.substr(0, key.size() - block_rope.size()) + attn_rope;
+        }
         return key;
     }
     int64_t num_features() const override { return dims_[3]; }
@@ -208,9 +258,7 @@ public:
     // RoPE tables depend on the grid: a checkpoint made at another resolution gets the table
     // recomputed for this model's grid (the det/seg backbone's functional RoPE, same formula).
     Tensor adapt_checkpoint_tensor(const std::string& key, const Tensor& value) const override {
-        const std::string suffix = ".rope.rotations";
-        if (key.size() <= suffix.size() || key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0)
-            return value;
+        if (!ends_with(key, ".rope.rotations")) return value;
         auto params = named_buffers(true);
         const Tensor* own = params.find(key);
         LINVIS_CHECK(own != nullptr, "hvit3: checkpoint tensor '", key, "' has no matching buffer");
@@ -227,7 +275,9 @@ private:
     Tensor run(const Tensor& images, std::vector<Tensor>* stages) {
         LINVIS_CHECK(images.dim() == 4 && images.size(1) == in_chans_, "hvit3: expected images (B, ", in_chans_,
                      ", H, W), got ", shape_string(images.sizes()));
-        Tensor map = patch_embed->forward(images);
+        // The backbone's Stem pads right/bottom to a multiple of 4 and its PatchMerging pads odd sides
+        // by one (zeros, before the convolutions); the classification model has neither.
+        Tensor map = patch_embed->forward(backbone_ ? lnn::pad_to_multiple(images, 4) : images);
         for (size_t s = 0; s < layers->size(); ++s) {
             auto* layer = layers[s]->as<BasicLayerImpl>();
             const int64_t H = map.size(2), W = map.size(3);
@@ -235,13 +285,22 @@ private:
             for (const auto& block : *layer->blocks) x = block->as<HVit3BlockImpl>()->forward(x, H, W);
             map = lnn::tokens_to_map(x, H, W);
             if (stages) stages->push_back(map);
-            if (layer->downsample) map = layer->downsample->forward(map);
+            if (layer->downsample) map = layer->downsample->forward(backbone_ ? lnn::pad_to_multiple(map, 2) : map);
         }
         return map;
     }
 
+    // norm{stage} over the channels of a stage map (B, C, H, W), as the backbone applies it to its tokens.
+    Tensor normed_map(int64_t stage, const Tensor& map) const {
+        torch::nn::LayerNorm norm_layer = stage_norms_.at(stage);
+        return lnn::tokens_to_map(norm_layer->forward(lnn::map_to_tokens(map)), map.size(2), map.size(3));
+    }
+
     int64_t num_classes_, img_size_, in_chans_;
     std::vector<int64_t> dims_;
+    bool backbone_;
+    std::vector<int64_t> out_indices_;
+    std::map<int64_t, torch::nn::LayerNorm> stage_norms_;
     ConvStack patch_embed{nullptr};
     torch::nn::ModuleList layers{nullptr};
     torch::nn::BatchNorm1d norm{nullptr};
@@ -255,13 +314,13 @@ ModelFactory factory(HVit3Config base) {
 }
 
 const ModelRegistrar reg_tiny("hvit3_tiny", "hvit3", "H-ViT³-T (arXiv 2512.01643): dims 64-512, depths 1-3-9-4; 28.70M params",
-                              factory({{64, 128, 320, 512}, {1, 3, 9, 4}, {2, 4, 10, 16}}));
+                              factory({{64, 128, 320, 512}, {1, 3, 9, 4}}));
 const ModelRegistrar reg_small("hvit3_small", "hvit3",
                                "H-ViT³-S (arXiv 2512.01643): dims 64-512, depths 2-6-18-8; 54.36M params",
-                               factory({{64, 128, 320, 512}, {2, 6, 18, 8}, {2, 4, 10, 16}}));
+                               factory({{64, 128, 320, 512}, {2, 6, 18, 8}}));
 const ModelRegistrar reg_base("hvit3_base", "hvit3",
                               "H-ViT³-B (arXiv 2512.01643): dims 96-640, depths 2-6-18-8; 94.37M params",
-                              factory({{96, 192, 448, 640}, {2, 6, 18, 8}, {3, 6, 14, 20}}));
+                              factory({{96, 192, 448, 640}, {2, 6, 18, 8}}));
 
 }  // namespace
 }  // namespace linvis::models

@@ -16,6 +16,10 @@ VisionModel::Embedding VisionModel::embed(const torch::Tensor&) {
          "forward_intermediates)");
 }
 
+std::vector<torch::Tensor> VisionModel::forward_feature_maps(const torch::Tensor&, const std::vector<int64_t>&) {
+    fail("this model gives no dense feature maps");
+}
+
 torch::Tensor VisionModel::forward_block(int64_t index, const torch::Tensor&, int64_t, int64_t) {
     fail("forward_block: block ", index, " out of range: this model exposes no blocks");
 }
@@ -31,6 +35,11 @@ PlainVitOptions read_plain_vit_options(const ModelConfig& config, PlainVitOption
     if (o.pos_embed == PosEmbedKind::Tokens)
         o.pos_embed_antialias = config.get_bool("pos_embed_antialias", o.pos_embed_antialias);
     o.impl = ops::parse_impl(config.get_string("impl", ops::impl_name(o.impl)));
+    o.features = read_feature_options(config);
+    if (o.features.features_only) {
+        o.num_classes = 0;
+        o.fixed_input_size = false;
+    }
     const std::string& n = o.name;
     LINVIS_CHECK(o.num_classes >= 0, n, ": num_classes must be >= 0, got ", o.num_classes);
     LINVIS_CHECK(o.in_chans >= 1, n, ": in_chans must be >= 1, got ", o.in_chans);
@@ -107,6 +116,15 @@ PlainVit::PlainVit(const PlainVitOptions& o, const BlockFactory& make_block, tor
         std::shared_ptr<nn::VitBlock> block = make_block(i, rates[static_cast<size_t>(i)]);
         blocks->push_back(block);
         blocks_.push_back(std::move(block));
+    }
+    if (o.features.features_only) {
+        const int64_t taps = sub_blocks();
+        std::vector<int64_t> wanted = o.features.out_indices;
+        if (wanted.empty()) {
+            for (int64_t q = 1; q <= 4; ++q) wanted.push_back(std::max<int64_t>(taps * q / 4 - 1, 0));
+            wanted.erase(std::unique(wanted.begin(), wanted.end()), wanted.end());
+        }
+        feature_indices_ = nn::take_indices(taps, wanted, o.name + " out_indices");
     }
     if (final_norm.is_empty())
         final_norm = torch::nn::AnyModule(torch::nn::LayerNorm(torch::nn::LayerNormOptions({D}).eps(1e-6)));
@@ -193,6 +211,17 @@ torch::Tensor PlainVit::forward_head(const torch::Tensor& features, bool pre_log
     }
     if (pre_logits || !head) return pooled;
     return flops::linear(pooled, head->weight, head->bias);
+}
+
+std::vector<torch::Tensor> PlainVit::forward_feature_maps(const torch::Tensor& images,
+                                                          const std::vector<int64_t>& indices) {
+    LINVIS_CHECK(images.dim() == 4, o_.name, ": input images: expected (B, C, H, W), got ",
+                 shape_string(images.sizes()));
+    const torch::Tensor padded = nn::pad_to_multiple(images, o_.patch_size);
+    const int64_t h = padded.size(2) / o_.patch_size, w = padded.size(3) / o_.patch_size;
+    std::vector<torch::Tensor> maps = forward_intermediates(padded, indices);
+    for (auto& map : maps) map = nn::tokens_to_map(map, h, w);
+    return maps;
 }
 
 std::vector<torch::Tensor> PlainVit::forward_intermediates(const torch::Tensor& images,

@@ -45,11 +45,14 @@ struct PlainVitOptions {
     Pooling pooling = Pooling::Mean;
     double head_init_std = 0.02;  // trunc_normal std of head.weight (bias 0)
     ops::Impl impl = ops::Impl::Auto;
+    // features_only: no head, any input size (padded to the patch); out_indices count sub-blocks and
+    // default to four evenly spaced ones ending with the last (2, 5, 8, 11 of 12: the ViT UperNet setting).
+    FeatureOptions features;
 };
 
 // Reads the options every family takes from `config` over the family's `defaults`: num_classes,
-// img_size, in_chans, patch_size, embed_dim, depth, drop_path_rate, impl, and pos_embed_antialias
-// when the position embedding is Tokens; checks them (errors name the model).
+// img_size, in_chans, patch_size, embed_dim, depth, drop_path_rate, impl, features_only, out_indices,
+// and pos_embed_antialias when the position embedding is Tokens; checks them (errors name the model).
 PlainVitOptions read_plain_vit_options(const ModelConfig& config, PlainVitOptions defaults);
 
 // The shape of TransformerBlock families (DeiT, T5, ViT3): num_heads and mlp_ratio (4), read from
@@ -93,6 +96,10 @@ public:
     // are the residual stream after them, patch tokens only (B, h * w, D).
     std::vector<torch::Tensor> forward_intermediates(const torch::Tensor& images,
                                                      const std::vector<int64_t>& indices) override;
+    // The same taps as (B, D, h, w) maps of the image zero-padded to a multiple of the patch.
+    std::vector<torch::Tensor> forward_feature_maps(const torch::Tensor& images,
+                                                    const std::vector<int64_t>& indices) override;
+    std::vector<int64_t> feature_indices() const override { return feature_indices_; }
     int64_t num_classes() const override { return o_.num_classes; }
     int64_t num_features() const override;
     std::string map_checkpoint_key(const std::string& key) const override;
@@ -119,6 +126,7 @@ private:
 
     PlainVitOptions o_;
     std::vector<std::shared_ptr<nn::VitBlock>> blocks_;
+    std::vector<int64_t> feature_indices_;
 };
 
 }  // namespace linvis::models

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <sstream>
 
 #include "linvis/core/error.h"
 
@@ -75,6 +76,35 @@ std::string ModelConfig::get_string(const std::string& key, const std::string& d
     used_.insert(key);
     auto it = values_.find(key);
     return it == values_.end() ? default_value : it->second;
+}
+
+std::vector<int64_t> ModelConfig::get_int_list(const std::string& key, const std::vector<int64_t>& default_value) const {
+    used_.insert(key);
+    auto it = values_.find(key);
+    if (it == values_.end()) return default_value;
+    std::vector<int64_t> out;
+    std::stringstream in(it->second);
+    std::string item;
+    while (std::getline(in, item, ',')) {
+        try {
+            size_t used = 0;
+            out.push_back(std::stoll(item, &used));
+            if (used == item.size()) continue;
+        } catch (const std::exception&) {
+        }
+        fail("model option ", key, ": expected comma-separated integers, got '", it->second, "'");
+    }
+    LINVIS_CHECK(!out.empty(), "model option ", key, ": expected comma-separated integers, got nothing");
+    return out;
+}
+
+FeatureOptions read_feature_options(const ModelConfig& config) {
+    FeatureOptions o;
+    o.features_only = config.get_bool("features_only", false);
+    o.out_indices = config.get_int_list("out_indices", {});
+    LINVIS_CHECK(o.features_only || o.out_indices.empty(),
+                 "model option out_indices: only meaningful with features_only=true");
+    return o;
 }
 
 void ModelConfig::check_all_used(const std::string& model_name) const {

@@ -69,4 +69,11 @@ torch::Tensor resize_pos_embed_2d(const torch::Tensor& embed, int64_t h, int64_t
     return resized.permute({0, 2, 3, 1});
 }
 
+torch::Tensor pad_to_multiple(const torch::Tensor& x, int64_t multiple) {
+    const int64_t pad_h = (multiple - x.size(-2) % multiple) % multiple;
+    const int64_t pad_w = (multiple - x.size(-1) % multiple) % multiple;
+    if (pad_h == 0 && pad_w == 0) return x;
+    return torch::constant_pad_nd(x, {0, pad_w, 0, pad_h}, 0.0);
+}
+
 }  // namespace linvis::nn

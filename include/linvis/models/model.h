@@ -34,6 +34,8 @@ public:
     double get_double(const std::string& key, double default_value) const;
     bool get_bool(const std::string& key, bool default_value) const;  // 1/0/true/false/yes/no
     std::string get_string(const std::string& key, const std::string& default_value) const;
+    // Comma-separated integers ("0,1,3"); the default when the key is absent.
+    std::vector<int64_t> get_int_list(const std::string& key, const std::vector<int64_t>& default_value) const;
 
     // Throws linvis::Error naming every key that no getter asked for.
     void check_all_used(const std::string& model_name) const;
@@ -43,6 +45,16 @@ private:
     std::map<std::string, std::string> values_;
     mutable std::set<std::string> used_;
 };
+
+// The dense-prediction options every family reads (timm's features_only / out_indices):
+// features_only=true builds the model as a feature backbone (no classifier, any input size, the
+// family's official backbone layers where it has them); out_indices=i,j,... names the blocks (plain
+// models) or stages (hierarchical) it reports, negative ones counting from the end.
+struct FeatureOptions {
+    bool features_only = false;
+    std::vector<int64_t> out_indices;  // as given; empty: the family's default
+};
+FeatureOptions read_feature_options(const ModelConfig& config);
 
 class VisionModel : public torch::nn::Module {
 public:
@@ -60,6 +72,18 @@ public:
     // with the given indices; negative indices count from the end.
     virtual std::vector<torch::Tensor> forward_intermediates(const torch::Tensor& images,
                                                              const std::vector<int64_t>& indices) = 0;
+
+    // ---- Dense features: NCHW maps, one per index, of the blocks (plain models: the patch tokens after
+    // the block, before the final norm, as timm's forward_intermediates) or stages (hierarchical: what
+    // the official det/seg backbone returns, with its per-stage norm in features_only mode) for images
+    // of any size. Sides that are not a multiple of the patch (or stride) are zero-padded at the right
+    // and bottom, as the official backbones and timm's dynamic_img_pad do.
+    // Every family implements it; the default throws.
+    virtual std::vector<torch::Tensor> forward_feature_maps(const torch::Tensor& images,
+                                                            const std::vector<int64_t>& indices);
+    // The blocks or stages a features_only=true model reports (out_indices resolved to [0, count));
+    // empty for a classifier.
+    virtual std::vector<int64_t> feature_indices() const { return {}; }
 
     virtual int64_t num_classes() const = 0;
     virtual int64_t num_features() const = 0;  // width of the pooled features

@@ -30,4 +30,9 @@ torch::Tensor resample_abs_pos_embed(const torch::Tensor& pos_embed, std::array<
 // interpolate_sincos (F.interpolate bicubic, align_corners False, no antialias).
 torch::Tensor resize_pos_embed_2d(const torch::Tensor& embed, int64_t h, int64_t w);
 
+// Zero-pads an image or map (B, C, H, W) at the right and bottom so that both sides are multiples of
+// `multiple` (timm's dynamic_img_pad, the official H-ViT3 backbone's Stem and PatchMerging); returns
+// x itself when they already are.
+torch::Tensor pad_to_multiple(const torch::Tensor& x, int64_t multiple);
+
 }  // namespace linvis::nn
