@@ -3,6 +3,7 @@
 // on q1/k1 and a conv MLP, conv patch merging between stages, BatchNorm1d + GAP head.
 #include <sstream>
 
+#include "linvis/nn/batch_norm.h"
 #include "linvis/nn/common.h"
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
@@ -177,7 +178,7 @@ public:
         Tensor x = run(images, {});
         // BatchNorm1d on (B, C, L), returned as the (B, C, H, W) map.
         const auto sizes = x.sizes().vec();
-        return norm->forward(x.flatten(2)).view(sizes);
+        return lnn::batch_norm(*norm, x.flatten(2)).view(sizes);
     }
 
     Tensor forward_head(const Tensor& features, bool pre_logits) override {

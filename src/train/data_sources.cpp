@@ -79,6 +79,15 @@ public:
     int64_t batches_per_epoch() const override { return loader_.batches_per_epoch(); }
     int64_t num_examples() const override { return dataset_->size(); }
     int64_t skipped_images() const override { return folder_ ? folder_->skipped_count() : 0; }
+    void shard(int64_t rank, int64_t world_size, bool training) override {
+        int64_t batch = loader_.options().batch_size;
+        if (training) {
+            LINVIS_CHECK(batch % world_size == 0, "--batch-size ", batch,
+                         " (the global batch) must be divisible by the number of processes, ", world_size);
+            batch /= world_size;
+        }
+        loader_.set_shard(rank, world_size, training, batch);
+    }
 
 private:
     std::shared_ptr<Dataset> dataset_;
