@@ -163,8 +163,22 @@ std::vector<nlohmann::json> metrics(const fs::path& dir) {
     return out;
 }
 
-// Largest |a - b| / (1e-5 + |b|) over every tensor, and whether the names agree.
-double max_difference(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {
+// H-ViT3's patch merging is conv 1x1 + ReLU, depthwise conv 3x3 + ReLU, conv 1x1, BatchNorm. The norm
+// subtracts any per-channel shift, so the last conv's bias has a zero gradient, and so do the earlier
+// biases wherever the ReLUs pass everything (a channel bias then reaches the norm as a shift too).
+// AdamW turns the rounding noise of those gradients into steps of +-lr, so these biases, and the
+// running means they shift, differ between any two runs whose sums round differently; what the
+// network computes with them is compared through the losses.
+bool noise_driven(const std::string& name) {
+    if (name.find(".downsample.conv.") == std::string::npos) return false;
+    for (const std::string suffix : {".conv.bias", ".norm.running_mean"})
+        if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+            return true;
+    return false;
+}
+
+// Largest |a - b| over every tensor (both files hold the same names).
+double max_abs_difference(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {
     EXPECT_EQ(a.size(), b.size());
     double worst = 0.0;
     for (const auto& [name, tensor] : b) {
@@ -173,8 +187,8 @@ double max_difference(const std::map<std::string, torch::Tensor>& a, const std::
             ADD_FAILURE() << "missing " << name;
             continue;
         }
-        torch::Tensor x = it->second.to(torch::kFloat64), y = tensor.to(torch::kFloat64);
-        worst = std::max(worst, ((x - y).abs() / (y.abs() + 1e-3)).max().item<double>());
+        if (noise_driven(name)) continue;
+        worst = std::max(worst, (it->second.to(torch::kFloat64) - tensor.to(torch::kFloat64)).abs().max().item<double>());
     }
     return worst;
 }
@@ -188,8 +202,9 @@ void expect_two_processes_match_one(const std::string& model, const std::string&
     // Only rank 0 wrote, and it wrote everything.
     for (const char* file : {"last.safetensors", "best.safetensors", "checkpoint.pt", "metrics.jsonl", "curves.png"})
         EXPECT_TRUE(fs::exists(two.path / file)) << file;
-    const double diff = max_difference(weights(two.path / "last.safetensors"), weights(one.path / "last.safetensors"));
-    EXPECT_LT(diff, 2e-3) << model;
+    // 8 AdamW steps of lr 1e-3: float32 rounding of the sums moves a weight by a small fraction of a step.
+    const double diff = max_abs_difference(weights(two.path / "last.safetensors"), weights(one.path / "last.safetensors"));
+    EXPECT_LT(diff, 2e-4) << model;
     // Metrics are of the global batch and the whole evaluation split.
     const auto m1 = metrics(one.path), m2 = metrics(two.path);
     ASSERT_EQ(m1.size(), 2u);
@@ -205,7 +220,7 @@ void expect_two_processes_match_one(const std::string& model, const std::string&
     // The comparison can tell runs apart: half the global batch trains to other weights.
     const auto other = run_cli(common_args(model) + extra + " --threads 1 --batch-size 8 --output " + half.path.string());
     ASSERT_EQ(other.status, 0) << other.output;
-    EXPECT_GT(max_difference(weights(half.path / "last.safetensors"), weights(one.path / "last.safetensors")), 1e-2);
+    EXPECT_GT(max_abs_difference(weights(half.path / "last.safetensors"), weights(one.path / "last.safetensors")), 1e-3);
 }
 
 TEST(DistributedTraining, TwoProcessesMatchOneOnTheSameGlobalBatchDeit) {
@@ -215,7 +230,7 @@ TEST(DistributedTraining, TwoProcessesMatchOneOnTheSameGlobalBatchDeit) {
 // H-ViT3 has BatchNorm: its statistics must be those of the global batch.
 TEST(DistributedTraining, TwoProcessesMatchOneWithSynchronisedBatchNorm) {
     expect_two_processes_match_one("hvit3_tiny",
-                                   " --model-kwargs embed_dims=16,16,32,32 depths=1,1,1,1 num_heads=1,1,2,2");
+                                   " --img-size 32 --model-kwargs embed_dims=16,16,32,32 depths=1,1,1,1 num_heads=1,1,2,2");
 }
 
 // ---------------------------------------------------------------- faults
@@ -279,7 +294,7 @@ const std::string kFaultArgs =
 
 // Starts two workers, waits for the first epoch's checkpoint and returns the launcher and its workers.
 Background start_pair(const fs::path& out, double timeout_s, std::vector<pid_t>& workers) {
-    Background launcher = start_cli(kFaultArgs + "--nproc-per-node 2 --dist-timeout " + std::to_string(timeout_s) +
+    Background launcher = start_cli(kFaultArgs + "--threads 1 --nproc-per-node 2 --dist-timeout " + std::to_string(timeout_s) +
                                         " --output " + out.string(),
                                     out.parent_path() / (out.filename().string() + ".log"));
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
@@ -307,7 +322,7 @@ TEST(DistributedFaults, KilledWorkerStopsTheOthersAndTheCheckpointResumesOnOnePr
     // The last complete checkpoint resumes, on one process.
     const auto resumed = run_cli(kFaultArgs + "--threads 1 --resume --output " + out.string());
     ASSERT_EQ(resumed.status, 0) << resumed.output;
-    EXPECT_NE(resumed.output.find("resuming from"), std::string::npos) << resumed.output;
+    EXPECT_EQ(resumed.output.find("epoch 1:"), std::string::npos) << resumed.output;  // continued, not restarted
     EXPECT_EQ(metrics(out).back()["epoch"], 3);
 }
 
@@ -346,10 +361,19 @@ TEST(DistributedFaults, InterruptSavesOnceAndResumesWithADifferentWorldSize) {
     EXPECT_EQ(saves, 1u) << log;
     const auto resumed = run_cli(kFaultArgs + "--threads 1 --resume --output " + out.string());
     ASSERT_EQ(resumed.status, 0) << resumed.output;
-    EXPECT_NE(resumed.output.find("resuming from"), std::string::npos) << resumed.output;
+    EXPECT_EQ(resumed.output.find("epoch 1:"), std::string::npos) << resumed.output;  // continued, not restarted
     const auto uninterrupted = run_cli(kFaultArgs + "--threads 1 --output " + reference.string());
     ASSERT_EQ(uninterrupted.status, 0) << uninterrupted.output;
-    EXPECT_LT(max_difference(weights(out / "last.safetensors"), weights(reference / "last.safetensors")), 2e-3);
+    // 256 AdamW steps: float32 rounding differences of the all-reduce move near-zero weights by up to a
+    // fraction of one step (lr 5e-4); the losses agree closely.
+    EXPECT_LT(max_abs_difference(weights(out / "last.safetensors"), weights(reference / "last.safetensors")), 1e-3);
+    const auto resumed_metrics = metrics(out), reference_metrics = metrics(reference);
+    ASSERT_EQ(resumed_metrics.size(), 4u);
+    ASSERT_EQ(reference_metrics.size(), 4u);
+    EXPECT_NEAR(resumed_metrics.back()["train_loss"].get<double>(), reference_metrics.back()["train_loss"].get<double>(),
+                1e-5);
+    EXPECT_NEAR(resumed_metrics.back()["eval"]["loss"].get<double>(),
+                reference_metrics.back()["eval"]["loss"].get<double>(), 1e-4);
 }
 
 }  // namespace

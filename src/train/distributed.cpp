@@ -397,7 +397,10 @@ struct Worker {
 
 void stop_workers(std::vector<Worker>& workers) {
     for (auto& w : workers)
-        if (w.running) kill(w.pid, SIGTERM);
+        if (w.running) {
+            kill(w.pid, SIGTERM);
+            kill(w.pid, SIGCONT);  // a stopped worker acts on SIGTERM only once continued
+        }
     const auto deadline = Clock::now() + std::chrono::seconds(5);
     for (;;) {
         bool any = false;
