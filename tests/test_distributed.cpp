@@ -233,6 +233,35 @@ TEST(DistributedTraining, TwoProcessesMatchOneWithSynchronisedBatchNorm) {
                                    " --img-size 32 --model-kwargs embed_dims=16,16,32,32 depths=1,1,1,1 num_heads=1,1,2,2");
 }
 
+// ---------------------------------------------------------------- launch errors
+
+TEST(DistributedLaunch, ErrorsNameTheOptionOrVariable) {
+    TempDir dir("dist_errors");
+    const std::string args = "train --model deit_tiny --model-kwargs depth=1 embed_dim=32 num_heads=2 --dataset "
+                             "fashion-mnist --limit-train 32 --limit-eval 16 --batch-size 16 --epochs 1 --no-progress "
+                             "--output " + (dir.path / "run").string();
+    auto nccl = run_cli(args + " --dist-backend nccl");
+    EXPECT_EQ(nccl.status, 1);
+    EXPECT_NE(nccl.output.find("--dist-backend nccl: needs CUDA GPUs"), std::string::npos) << nccl.output;
+    auto bad_env = linvis::testing::run_program("RANK=0 WORLD_SIZE=two " + std::string(LINVIS_CLI_PATH), args);
+    EXPECT_EQ(bad_env.status, 1);
+    EXPECT_NE(bad_env.output.find("environment variable WORLD_SIZE: expected an integer"), std::string::npos)
+        << bad_env.output;
+    // Rank 0 of 2 alone: the rendezvous gives up after --dist-timeout, naming the rank and the address.
+    auto alone = linvis::testing::run_program("RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29653 " +
+                                                  std::string(LINVIS_CLI_PATH),
+                                              args + " --dist-timeout 2");
+    EXPECT_EQ(alone.status, 1);
+    EXPECT_NE(alone.output.find("rank 0: could not join the process group of 2 at 127.0.0.1:29653 within 2 s"),
+              std::string::npos)
+        << alone.output;
+    auto odd = run_cli(args + " --nproc-per-node 3");
+    EXPECT_NE(odd.status, 0);
+    EXPECT_NE(odd.output.find("--batch-size 16 (the global batch) must be divisible by the number of processes, 3"),
+              std::string::npos)
+        << odd.output;
+}
+
 // ---------------------------------------------------------------- faults
 
 struct Background {
