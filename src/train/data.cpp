@@ -44,7 +44,8 @@ void BatchSource::skip(int64_t count) {
 
 TensorBatchSource::TensorBatchSource(torch::Tensor images, torch::Tensor labels, int64_t batch_size, bool shuffle,
                                      uint64_t seed, TensorAugment augment, bool drop_last)
-    : images_(std::move(images)), labels_(std::move(labels)), batch_size_(batch_size), shuffle_(shuffle),
+    : images_(std::move(images)), labels_(std::move(labels)), batch_size_(batch_size), global_batch_size_(batch_size),
+      shuffle_(shuffle),
       drop_last_(drop_last), seed_(seed), augment_(augment) {
     LINVIS_CHECK(images_.dim() == 4, "TensorBatchSource: images must be (N, C, H, W), got ",
                  shape_string(images_.sizes()));
@@ -57,6 +58,7 @@ TensorBatchSource::TensorBatchSource(torch::Tensor images, torch::Tensor labels,
 void TensorBatchSource::shard(int64_t rank, int64_t world_size, bool training) {
     LINVIS_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "shard: rank ", rank, " is not in [0, ",
                  world_size, ")");
+    batch_size_ = global_batch_size_;
     if (training) {
         LINVIS_CHECK(batch_size_ % world_size == 0, "--batch-size ", batch_size_,
                      " (the global batch) must be divisible by the number of processes, ", world_size);

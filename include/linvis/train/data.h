@@ -62,7 +62,7 @@ public:
 
 private:
     torch::Tensor images_, labels_, order_;
-    int64_t batch_size_;
+    int64_t batch_size_, global_batch_size_;  // per process; as constructed (the global batch)
     bool shuffle_, drop_last_;
     uint64_t seed_;
     TensorAugment augment_;
