@@ -23,6 +23,7 @@
 #include "linvis/nn/batch_norm.h"
 #include "linvis/train/data.h"
 #include "linvis/train/datasets.h"
+#include "linvis/train/distributed.h"
 #include "support/cli.h"
 #include "support/temp_dir.h"
 
@@ -140,6 +141,48 @@ TEST(SyncBatchNorm, OneProcessMatchesTorchBatchNorm) {
                 << "dims " << dims << " tensor " << i << ": max diff "
                 << (got[i].to(torch::kFloat64) - ref[i].to(torch::kFloat64)).abs().max().item<double>();
     }
+}
+
+// ---------------------------------------------------------------- the gradient reducer
+
+// On a process group of one (Gloo, a TCPStore on a free port): the buckets start while backward still
+// runs, accumulation over micro-batches that do not synchronise is kept, and the result is the gradient.
+TEST(GradientReducer, StartsBucketsDuringBackwardAndKeepsAccumulatedGradients) {
+    linvis::train::DistributedEnv env;
+    env.master_port = 0;  // the store picks a free port: nobody else has to find it
+    auto dist = linvis::train::Distributed::create(env, "gloo", 30.0);
+    torch::manual_seed(0);
+    torch::nn::Sequential model(torch::nn::Linear(6, 5), torch::nn::Tanh(), torch::nn::Linear(5, 4),
+                                torch::nn::Tanh(), torch::nn::Linear(4, 3));
+    torch::nn::Sequential twin(torch::nn::Linear(6, 5), torch::nn::Tanh(), torch::nn::Linear(5, 4),
+                               torch::nn::Tanh(), torch::nn::Linear(4, 3));
+    {
+        torch::NoGradGuard no_grad;
+        auto src = model->named_parameters();
+        for (auto& p : twin->named_parameters()) p.value().copy_(src[p.key()]);
+    }
+    // Registered before the reducer's own hooks, so it runs first: what had started when the first
+    // layer's weight gradient (among the last of the backward pass) arrived.
+    int64_t started_when_first_layer_done = -1;
+    linvis::train::GradientReducer* observed = nullptr;
+    model->ptr(0)->named_parameters()["weight"].register_hook(
+        [&](torch::Tensor) { started_when_first_layer_done = observed->buckets_started(); });
+    // Buckets of at most 20 floats: the three layers' weights and biases make several.
+    linvis::train::GradientReducer reducer(*model, dist, 80, 80);
+    observed = &reducer;
+    ASSERT_GE(reducer.num_buckets(), 3);
+    const torch::Tensor x1 = torch::randn({7, 6}), x2 = torch::randn({7, 6});
+    reducer.prepare(false);  // a micro-batch that only accumulates
+    model->forward(x1).square().sum().backward();
+    reducer.prepare(true);
+    model->forward(x2).square().sum().backward();
+    EXPECT_GE(started_when_first_layer_done, 1);  // later layers' buckets were on their way
+    EXPECT_LT(started_when_first_layer_done, reducer.num_buckets());
+    reducer.finish();
+    (twin->forward(x1).square().sum() + twin->forward(x2).square().sum()).backward();
+    auto expected = twin->named_parameters();
+    for (auto& p : model->named_parameters())
+        EXPECT_TRUE(torch::allclose(p.value().grad(), expected[p.key()].grad(), 1e-5, 1e-6)) << p.key();
 }
 
 // ---------------------------------------------------------------- two processes against one

@@ -229,7 +229,8 @@ void broadcast_module(Distributed& dist, torch::nn::Module& module) {
 
 // ---------------------------------------------------------------- GradientReducer
 
-GradientReducer::GradientReducer(torch::nn::Module& model, std::shared_ptr<Distributed> dist, int64_t bucket_bytes)
+GradientReducer::GradientReducer(torch::nn::Module& model, std::shared_ptr<Distributed> dist, int64_t bucket_bytes,
+                                 int64_t first_bucket_bytes)
     : dist_(std::move(dist)) {
     LINVIS_CHECK(dist_ != nullptr, "GradientReducer: no process group");
     for (const auto& p : model.parameters(true))
@@ -256,7 +257,8 @@ GradientReducer::GradientReducer(torch::nn::Module& model, std::shared_ptr<Distr
         const torch::Tensor& p = params_[i];
         LINVIS_CHECK(p.scalar_type() == params_.back().scalar_type(), "GradientReducer: parameters of one dtype "
                      "expected, got ", p.scalar_type(), " and ", params_.back().scalar_type());
-        if (!current.params.empty() && bytes + p.numel() * static_cast<int64_t>(p.element_size()) > bucket_bytes)
+        const int64_t cap = buckets_.empty() ? std::min(first_bucket_bytes, bucket_bytes) : bucket_bytes;
+        if (!current.params.empty() && bytes + p.numel() * static_cast<int64_t>(p.element_size()) > cap)
             close_bucket();
         bucket_of_[i] = buckets_.size();
         slot_of_[i] = current.params.size();

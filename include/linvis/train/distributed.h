@@ -71,7 +71,10 @@ void broadcast_module(Distributed& dist, torch::nn::Module& module);
 
 class GradientReducer {
 public:
-    GradientReducer(torch::nn::Module& model, std::shared_ptr<Distributed> dist, int64_t bucket_bytes = 25 << 20);
+    // Buckets of bucket_bytes, except the first (the last layers' gradients), which is capped at
+    // first_bucket_bytes so that communication starts early in the backward pass (as DDP does).
+    GradientReducer(torch::nn::Module& model, std::shared_ptr<Distributed> dist, int64_t bucket_bytes = 25 << 20,
+                    int64_t first_bucket_bytes = 1 << 20);
     ~GradientReducer();
     GradientReducer(const GradientReducer&) = delete;
     GradientReducer& operator=(const GradientReducer&) = delete;
@@ -83,6 +86,8 @@ public:
     // no gradient contribute zeros), waits for all, and sets every gradient to the mean over ranks.
     void finish();
     int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
+    // Buckets whose all-reduce has started since prepare(true) (during backward: the overlap).
+    int64_t buckets_started() const { return static_cast<int64_t>(next_to_launch_); }
     // Seconds spent waiting in finish() (the part of the communication not hidden by the backward pass).
     double wait_seconds() const { return wait_seconds_; }
     void reset_wait_seconds() { wait_seconds_ = 0.0; }
