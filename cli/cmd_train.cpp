@@ -171,6 +171,9 @@ int run_train(int argc, const char* const* argv) {
     if (!parse(app, argc, argv)) return 0;
 
     const train::DistributedEnv dist_env = train::distributed_env_from_environment();
+    const int64_t world = dist_env.world_size > 1 ? dist_env.world_size : o.nproc_per_node;
+    LINVIS_CHECK(o.data.config.batch_size % world == 0, "--batch-size ", o.data.config.batch_size,
+                 " (the global batch) must be divisible by the number of processes, ", world);
     if (dist_env.world_size == 1 && o.nproc_per_node > 1)
         return train::launch_local_workers(std::vector<std::string>(argv, argv + argc), o.nproc_per_node,
                                            o.dist_timeout);
@@ -191,7 +194,10 @@ int run_train(int argc, const char* const* argv) {
         if (!dist) throw;
         // A worker whose peers are gone may block in c10d's destructors: report and leave at once.
         const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-        std::fprintf(stderr, "linvis train: error: %s\n", c10_error ? c10_error->what_without_backtrace() : e.what());
+        const std::string message = c10_error ? c10_error->what_without_backtrace() : e.what();
+        const std::string rank = "rank " + std::to_string(dist->rank());
+        std::fprintf(stderr, "linvis train: error: %s%s\n", message.rfind(rank, 0) == 0 ? "" : (rank + ": ").c_str(),
+                     message.c_str());
         std::fflush(stderr);
         _exit(1);
     }
