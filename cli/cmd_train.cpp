@@ -1,7 +1,10 @@
 // linvis train / linvis eval: the papers' training recipe on real images, and evaluation.
+#include <unistd.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -15,6 +18,7 @@
 #include "linvis/models/registry.h"
 #include "linvis/plot/plot.h"
 #include "linvis/train/data_sources.h"
+#include "linvis/train/distributed.h"
 #include "linvis/train/finetune.h"
 #include "linvis/train/trainer.h"
 
@@ -96,8 +100,21 @@ struct TrainOptions {
     double new_lr_mult = 20;
     bool freeze_inherited = false;
     bool no_progress = false;
+    int64_t nproc_per_node = 1;
+    std::string dist_backend = "gloo";
+    double dist_timeout = 300.0;
     DataOptions data;
 };
+
+// Options that choose how many processes train, not what is trained: a run may resume with others.
+bool is_launch_option(const std::string& token) {
+    for (const char* name : {"--nproc-per-node", "--dist-backend", "--dist-timeout"})
+        if (token == name || token.rfind(std::string(name) + "=", 0) == 0) return true;
+    return false;
+}
+
+int train_worker(TrainOptions& o, int argc, const char* const* argv, const std::shared_ptr<train::Distributed>& dist,
+                 bool main_rank);
 
 int run_train(int argc, const char* const* argv) {
     TrainOptions o;
@@ -141,48 +158,106 @@ int run_train(int argc, const char* const* argv) {
     add_number(app, "--new-lr-mult", o.new_lr_mult, "lr multiplier of parameters not inherited with --init-from");
     app.add_flag("--freeze-inherited", o.freeze_inherited, "train only the parameters not inherited with --init-from");
     app.add_flag("--no-progress", o.no_progress, "no progress bar");
+    add_number(app, "--nproc-per-node", o.nproc_per_node,
+               "data-parallel worker processes on this machine (--batch-size is the global batch); under "
+               "torchrun or Slurm the RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT environment is read instead",
+               int64_t{1}, int64_t{1024});
+    add_choice(app, "--dist-backend", o.dist_backend, {"gloo", "nccl"},
+               "c10d process group: gloo (CPU) or nccl (CUDA only)");
+    add_number(app, "--dist-timeout", o.dist_timeout,
+               "seconds a worker waits for the others (rendezvous, each all-reduce) before every worker stops",
+               1e-3);
     add_data_options(app, o.data);
     if (!parse(app, argc, argv)) return 0;
-    runtime::configure_threads(o.data.threads);
+
+    const train::DistributedEnv dist_env = train::distributed_env_from_environment();
+    const int64_t world = dist_env.world_size > 1 ? dist_env.world_size : o.nproc_per_node;
+    LINVIS_CHECK(o.data.config.batch_size % world == 0, "--batch-size ", o.data.config.batch_size,
+                 " (the global batch) must be divisible by the number of processes, ", world);
+    if (dist_env.world_size == 1 && o.nproc_per_node > 1)
+        return train::launch_local_workers(std::vector<std::string>(argv, argv + argc), o.nproc_per_node,
+                                           o.dist_timeout);
+    std::shared_ptr<train::Distributed> dist;
+    if (dist_env.world_size > 1) dist = train::Distributed::create(dist_env, o.dist_backend, o.dist_timeout);
+    else LINVIS_CHECK(o.dist_backend == "gloo" || torch::cuda::is_available(),
+                      "--dist-backend nccl: needs CUDA GPUs, and this LibTorch sees none; use --dist-backend gloo");
+    const bool main_rank = dist_env.rank == 0;
+    // Workers sharing a machine share its cores.
+    int threads = o.data.threads;
+    if (threads <= 0 && dist_env.local_world_size > 1)
+        threads = std::max<int>(1, static_cast<int>(std::thread::hardware_concurrency() /
+                                                    static_cast<unsigned>(dist_env.local_world_size)));
+    runtime::configure_threads(threads);
+    try {
+        return train_worker(o, argc, argv, dist, main_rank);
+    } catch (const std::exception& e) {
+        if (!dist) throw;
+        // A worker whose peers are gone may block in c10d's destructors: report and leave at once.
+        const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+        const std::string message = c10_error ? c10_error->what_without_backtrace() : e.what();
+        const std::string rank = "rank " + std::to_string(dist->rank());
+        std::fprintf(stderr, "linvis train: error: %s%s\n", message.rfind(rank, 0) == 0 ? "" : (rank + ": ").c_str(),
+                     message.c_str());
+        std::fflush(stderr);
+        _exit(1);
+    }
+}
+
+int train_worker(TrainOptions& o, int argc, const char* const* argv, const std::shared_ptr<train::Distributed>& dist,
+                 bool main_rank) {
+    train::TrainConfig& config = o.config;
 
     train::DataConfig& data_config = o.data.config;
     data_config.seed = static_cast<uint64_t>(o.seed);
     data_config.augment = o.no_augment ? train::DataConfig::Augment::None : train::parse_augment(o.augment);
     train::DataSources data = train::make_data_sources(data_config);
-    std::cerr << data.description << "\n";
+    if (main_rank) std::cerr << data.description << "\n";
 
     auto kwargs = o.kwargs;
     for (const auto& [key, value] : model_defaults_for(data, o.model)) kwargs.emplace(key, value);
     kwargs.emplace("drop_path_rate", o.drop_path);
     torch::manual_seed(data_config.seed);
     models::ModelPtr model = models::create_model(o.model, models::ModelConfig(kwargs));
-    std::cerr << o.model << ": " << with_commas(models::count_parameters(*model)) << " parameters";
-    for (const auto& [key, value] : kwargs) std::cerr << " " << key << "=" << value;
-    std::cerr << "\n";
+    if (main_rank) {
+        std::cerr << o.model << ": " << with_commas(models::count_parameters(*model)) << " parameters";
+        for (const auto& [key, value] : kwargs) std::cerr << " " << key << "=" << value;
+        if (dist) std::cerr << "; " << dist->world_size() << " processes, " << o.data.config.batch_size / dist->world_size()
+                            << " images per process and batch";
+        std::cerr << "\n";
+    }
 
     config.bf16 = o.data.bf16;
     config.seed = data_config.seed;
     config.progress = !o.no_progress;
+    config.log_epochs = main_rank;
+    config.distributed = dist;
 
     if (!o.init_from.empty()) {
         // T5 protocol: inherit the softmax model's weights, train the new parameters faster.
         const auto weights = io::SafetensorsFile::open(o.init_from).load_all();
         const train::InheritanceReport report = train::inherit_weights(*model, weights);
-        std::cerr << train::describe(report);
+        if (main_rank) std::cerr << train::describe(report);
         config.optimizer.boosted_parameters.insert(report.new_parameters.begin(), report.new_parameters.end());
         for (const auto& mismatch : report.shape_mismatch)
             config.optimizer.boosted_parameters.insert(mismatch.substr(0, mismatch.find(':')));
         config.optimizer.lr_multiplier = o.new_lr_mult;
         config.optimizer.train_only_boosted = o.freeze_inherited;
-        if (data.eval) {
+        if (data.eval && main_rank) {
             const train::EvalResult before = train::evaluate(*model, *data.eval, config.bf16);
             std::cerr << "converted model before fine-tuning: top-1 " << before.top1 << "%, top-5 " << before.top5
                       << "%, loss " << before.loss << "\n";
         }
     }
     nlohmann::json run_config;
-    for (const auto& token : std::vector<std::string>(argv + 1, argv + argc))
-        if (token != "--resume" && token != "--no-progress") run_config.push_back(token);
+    const std::vector<std::string> tokens(argv + 1, argv + argc);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+        if (tokens[i] == "--resume" || tokens[i] == "--no-progress") continue;
+        if (is_launch_option(tokens[i])) {
+            if (tokens[i].find('=') == std::string::npos) ++i;  // its value
+            continue;
+        }
+        run_config.push_back(tokens[i]);
+    }
     config.config_json = run_config.dump();
 
     train::Trainer trainer(model, config);
@@ -196,6 +271,7 @@ int run_train(int argc, const char* const* argv) {
     };
     const bool finished = trainer.fit(*data.train, data.eval.get());
     if (!finished) return 130;
+    if (!main_rank) return 0;
     const auto& last = trainer.history().back();
     std::printf("trained %s for %lld epochs: ", o.model.c_str(), static_cast<long long>(config.epochs));
     if (last.has_eval) std::printf("test top-1 %.2f%%, top-5 %.2f%%, loss %.4f", last.eval.top1, last.eval.top5, last.eval.loss);

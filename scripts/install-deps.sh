@@ -4,6 +4,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config
   libtorch-dev libopenblas-dev libopenblas0-pthread   # LibTorch 1.13 and the BLAS it should call
+  libgloo-dev                                         # headers of the Gloo transport behind c10d (linvis train --nproc-per-node)
   nlohmann-json3-dev libstb-dev                         # JSON headers; JPEG/PNG/BMP decoding
   libcli11-dev                                          # command-line parsing of the linvis program
   zlib1g-dev                                            # gzip IDX files (Fashion-MNIST), PNG CRCs

@@ -4,6 +4,7 @@
 #include <map>
 #include <string>
 
+#include "linvis/nn/batch_norm.h"
 #include "linvis/nn/common.h"
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
@@ -209,7 +210,7 @@ public:
         if (backbone_) return stage_norms_.count(3) ? normed_map(3, x) : x;
         // BatchNorm1d on (B, C, L), returned as the (B, C, H, W) map.
         const auto sizes = x.sizes().vec();
-        return norm->forward(x.flatten(2)).view(sizes);
+        return lnn::batch_norm(*norm, x.flatten(2)).view(sizes);
     }
 
     Tensor forward_head(const Tensor& features, bool pre_logits) override {

@@ -1,4 +1,5 @@
 #include "linvis/nn/common.h"
+#include "linvis/nn/batch_norm.h"
 #include "linvis/nn/vit3_layers.h"
 
 #include "linvis/core/error.h"
@@ -59,7 +60,7 @@ Vit3ConvLayerImpl::Vit3ConvLayerImpl(int64_t in, int64_t out, int64_t kernel, in
 
 torch::Tensor Vit3ConvLayerImpl::forward(const torch::Tensor& x) {
     torch::Tensor y = conv_forward(conv, x);
-    if (norm) y = norm->forward(y);
+    if (norm) y = batch_norm(*norm, y);
     if (relu) y = torch::relu(y);
     return y;
 }

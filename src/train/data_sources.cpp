@@ -67,7 +67,7 @@ class LoaderBatchSource : public BatchSource {
 public:
     LoaderBatchSource(std::shared_ptr<Dataset> dataset, std::shared_ptr<const ImageFolder> folder,
                       DataLoaderOptions options)
-        : dataset_(dataset), folder_(std::move(folder)), loader_(dataset, options) {}
+        : dataset_(dataset), folder_(std::move(folder)), loader_(dataset, options), batch_size_(options.batch_size) {}
     void start_epoch(int64_t epoch) override { loader_.start_epoch(epoch); }
     bool next(torch::Tensor& images, torch::Tensor& labels) override {
         auto batch = loader_.next();
@@ -79,11 +79,21 @@ public:
     int64_t batches_per_epoch() const override { return loader_.batches_per_epoch(); }
     int64_t num_examples() const override { return dataset_->size(); }
     int64_t skipped_images() const override { return folder_ ? folder_->skipped_count() : 0; }
+    void shard(int64_t rank, int64_t world_size, bool training) override {
+        int64_t batch = batch_size_;  // as constructed: the global batch when training
+        if (training) {
+            LINVIS_CHECK(batch % world_size == 0, "--batch-size ", batch,
+                         " (the global batch) must be divisible by the number of processes, ", world_size);
+            batch /= world_size;
+        }
+        loader_.set_shard(rank, world_size, training, batch);
+    }
 
 private:
     std::shared_ptr<Dataset> dataset_;
     std::shared_ptr<const ImageFolder> folder_;
     DataLoader loader_;
+    int64_t batch_size_;
 };
 
 DataSources small_sources(const DataConfig& c, bool with_train, const std::string& label,

@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "linvis/core/error.h"
+#include "linvis/train/data.h"
 #include "linvis/io/gzip.h"
 #include "linvis/io/image.h"
 #include "linvis/io/transforms.h"
@@ -325,17 +326,33 @@ DataLoader::~DataLoader() {
     for (auto& worker : workers_) worker.join();
 }
 
+void DataLoader::set_shard(int64_t rank, int64_t num_shards, bool pad, int64_t batch_size) {
+    LINVIS_CHECK(num_shards >= 1 && rank >= 0 && rank < num_shards, "DataLoader: shard ", rank, " is not in [0, ",
+                 num_shards, ")");
+    LINVIS_CHECK(batch_size > 0, "DataLoader: batch_size must be positive, got ", batch_size);
+    std::lock_guard<std::mutex> lock(mutex_);
+    options_.shard_rank = rank;
+    options_.num_shards = num_shards;
+    options_.pad_shards = pad;
+    options_.batch_size = batch_size;
+}
+
 int64_t DataLoader::batches_per_epoch() const {
-    const int64_t n = dataset_->size(), b = options_.batch_size;
+    const int64_t n = options_.num_shards > 1
+                          ? shard_length(dataset_->size(), options_.shard_rank, options_.num_shards, options_.pad_shards)
+                          : dataset_->size();
+    const int64_t b = options_.batch_size;
     return options_.drop_last ? n / b : (n + b - 1) / b;
 }
 
 std::vector<int64_t> DataLoader::epoch_order(int64_t epoch) const {
     std::vector<int64_t> order(size_t(dataset_->size()));
     std::iota(order.begin(), order.end(), int64_t(0));
-    if (!options_.shuffle) return order;
-    std::mt19937_64 rng(splitmix64(splitmix64(options_.seed) + uint64_t(epoch)));
-    for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[uniform_below(rng, i)]);
+    if (options_.shuffle) {
+        std::mt19937_64 rng(splitmix64(splitmix64(options_.seed) + uint64_t(epoch)));
+        for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[uniform_below(rng, i)]);
+    }
+    if (options_.num_shards > 1) order = shard_order(order, options_.shard_rank, options_.num_shards, options_.pad_shards);
     return order;
 }
 

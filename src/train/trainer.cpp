@@ -14,7 +14,9 @@
 #include <nlohmann/json.hpp>
 
 #include "linvis/core/error.h"
+#include "linvis/nn/batch_norm.h"
 #include "linvis/train/checkpoint.h"
+#include "linvis/train/distributed.h"
 #include "linvis/train/ema.h"
 
 namespace linvis::train {
@@ -99,12 +101,39 @@ nlohmann::json eval_json(const EvalResult& e) {
 void append_metrics(const std::string& path, const EpochRecord& r) {
     nlohmann::json j = {{"epoch", r.epoch}, {"train_loss", r.train_loss}, {"train_acc", r.train_acc},
                         {"lr", r.lr}, {"images_per_s", r.images_per_s}, {"seconds", r.seconds},
-                        {"skipped_images", r.skipped_images}};
+                        {"skipped_images", r.skipped_images}, {"steps", r.steps}};
+    if (r.world_size > 1) {
+        j["world_size"] = r.world_size;
+        j["allreduce_wait_s"] = r.allreduce_wait_s;
+    }
     if (r.has_eval) j["eval"] = eval_json(r.eval);
     if (r.has_eval_ema) j["eval_ema"] = eval_json(r.eval_ema);
     std::ofstream out(path, std::ios::app);
     out << j.dump() << "\n";
 }
+
+// Sums doubles over the ranks (no-op without a process group).
+void sum_over_ranks(Distributed* dist, std::vector<double>& values) {
+    if (dist == nullptr || dist->world_size() == 1) return;
+    torch::Tensor t = torch::tensor(values, torch::kFloat64);
+    dist->all_reduce_sum(t);
+    for (size_t i = 0; i < values.size(); ++i) values[i] = t[static_cast<int64_t>(i)].item<double>();
+}
+
+// Synchronised BatchNorm for the lifetime of the guard.
+class BatchNormSync {
+public:
+    explicit BatchNormSync(const std::shared_ptr<Distributed>& dist) : active_(dist && dist->world_size() > 1) {
+        if (active_)
+            nn::set_batch_norm_sync([dist](const torch::Tensor& x) { return differentiable_all_reduce_sum(dist, x); });
+    }
+    ~BatchNormSync() {
+        if (active_) nn::set_batch_norm_sync({});
+    }
+
+private:
+    bool active_;
+};
 
 }  // namespace
 
@@ -112,7 +141,7 @@ void install_interrupt_handler() { std::signal(SIGINT, on_sigint); }
 bool interrupt_requested() { return g_interrupted.load(); }
 void clear_interrupt() { g_interrupted.store(false); }
 
-EvalResult evaluate(models::VisionModel& model, BatchSource& data, bool bf16, bool progress) {
+EvalResult evaluate(models::VisionModel& model, BatchSource& data, bool bf16, bool progress, Distributed* dist) {
     torch::NoGradGuard no_grad;
     const bool was_training = model.is_training();
     model.eval();
@@ -139,8 +168,18 @@ EvalResult evaluate(models::VisionModel& model, BatchSource& data, bool bf16, bo
         correct5 += hits.any(1).sum().item<int64_t>();
         result.images += labels.size(0);
         bar.update(++batch, "");
+        distributed_heartbeat();
     }
     bar.finish();
+    if (dist != nullptr && dist->world_size() > 1) {
+        std::vector<double> sums{loss_sum, static_cast<double>(correct1), static_cast<double>(correct5),
+                                 static_cast<double>(result.images)};
+        sum_over_ranks(dist, sums);
+        loss_sum = sums[0];
+        correct1 = static_cast<int64_t>(sums[1]);
+        correct5 = static_cast<int64_t>(sums[2]);
+        result.images = static_cast<int64_t>(sums[3]);
+    }
     LINVIS_CHECK(result.images > 0, "evaluation data is empty");
     result.top1 = 100.0 * static_cast<double>(correct1) / static_cast<double>(result.images);
     result.top5 = 100.0 * static_cast<double>(correct5) / static_cast<double>(result.images);
@@ -160,10 +199,20 @@ Trainer::Trainer(models::ModelPtr model, TrainConfig config) : model_(std::move(
 
 bool Trainer::fit(BatchSource& train_data, BatchSource* eval_data) {
     namespace fs = std::filesystem;
+    const std::shared_ptr<Distributed>& dist = config_.distributed;
+    const int64_t world = dist ? dist->world_size() : 1;
+    const int64_t rank = dist ? dist->rank() : 0;
+    const bool main_rank = rank == 0;  // the only rank that writes files and prints
+    const bool progress = config_.progress && main_rank;
     fs::create_directories(config_.output_dir);
     const std::string checkpoint_path = (fs::path(config_.output_dir) / "checkpoint.pt").string();
     const std::string metrics_path = (fs::path(config_.output_dir) / "metrics.jsonl").string();
 
+    if (world > 1) {
+        train_data.shard(rank, world, true);
+        if (eval_data != nullptr) eval_data->shard(rank, world, false);
+        broadcast_module(*dist, *model_);  // every rank starts from rank 0's weights
+    }
     std::vector<ParamGroupInfo> groups;
     auto optimizer = make_adamw(*model_, config_.optimizer, &groups);
     std::unique_ptr<ModelEma> ema = config_.ema_decay > 0 ? std::make_unique<ModelEma>(*model_, config_.ema_decay)
@@ -203,23 +252,31 @@ bool Trainer::fit(BatchSource& train_data, BatchSource* eval_data) {
             }
             history_.push_back(r);
         }
-        if (config_.progress)
+        if (progress)
             std::fprintf(stderr, "resuming from %s at epoch %lld, batch %lld\n", checkpoint_path.c_str(),
                          static_cast<long long>(state.epoch + 1), static_cast<long long>(state.batch));
-    } else if (!config_.resume) {
+    } else if (!config_.resume && main_rank) {
         fs::remove(metrics_path);
     }
     install_interrupt_handler();
+    std::unique_ptr<GradientReducer> reducer;
+    if (world > 1) {
+        reducer = std::make_unique<GradientReducer>(*model_, dist);
+        // Drop path and other LibTorch randomness: a stream of its own per rank.
+        torch::manual_seed(mix_seed(config_.seed, static_cast<uint64_t>(state.step), static_cast<uint64_t>(rank) + 1));
+    }
+    const BatchNormSync batch_norm_sync(dist);
 
     for (int64_t epoch = state.epoch; epoch < config_.epochs; ++epoch) {
         model_->train();
         train_data.start_epoch(epoch);
         if (state.batch > 0) train_data.skip(state.batch);
-        ProgressBar bar(config_.progress, "epoch " + std::to_string(epoch + 1) + "/" + std::to_string(config_.epochs),
+        ProgressBar bar(progress, "epoch " + std::to_string(epoch + 1) + "/" + std::to_string(config_.epochs),
                         batches);
         const auto epoch_start = Clock::now();
         double loss_sum = 0.0, correct = 0.0;
-        int64_t seen = 0;
+        int64_t seen = 0, steps = 0;
+        if (reducer) reducer->reset_wait_seconds();
         double lr = schedule.lr_at(state.step);
         torch::Tensor images, labels;
         optimizer->zero_grad();
@@ -242,12 +299,17 @@ bool Trainer::fit(BatchSource& train_data, BatchSource* eval_data) {
                      "; stopped. The last good checkpoint is ", checkpoint_path,
                      " (lower --lr, or enable --clip-grad)");
             }
+            const bool step_now = (b + 1) % config_.accumulation_steps == 0 || b + 1 == batches;
+            // Gradients of the last micro-batch before a step are all-reduced while backward runs.
+            if (reducer) reducer->prepare(step_now);
             (loss / static_cast<double>(config_.accumulation_steps)).backward();
+            distributed_heartbeat();
             loss_sum += loss_value * static_cast<double>(labels.size(0));
             correct += logits.argmax(1).eq(targets.argmax(1)).sum().item<double>();
             seen += labels.size(0);
-            const bool step_now = (b + 1) % config_.accumulation_steps == 0 || b + 1 == batches;
+            bool stop_now = false;
             if (step_now) {
+                if (reducer) reducer->finish();
                 lr = schedule.lr_at(state.step);
                 apply_learning_rate(*optimizer, groups, lr);
                 if (config_.clip_grad > 0) clip_gradients(*model_, config_.clip_grad);
@@ -255,24 +317,40 @@ bool Trainer::fit(BatchSource& train_data, BatchSource* eval_data) {
                 optimizer->zero_grad();
                 if (ema) ema->update(*model_);
                 ++state.step;
+                ++steps;
+                // Every rank stops at the same step when any of them was interrupted.
+                std::vector<double> interrupted{interrupt_requested() ? 1.0 : 0.0};
+                sum_over_ranks(dist.get(), interrupted);
+                stop_now = interrupted[0] > 0;
             }
             const double elapsed = std::chrono::duration<double>(Clock::now() - epoch_start).count();
             char stats[160];
             std::snprintf(stats, sizeof(stats), "loss %.4f acc %.2f%% lr %.2e %.1f img/s", loss_sum / seen,
                           100.0 * correct / seen, lr, seen / std::max(elapsed, 1e-9));
             bar.update(b + 1, stats, b + 1 == batches);
-            if (step_now && interrupt_requested()) {
+            if (stop_now) {
                 bar.finish();
                 state.epoch = epoch;
                 state.batch = b + 1;
-                save_checkpoint(checkpoint_path, state, *model_, *optimizer, ema ? &ema->tensors() : nullptr);
-                std::fprintf(stderr, "interrupted: saved %s (epoch %lld, batch %lld); continue with --resume\n",
-                             checkpoint_path.c_str(), static_cast<long long>(epoch + 1), static_cast<long long>(b + 1));
+                if (main_rank) {
+                    save_checkpoint(checkpoint_path, state, *model_, *optimizer, ema ? &ema->tensors() : nullptr);
+                    std::fprintf(stderr, "interrupted: saved %s (epoch %lld, batch %lld); continue with --resume\n",
+                                 checkpoint_path.c_str(), static_cast<long long>(epoch + 1),
+                                 static_cast<long long>(b + 1));
+                }
+                if (dist) dist->barrier();  // the checkpoint is complete before any worker exits
                 clear_interrupt();
                 return false;
             }
         }
         bar.finish();
+        // Metrics of the global batch: sums over the ranks.
+        std::vector<double> sums{loss_sum, correct, static_cast<double>(seen),
+                                 static_cast<double>(train_data.skipped_images())};
+        sum_over_ranks(dist.get(), sums);
+        loss_sum = sums[0];
+        correct = sums[1];
+        seen = static_cast<int64_t>(sums[2]);
         EpochRecord record;
         record.epoch = epoch;
         record.seconds = std::chrono::duration<double>(Clock::now() - epoch_start).count();
@@ -280,24 +358,27 @@ bool Trainer::fit(BatchSource& train_data, BatchSource* eval_data) {
         record.train_acc = seen > 0 ? 100.0 * correct / seen : 0.0;
         record.lr = lr;
         record.images_per_s = seen / std::max(record.seconds, 1e-9);
-        record.skipped_images = train_data.skipped_images();
+        record.skipped_images = static_cast<int64_t>(sums[3]);
+        record.steps = steps;
+        record.world_size = world;
+        record.allreduce_wait_s = reducer ? reducer->wait_seconds() : 0.0;
         const bool eval_now = eval_data != nullptr &&
                               ((epoch + 1) % config_.eval_every == 0 || epoch + 1 == config_.epochs);
         if (eval_now) {
-            record.eval = evaluate(*model_, *eval_data, config_.bf16);
+            record.eval = evaluate(*model_, *eval_data, config_.bf16, false, dist.get());
             record.has_eval = true;
             if (ema) {
                 // Evaluate the averaged weights in place, then put the trained weights back.
                 const ModelEma trained(*model_, 0.0);
                 ema->copy_to(*model_);
-                record.eval_ema = evaluate(*model_, *eval_data, config_.bf16);
+                record.eval_ema = evaluate(*model_, *eval_data, config_.bf16, false, dist.get());
                 record.has_eval_ema = true;
                 trained.copy_to(*model_);
             }
         }
         history_.push_back(record);
-        append_metrics(metrics_path, record);
-        if (config_.log_epochs) {
+        if (main_rank) append_metrics(metrics_path, record);
+        if (config_.log_epochs && main_rank) {
             std::fprintf(stderr, "epoch %lld: train loss %.4f acc %.2f%%", static_cast<long long>(epoch + 1),
                          record.train_loss, record.train_acc);
             if (record.has_eval)
@@ -309,16 +390,21 @@ bool Trainer::fit(BatchSource& train_data, BatchSource* eval_data) {
         }
         // Without eval data the lowest training loss stands in; epochs skipped by eval_every do not compete.
         const double top1 = record.has_eval ? record.eval.top1 : -record.train_loss;
-        if (save_weights && (record.has_eval || eval_data == nullptr) && top1 > state.best_top1) {
+        if ((record.has_eval || eval_data == nullptr) && top1 > state.best_top1) {
             state.best_top1 = top1;
-            save_weights((fs::path(config_.output_dir) / "best.safetensors").string(), *model_);
+            if (save_weights && main_rank)
+                save_weights((fs::path(config_.output_dir) / "best.safetensors").string(), *model_);
         }
         state.epoch = epoch + 1;
         state.batch = 0;
-        save_checkpoint(checkpoint_path, state, *model_, *optimizer, ema ? &ema->tensors() : nullptr);
-        if (on_epoch_end) on_epoch_end(history_);
+        if (main_rank) {
+            save_checkpoint(checkpoint_path, state, *model_, *optimizer, ema ? &ema->tensors() : nullptr);
+            if (on_epoch_end) on_epoch_end(history_);
+        }
     }
-    if (save_weights) save_weights((fs::path(config_.output_dir) / "last.safetensors").string(), *model_);
+    if (save_weights && main_rank)
+        save_weights((fs::path(config_.output_dir) / "last.safetensors").string(), *model_);
+    if (dist) dist->barrier();  // every file is written before any worker reports success
     return true;
 }
 

@@ -23,10 +23,26 @@ public:
     virtual int64_t num_examples() const = 0;
     // Images that could not be read and were skipped so far (0 for in-memory data).
     virtual int64_t skipped_images() const { return 0; }
+    // Restricts the source to shard `rank` of `world_size` processes (distributed training), with
+    // the semantics of torch's DistributedSampler applied to each epoch's order (shard_order).
+    // training: the batch size given at construction is the global batch, each process takes
+    // batch / world_size (which must divide) and the order is padded to equal shard lengths, so
+    // global batch b of every process together is batch b of one process (when world_size divides
+    // the number of examples). Otherwise (evaluation): no padding, the batch size is per process.
+    // Call before start_epoch.
+    virtual void shard(int64_t rank, int64_t world_size, bool training);
 };
 
+// Shard `rank` of `world_size` of an epoch's order, as torch's DistributedSampler: pad (when `pad`)
+// by repeating the order's first entries up to a multiple of world_size, then take every
+// world_size-th entry from position rank.
+std::vector<int64_t> shard_order(const std::vector<int64_t>& order, int64_t rank, int64_t world_size, bool pad);
+// Length of that shard for an order of n entries.
+int64_t shard_length(int64_t n, int64_t rank, int64_t world_size, bool pad);
+
 // Light augmentation for small in-memory images: random crop after zero padding and a
-// horizontal flip (the standard CIFAR/Fashion-MNIST recipe).
+// horizontal flip (the standard CIFAR/Fashion-MNIST recipe). Each image's draw depends on
+// (seed, epoch, its index in the data set) only, so a shard sees what one process would.
 struct TensorAugment {
     int64_t pad = 0;      // 0: no random crop
     bool hflip = false;
@@ -42,14 +58,17 @@ public:
     void skip(int64_t count) override;
     int64_t batches_per_epoch() const override;
     int64_t num_examples() const override { return images_.size(0); }
+    void shard(int64_t rank, int64_t world_size, bool training) override;
 
 private:
     torch::Tensor images_, labels_, order_;
-    int64_t batch_size_;
+    int64_t batch_size_, global_batch_size_;  // per process; as constructed (the global batch)
     bool shuffle_, drop_last_;
     uint64_t seed_;
     TensorAugment augment_;
     int64_t epoch_ = 0, position_ = 0, batch_index_ = 0;
+    int64_t rank_ = 0, world_size_ = 1;
+    bool pad_ = false;
 };
 
 // A 64-bit seed mixed from several integers (splitmix64), for per-epoch / per-batch streams.

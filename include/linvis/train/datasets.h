@@ -173,6 +173,10 @@ struct DataLoaderOptions {
     int num_workers = 2;     // 0: batches are built on the calling thread inside next()
     int prefetch_batches = 4;  // batches built ahead of the consumer (bounded queue)
     uint64_t seed = 0;       // epoch order and per-sample transform seeds derive from it
+    // Distributed training: this process reads shard `shard_rank` of `num_shards` of each epoch's
+    // order (shard_order in linvis/train/data.h; padded to equal lengths when pad_shards).
+    int64_t shard_rank = 0, num_shards = 1;
+    bool pad_shards = true;
 };
 
 // A collated batch: images float (B, C, H, W), labels int64 (B), indices int64 (B) (dataset
@@ -200,8 +204,10 @@ public:
 
     int64_t batches_per_epoch() const;
     // The sample order of `epoch`: identity without shuffle, else a Fisher-Yates permutation from
-    // a mt19937_64 seeded by (seed, epoch), the same on every platform.
+    // a mt19937_64 seeded by (seed, epoch), the same on every platform; then this process's shard.
     std::vector<int64_t> epoch_order(int64_t epoch) const;
+    // Sets the shard and the per-process batch size (options' shard fields); call before start_epoch.
+    void set_shard(int64_t rank, int64_t num_shards, bool pad, int64_t batch_size);
     // Begins an epoch (abandoning whatever is left of the previous one).
     void start_epoch(int64_t epoch);
     // The next batch of the current epoch, or nullopt when the epoch is done.

@@ -7,6 +7,7 @@
 
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -17,6 +18,8 @@
 #include "linvis/train/optim.h"
 
 namespace linvis::train {
+
+class Distributed;  // linvis/train/distributed.h
 
 struct TrainConfig {
     int64_t epochs = 10;
@@ -36,6 +39,11 @@ struct TrainConfig {
     bool progress = true;             // progress bar on stderr
     bool log_epochs = true;           // one summary line per epoch on stderr
     std::string config_json;          // stored in checkpoints; resuming a different run is refused
+    // Data-parallel training over this process group (null: one process). Every rank runs fit() on
+    // the same data sources; the trainer shards them (BatchSource::shard), broadcasts rank 0's
+    // weights, averages the gradients (GradientReducer), synchronises BatchNorm, reduces the
+    // metrics, and only rank 0 writes files.
+    std::shared_ptr<Distributed> distributed;
 };
 
 struct EvalResult {
@@ -50,10 +58,15 @@ struct EpochRecord {
     EvalResult eval, eval_ema;
     bool has_eval = false, has_eval_ema = false;
     int64_t skipped_images = 0;
+    int64_t steps = 0;                // optimiser steps in this epoch
+    int64_t world_size = 1;
+    double allreduce_wait_s = 0.0;    // time the optimiser steps waited for the gradient all-reduce
 };
 
-// Top-1/top-5 accuracy and mean cross-entropy of `model` over one pass of `data`.
-EvalResult evaluate(models::VisionModel& model, BatchSource& data, bool bf16 = false, bool progress = false);
+// Top-1/top-5 accuracy and mean cross-entropy of `model` over one pass of `data`. With `dist`, `data`
+// is this rank's shard (BatchSource::shard(rank, world, false)) and the counts are summed over ranks.
+EvalResult evaluate(models::VisionModel& model, BatchSource& data, bool bf16 = false, bool progress = false,
+                    Distributed* dist = nullptr);
 
 class Trainer {
 public:

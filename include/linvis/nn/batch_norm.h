@@ -1,0 +1,38 @@
+// BatchNorm whose training statistics can span several processes (synchronised BatchNorm).
+//
+// Models call nn::batch_norm(bn, x) instead of bn->forward(x). With no cross-process sum installed
+// (one process, or evaluation) it is torch's batch_norm. While training with a sum installed
+// (the distributed trainer installs one, linvis/train/distributed.h), the batch mean and variance are
+// those of the global batch: per-channel sums are added over all processes by a differentiable
+// all-reduce, so the gradients are those of one process holding the whole batch.
+#pragma once
+
+#include <functional>
+
+#include <torch/torch.h>
+
+namespace linvis::nn {
+
+// Sums a tensor over all processes, differentiably (its backward sums the gradients over all processes).
+using CrossProcessSum = std::function<torch::Tensor(const torch::Tensor&)>;
+
+// Installs (or with an empty function removes) the process-wide sum used by batch_norm while training.
+void set_batch_norm_sync(CrossProcessSum sum);
+bool batch_norm_sync_enabled();
+
+// Training-mode BatchNorm over dimension 1 of x (N, C, ...) with the statistics of the global batch
+// (the installed sum must be set); running statistics are updated as torch does (momentum,
+// unbiased variance).
+torch::Tensor synchronised_batch_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                      torch::Tensor& running_mean, torch::Tensor& running_var,
+                                      torch::Tensor& num_batches_tracked, double momentum, double eps);
+
+// bn->forward(x), or synchronised_batch_norm while training with a cross-process sum installed.
+template <typename BatchNormImpl>
+torch::Tensor batch_norm(BatchNormImpl& bn, const torch::Tensor& x) {
+    if (!bn.is_training() || !batch_norm_sync_enabled()) return bn.forward(x);
+    return synchronised_batch_norm(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked,
+                                   bn.options.momentum().value_or(0.1), bn.options.eps());
+}
+
+}  // namespace linvis::nn
