@@ -34,9 +34,10 @@ std::vector<std::string> split_commas(const std::string& text) {
 
 // The normalised input back to uint8 (H, W, 3) for display.
 torch::Tensor display_image(const torch::Tensor& normalised_chw, const io::EvalTransform& transform) {
-    torch::Tensor mean = torch::tensor(transform.mean, torch::kFloat32).view({3, 1, 1});
-    torch::Tensor std = torch::tensor(transform.std, torch::kFloat32).view({3, 1, 1});
-    torch::Tensor rgb = (normalised_chw.to(torch::kFloat32) * std + mean).clamp(0.0, 1.0);
+    const int64_t channels = static_cast<int64_t>(transform.mean.size());
+    torch::Tensor mean = torch::tensor(transform.mean, torch::kFloat32).view({channels, 1, 1});
+    torch::Tensor std = torch::tensor(transform.std, torch::kFloat32).view({channels, 1, 1});
+    torch::Tensor rgb = (normalised_chw.to(torch::kFloat32) * std + mean).clamp(0.0, 1.0).expand({3, -1, -1});
     return (rgb * 255.0).round().to(torch::kUInt8).permute({1, 2, 0}).contiguous();
 }
 
@@ -75,7 +76,7 @@ int run_explain(int argc, const char* const* argv) {
                    "position (erf), the Gradient Magnitude Map of a Vision-TTT block (gradmap, Vision-TTT Eq. 6) and "
                    "the attention of one query patch (attention: DeiT softmax weights or the T5 implicit attention, "
                    "T5 Eq. 13). Without IMAGE the generated demo image is used. See docs/explain.md.");
-    add_model_options(app, o.model, false);
+    add_model_options(app, o.model, false, /*model_required=*/false);
     app.add_option("IMAGE", o.images, "JPEG, PNG or BMP files (erf averages over all of them)");
     add_choice(app, "--what", o.what, {"erf", "gradmap", "attention"}, "which map")->required();
     app.add_option("--output", o.output, "picture to write")->type_name("FILE.png")->required();
@@ -120,6 +121,7 @@ int run_explain(int argc, const char* const* argv) {
     LINVIS_CHECK(cell_width >= 160 && cell_height >= 160 && cell_width <= 4000 && cell_height <= 4000,
                  "--panel-size must be W,H with each in [160, 4000], got '", o.panel_size, "'");
     const int64_t erf_cells = o.erf_cells;
+    complete_model_options_from_weights(o.model);
     const std::vector<std::string> model_names = split_commas(o.model.model);
     LINVIS_CHECK(!model_names.empty(), "--model is empty");
     LINVIS_CHECK(model_names.size() == 1 || what == "erf", "--model: several models (", o.model.model,
@@ -129,9 +131,8 @@ int run_explain(int argc, const char* const* argv) {
     for (const auto& name : model_names)
         LINVIS_CHECK(models::has_model(name), "--model: unknown model '", name, "' (see 'linvis models')");
 
-    io::EvalTransform transform;
-    transform.crop_size = o.img_size;
-    transform.validate();
+    const io::EvalTransform transform = input_transform(describe_weights(o.model.weights), o.img_size,
+                                                        app.count("--img-size") > 0, 0.875, false);
     torch::Tensor images;
     if (o.images.empty())
         images = transform(io::demo_image()).unsqueeze(0);

@@ -261,8 +261,14 @@ int train_worker(TrainOptions& o, int argc, const char* const* argv, const std::
     config.config_json = run_config.dump();
 
     train::Trainer trainer(model, config);
+    // The weights describe themselves (model_metadata in common.h): 'linvis predict --weights FILE IMAGE'
+    // rebuilds the model, its input transform and its class names from them.
+    std::map<std::string, std::string> model_kwargs = kwargs;
+    model_kwargs.erase("drop_path_rate");  // training only
+    const std::map<std::string, std::string> metadata =
+        model_metadata(o.model, model_kwargs, data.class_names, data.mean, data.std, data.img_size, o.data.config.dataset);
     trainer.save_weights = [&](const std::string& path, const torch::nn::Module& module) {
-        io::save_weights(module, path, {{"model", o.model}});
+        io::save_weights(module, path, metadata);
     };
     const std::string curves = (fs::path(config.output_dir) / "curves.png").string();
     const std::string title = "linvis train: " + o.model + " on " + o.data.config.dataset;

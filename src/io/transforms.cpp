@@ -263,8 +263,8 @@ void EvalTransform::validate() const {
     LINVIS_CHECK(resize_size >= 0, "EvalTransform: resize_size must be positive (or 0 for crop_size / crop_pct), got ",
                  resize_size);
     LINVIS_CHECK(crop_pct > 0 && crop_pct <= 1, "EvalTransform: crop_pct must be in (0, 1], got ", crop_pct);
-    LINVIS_CHECK(mean.size() == 3 && std.size() == 3, "EvalTransform: mean and std need 3 values, got ", mean.size(),
-                 " and ", std.size());
+    LINVIS_CHECK((mean.size() == 3 || mean.size() == 1) && std.size() == mean.size(),
+                 "EvalTransform: mean and std need 3 values (RGB) or 1 (grey), got ", mean.size(), " and ", std.size());
     for (double s : std) LINVIS_CHECK(s > 0, "EvalTransform: std values must be positive, got ", s);
 }
 
@@ -273,16 +273,27 @@ torch::Tensor EvalTransform::operator()(const torch::Tensor& image_hwc) const {
     LINVIS_CHECK(image_hwc.scalar_type() == torch::kUInt8 && image_hwc.dim() == 3 && image_hwc.size(2) == 3,
                  "EvalTransform: expected uint8 (H, W, 3), got ", image_hwc.scalar_type(), " ",
                  shape_string(image_hwc.sizes()));
+    const bool grey = mean.size() == 1;
+    // A grey model sees PIL's convert('L') of the image (ITU-R 601-2 luma, PIL's integer rounding), kept
+    // in three equal channels through the resize; a grey image passes unchanged.
+    const torch::Tensor source = grey ? [&] {
+        const torch::Tensor rgb = image_hwc.to(torch::kInt32);
+        const torch::Tensor luma = (rgb.select(2, 0) * 19595 + rgb.select(2, 1) * 38470 + rgb.select(2, 2) * 7471 + 0x8000)
+                                       .div(65536, "floor")
+                                       .to(torch::kUInt8);
+        return luma.unsqueeze(2).expand({-1, -1, 3}).contiguous();
+    }() : image_hwc;
     torch::Tensor chw;
     if (kernel == ResizeKernel::Pil) {
-        const auto [height, width] = shorter_side_size(image_hwc.size(0), image_hwc.size(1), effective_resize_size());
-        chw = resize_pil(image_hwc, height, width, interpolation).permute({2, 0, 1});
+        const auto [height, width] = shorter_side_size(source.size(0), source.size(1), effective_resize_size());
+        chw = resize_pil(source, height, width, interpolation).permute({2, 0, 1});
     } else {
-        chw = image_hwc.permute({2, 0, 1});
+        chw = source.permute({2, 0, 1});
         if (!quantize_after_resize) chw = chw.to(torch::kFloat32);
         chw = resize_shorter_side(chw, effective_resize_size(), interpolation, antialias);
     }
     chw = center_crop(chw, crop_size, crop_size);
+    if (grey) chw = chw.narrow(0, 0, 1);
     // ToTensor: float32 / 255, then Normalize.
     return normalize(chw.to(torch::kFloat32).div(255.0), mean, std);
 }

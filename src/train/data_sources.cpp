@@ -103,6 +103,9 @@ DataSources small_sources(const DataConfig& c, bool with_train, const std::strin
     out.img_size = c.img_size > 0 ? c.img_size : native_size;
     out.num_classes = test->num_classes();
     out.in_chans = test->images().size(3);
+    out.class_names = test->class_names();
+    out.mean = norm.mean;
+    out.std = norm.std;
     const bool full = c.augment == DataConfig::Augment::Full;
     const TensorAugment augment{full ? pad * out.img_size / native_size : 0, c.augment != DataConfig::Augment::None};
     if (with_train) {
@@ -155,6 +158,8 @@ DataSources make_data_sources(const DataConfig& c, bool with_train) {
         io::EvalTransform eval_transform;
         eval_transform.crop_size = out.img_size;
         eval_transform.validate();
+        out.mean = eval_transform.mean;
+        out.std = eval_transform.std;
         TrainAugmentConfig augment = c.folder_augment;
         augment.img_size = out.img_size;
         DataLoaderOptions options;
@@ -177,6 +182,7 @@ DataSources make_data_sources(const DataConfig& c, bool with_train) {
             options.shuffle = true;
             options.drop_last = true;
             out.num_classes = folder->num_classes();
+            out.class_names = folder->class_names();
             train_count = subset->size();
             out.train = std::make_unique<LoaderBatchSource>(subset, folder, options);
         }
@@ -190,6 +196,7 @@ DataSources make_data_sources(const DataConfig& c, bool with_train) {
             LINVIS_CHECK(!with_train || folder->num_classes() == out.num_classes, eval_dir.string(), ": ",
                          folder->num_classes(), " classes, but the training folder has ", out.num_classes);
             out.num_classes = folder->num_classes();
+            out.class_names = folder->class_names();
             out.eval = std::make_unique<LoaderBatchSource>(subset, folder, options);
         } else {
             LINVIS_CHECK(with_train, root.string(), ": no val/, validation/ or test/ folder to evaluate on");

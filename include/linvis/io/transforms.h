@@ -115,10 +115,11 @@ struct EvalTransform {
     int64_t effective_resize_size() const;
 
     // Throws linvis::Error when a parameter is out of range (sizes <= 0, crop_pct not in (0, 1],
-    // mean/std not 3 values, std <= 0).
+    // mean/std not 3 (RGB) or 1 (grey) values, std <= 0).
     void validate() const;
 
-    // uint8 (H, W, 3) RGB (as read_image returns) -> float32 (3, crop_size, crop_size).
+    // uint8 (H, W, 3) RGB (as read_image returns) -> float32 (3, crop_size, crop_size); with one
+    // mean/std value, the grey image (PIL's convert('L')) -> (1, crop_size, crop_size).
     torch::Tensor operator()(const torch::Tensor& image_hwc) const;
 };
 

@@ -44,6 +44,10 @@ struct DataSources {
     int64_t in_chans = 3;
     int64_t img_size = 0;
     std::string description;            // one line for the log
+    // What a trained model needs to be used on its own (written into its weights' metadata):
+    // the class names and the per-channel normalisation of the [0, 1] pixels it was trained on.
+    std::vector<std::string> class_names;
+    std::vector<double> mean, std;
 };
 
 // Builds the sources; throws linvis::Error naming the data set, path or option when something is wrong.
