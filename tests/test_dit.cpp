@@ -9,6 +9,7 @@
 #include "linvis/models/dit.h"
 #include "linvis/models/pretrained.h"
 #include "linvis/models/registry.h"
+#include "checkpoint_writer.h"
 #include "support/fixtures.h"
 #include "support/temp_dir.h"
 
@@ -19,6 +20,14 @@ using linvis::models::DiffusionModelPtr;
 using linvis::models::ModelConfig;
 
 // |a - e| <= 1e-4 * max|e| (the fixtures' tolerance: relative to the largest magnitude).
+// DiT5's tiny fixtures run at a 4x4 token grid, below NATTEN's 5x5 window (NATTEN rejects it; the fixtures
+// used a stand-in). linvis (nat_small_grid: the window covers the whole short axis) reproduces them to ~3e-3
+// relative, not 1e-4. Other readings of the stand-in were tried and are further off (max abs err on the run
+// fixture, scale 1.58): whole axis 4.2e-3; start min(max(i-2,0),G-5) = -1 with Python's negative wrap 1.8e-3,
+// with clamping 7.1e-3; NATTEN's get_window_start with wrap 8.2e-3, with clamping 6.9e-3; zero padding 8.9e-3;
+// replicate padding 1.6e-2; a 3x3 window 1.2e-2. DiT and DiT3 are held to 1e-4.
+double tolerance(const std::string& family) { return family == "dit5" ? 5e-3 : 1e-4; }
+
 ::testing::AssertionResult close_to_fixture(const torch::Tensor& actual, const torch::Tensor& expected,
                                             double rel = 1e-4) {
     if (actual.sizes() != expected.sizes())
@@ -48,7 +57,7 @@ TEST_P(DitFixture, ForwardMatchesOfficial) {
     auto f = linvis::testing::load_fixture("generation/" + GetParam() + "_tiny.run.safetensors");
     auto m = tiny(GetParam());
     torch::NoGradGuard g;
-    EXPECT_TRUE(close_to_fixture(m->forward(f["x"], f["t"], f["y"]), f["out"]));
+    EXPECT_TRUE(close_to_fixture(m->forward(f["x"], f["t"], f["y"]), f["out"], tolerance(GetParam())));
 }
 
 TEST_P(DitFixture, ForwardWithCfgMatchesOfficial) {
@@ -57,7 +66,7 @@ TEST_P(DitFixture, ForwardWithCfgMatchesOfficial) {
     auto m = tiny(GetParam());
     torch::NoGradGuard g;
     torch::Tensor out = m->forward_with_cfg(f["x"], f["t"], f["y"], 1.5);
-    EXPECT_TRUE(close_to_fixture(out, f["out"]));
+    EXPECT_TRUE(close_to_fixture(out, f["out"], tolerance(GetParam())));
     // channels 3.. are not guided and the two halves of the guided channels are equal
     EXPECT_TRUE(torch::equal(out.narrow(0, 0, 1).narrow(1, 0, 3), out.narrow(0, 1, 1).narrow(1, 0, 3)));
 }
@@ -209,6 +218,60 @@ TEST(Dit, WrongFamilyCheckpointIsRejected) {
     EXPECT_NE(e.find("does not match the model"), std::string::npos) << e;
     EXPECT_NE(e.find("dit5_tiny.weights.safetensors"), std::string::npos) << e;
     EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+}
+
+// Official checkpoints: a train.py file {"model", "ema", "opt", "args"} gives its EMA (find_model), a bare
+// torch.save(state_dict) loads as is.
+TEST(Dit, OfficialCheckpointFormatsLoad) {
+    LINVIS_REQUIRE_FIXTURES();
+    auto sd = linvis::testing::load_fixture("generation/dit_tiny.weights.safetensors");
+    auto f = linvis::testing::load_fixture("generation/dit_tiny.run.safetensors");
+    std::vector<std::pair<std::string, torch::Tensor>> ema, model;
+    for (const auto& [k, v] : sd) {
+        ema.emplace_back(k, v);
+        model.emplace_back(k, v + 0.5);  // the non-EMA weights differ
+    }
+    linvis::testing::TempDir dir;
+    {
+        linvis::testing::CheckpointWriter w;
+        auto& p = w.p;
+        p.proto(2);
+        p.empty_dict();
+        p.put();
+        p.mark();
+        p.str("model");
+        p.put();
+        w.state_dict(model);
+        p.str("ema");
+        p.put();
+        w.state_dict(ema);
+        p.str("opt");
+        p.put();
+        p.empty_dict();
+        p.put();
+        p.setitems();
+        p.stop();
+        w.save(dir.file("train.pt"));
+    }
+    {
+        linvis::testing::CheckpointWriter w;
+        w.p.proto(2);
+        w.state_dict(ema);
+        w.p.stop();
+        w.save(dir.file("bare.pt"));
+    }
+    ModelConfig c({{"input_size", "8"}, {"hidden_size", "96"}, {"depth", "1"}, {"num_heads", "3"}, {"num_classes", "10"}});
+    for (const char* file : {"train.pt", "bare.pt"}) {
+        auto m = create_diffusion_model("dit_s2", c);
+        auto r = linvis::models::load_model_weights(*m, dir.file(file));
+        EXPECT_EQ(r.chosen_key, std::string(file) == "train.pt" ? "ema" : "") << file;
+        m->eval();
+        torch::NoGradGuard g;
+        EXPECT_TRUE(close_to_fixture(m->forward(f["x"], f["t"], f["y"]), f["out"])) << file;
+    }
+    // an explicit EMA request on a bare state dict is an error
+    auto m = create_diffusion_model("dit_s2", c);
+    EXPECT_THROW(linvis::models::load_model_weights(*m, dir.file("bare.pt"), /*prefer_ema=*/true), linvis::Error);
 }
 
 TEST(Dit, Dit5InheritsEverySoftmaxKey) {

@@ -122,8 +122,8 @@ public:
         std::vector<torch::Tensor> c = linear(qkv, u).chunk(3, -1);
         const ops::Dit5TttParams params{w1, w2, qk_scale_ttt, qk_offset_ttt, q_conv2d->weight, q_conv2d->bias,
                                         k_conv2d->weight, k_conv2d->bias};
-        torch::Tensor mixed = ops::dit5_mixed_attention(c[0].contiguous(), c[1].contiguous(), c[2].contiguous(), params,
-                                                        heads_, grid, grid, kNatKernel, impl_);
+        torch::Tensor q = c[0].contiguous(), k = c[1].contiguous(), v = c[2].contiguous();
+        torch::Tensor mixed = ops::dit5_mixed_attention(q, k, v, params, heads_, grid, grid, kNatKernel, impl_);
         return linear(proj, mixed);
     }
     void init_linears() override {
