@@ -376,8 +376,10 @@ torch::Tensor DiffusionModel::forward_with_cfg(const torch::Tensor& x, const tor
     const int64_t n = x.size(0) / 2;
     torch::Tensor half = x.narrow(0, 0, n);
     torch::Tensor out = forward(torch::cat({half, half}, 0), t, y);
-    LINVIS_CHECK(out.size(1) >= 3, "forward_with_cfg: the model has ", out.size(1), " output channels, expected >= 3");
-    torch::Tensor eps = out.narrow(1, 0, 3), rest = out.narrow(1, 3, out.size(1) - 3);
+    // The official slice out[:, :3]: channels 0..2 whatever the model's channel count (a 1-channel pixel model
+    // with learned sigma has [eps | v] there, and both are guided, as the official code would).
+    const int64_t guided = std::min<int64_t>(3, out.size(1));
+    torch::Tensor eps = out.narrow(1, 0, guided), rest = out.narrow(1, guided, out.size(1) - guided);
     torch::Tensor cond = eps.narrow(0, 0, n), uncond = eps.narrow(0, n, n);
     torch::Tensor g = uncond + cfg_scale * (cond - uncond);
     return torch::cat({torch::cat({g, g}, 0), rest}, 1);

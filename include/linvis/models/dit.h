@@ -51,7 +51,8 @@ public:
     virtual torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) = 0;
     // The official forward_with_cfg: the batch is 2n; runs the model on cat(x[:n], x[:n]) with the full
     // t and y (conditional labels first, null labels second), guides channels 0..2 only:
-    // g = uncond + s (cond - uncond), returns cat([cat(g, g), out[:, 3:]], channel).
+    // g = uncond + s (cond - uncond), returns cat([cat(g, g), out[:, 3:]], channel). As the official slice
+    // out[:, :3], a model with fewer than 3 output channels has all of them guided.
     torch::Tensor forward_with_cfg(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
                                    double cfg_scale);
 
