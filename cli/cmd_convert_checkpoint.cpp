@@ -46,8 +46,17 @@ int run_convert_checkpoint(int argc, const char* const* argv) {
     const io::CheckpointContents contents = io::read_torch_checkpoint(in);
     io::StateDictReport extract;
     std::string chosen;
-    std::map<std::string, torch::Tensor> tensors =
-        io::extract_state_dict(contents, o.ema, &chosen, &extract);
+    // Diffusion models (DiT's find_model) take the EMA weights of a train.py checkpoint when it has them.
+    const bool generative = app.count("--model") > 0 && models::has_generative_model(o.model);
+    bool ema = o.ema;
+    if (!ema && generative && models::generative_model_kind(o.model) == "diffusion") {
+        try {
+            io::extract_state_dict(contents, true, nullptr);
+            ema = true;
+        } catch (const Error&) {
+        }
+    }
+    std::map<std::string, torch::Tensor> tensors = io::extract_state_dict(contents, ema, &chosen, &extract);
 
     std::cout << "checkpoint  " << in << " (format version " << contents.format_version << ", "
               << contents.num_storages << " storages)\n"
@@ -64,7 +73,8 @@ int run_convert_checkpoint(int argc, const char* const* argv) {
     if (app.count("--model") > 0) {
         const std::string& name = o.model;
         models::ModelConfig config(o.kwargs);
-        models::ModelPtr model = models::create_model(name, config);
+        std::shared_ptr<models::Model> model = generative ? models::create_generative_model(name, config)
+                                                          : std::shared_ptr<models::Model>(models::create_model(name, config));
         models::ModelMappingReport mapping;
         tensors = models::map_state_dict_to_model(tensors, *model, !o.non_strict, &mapping);
         std::vector<std::string> renames;

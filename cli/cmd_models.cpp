@@ -8,6 +8,7 @@
 #include "common.h"
 #include "linvis/core/error.h"
 #include "linvis/core/runtime.h"
+#include "linvis/models/dit.h"
 #include "linvis/models/profile.h"
 #include "linvis/models/registry.h"
 
@@ -55,6 +56,22 @@ int run_models(int argc, const char* const* argv) {
                         s.gflops_224 < 0 ? "-" : (std::to_string(s.gflops_224).substr(0, 6)).c_str());
             for (const auto& [res, gflops] : s.gflops_at) std::printf(" %11.2f", gflops);
             std::printf("  %s\n", s.description.c_str());
+            std::fflush(stdout);
+        }
+    }
+    // Generative models (diffusion transformers at their default 32x32x4 latent, the VAE decoder): parameters
+    // only (their FLOPs depend on the latent size; see 'linvis bench').
+    for (const auto& info : models::list_generative_models()) {
+        if (!filter.empty() && info.name.find(filter) == std::string::npos) continue;
+        const int64_t params = info.kind == "diffusion" ? models::count_diffusion_model_parameters(info.name)
+                                                        : models::count_parameters(*models::create_generative_model(info.name));
+        if (format == "json") {
+            rows.push_back({{"name", info.name}, {"family", info.family}, {"kind", info.kind},
+                            {"description", info.description}, {"params", params}, {"gflops_224", nullptr}});
+        } else {
+            std::printf("%-16s %-8s %14s %11s", info.name.c_str(), info.family.c_str(), with_commas(params).c_str(), "-");
+            for (size_t i = 0; i < extra.size(); ++i) std::printf(" %11s", "-");
+            std::printf("  %s\n", info.description.c_str());
             std::fflush(stdout);
         }
     }

@@ -7,6 +7,9 @@
 #include "linvis/core/error.h"
 #include "linvis/core/runtime.h"
 #include "linvis/io/safetensors.h"
+#include "linvis/models/dit.h"
+#include "linvis/models/registry.h"
+#include "linvis/models/vae.h"
 #include "linvis/ops/impl.h"
 
 namespace linvis::cli {
@@ -20,7 +23,53 @@ struct RunOptions {
     int threads = 0;
     bool random_weights = false;
     int64_t seed = 0;
+    double cfg_scale = 1.0;
 };
+
+std::string tensor_names(const io::SafetensorsFile& file) {
+    std::string names;
+    for (const auto& n : file.names()) names += (names.empty() ? "" : ", ") + n;
+    return names;
+}
+
+torch::Tensor require_tensor(const io::SafetensorsFile& file, const std::string& path, const std::string& name) {
+    LINVIS_CHECK(file.contains(name), path, ": no tensor named '", name, "' (has: ", tensor_names(file), ")");
+    return file.tensor(name);
+}
+
+// A generative model: a diffusion network (x, t, y -> out, or forward_with_cfg with --cfg-scale) or
+// the VAE decoder (latent -> image = decode(latent / 0.18215)).
+int run_generative(const RunOptions& o, bool cfg_given, torch::ScalarType dtype) {
+    io::SafetensorsFile input_file = io::SafetensorsFile::open(o.input);
+    const std::string kind = models::generative_model_kind(o.model.model);
+    std::map<std::string, torch::Tensor> out;
+    torch::manual_seed(static_cast<uint64_t>(o.seed));
+    if (kind == "vae") {
+        LINVIS_CHECK(!cfg_given, "--cfg-scale applies to diffusion models, not to the VAE decoder ", o.model.model);
+        torch::Tensor latent = require_tensor(input_file, o.input, "latent");
+        LINVIS_CHECK(latent.dim() == 4, o.input, ": tensor 'latent': expected (B, C, h, w), got ",
+                     shape_string(latent.sizes()));
+        auto vae = std::dynamic_pointer_cast<models::VaeDecoder>(build_generative_model(o.model));
+        vae->to(dtype);
+        torch::NoGradGuard no_grad;
+        out["image"] = vae->decode(latent.to(dtype) / models::kSdVaeScale).contiguous();
+    } else {
+        torch::Tensor x = require_tensor(input_file, o.input, "x");
+        torch::Tensor t = require_tensor(input_file, o.input, "t");
+        torch::Tensor y = require_tensor(input_file, o.input, "y");
+        LINVIS_CHECK(x.dim() == 4, o.input, ": tensor 'x': expected (B, C, H, W), got ", shape_string(x.sizes()));
+        std::map<std::string, std::string> defaults = {{"in_channels", std::to_string(x.size(1))}};
+        if (x.size(2) == x.size(3)) defaults["input_size"] = std::to_string(x.size(2));
+        auto model = std::dynamic_pointer_cast<models::DiffusionModel>(build_generative_model(o.model, defaults));
+        model->to(dtype);
+        torch::NoGradGuard no_grad;
+        const torch::Tensor xx = x.to(dtype);
+        out["out"] = (cfg_given ? model->forward_with_cfg(xx, t, y, o.cfg_scale) : model->forward(xx, t, y)).contiguous();
+    }
+    io::save_safetensors(o.output, out, {{"model", o.model.model}, {"input", o.input}});
+    for (const auto& [name, tensor] : out) std::cout << "wrote " << o.output << ": " << name << " " << shape_string(tensor.sizes()) << "\n";
+    return 0;
+}
 
 int run_run(int argc, const char* const* argv) {
     RunOptions o;
@@ -28,9 +77,11 @@ int run_run(int argc, const char* const* argv) {
                           "(B, classes) and, with --features, 'features' (the final normalised tokens before "
                           "pooling, or the last feature map) to another safetensors file. A model built with "
                           "--model-kwargs features_only=true [out_indices=i,j,...] writes its feature maps "
-                          "'features.0', 'features.1', ... (NCHW) instead, for an input of any size.");
+                          "'features.0', 'features.1', ... (NCHW) instead, for an input of any size. A diffusion "
+                          "model reads 'x' (B, C, H, W), 't' (B,) and 'y' (B,) and writes 'out'; the VAE decoder "
+                          "reads 'latent' and writes 'image' = decode(latent / 0.18215).");
     add_model_options(app, o.model, false);
-    app.add_option("--input", o.input, "safetensors file with a tensor named 'input'")->type_name("FILE")->required();
+    app.add_option("--input", o.input, "safetensors file with a tensor named 'input' (diffusion: x, t, y; VAE: latent)")->type_name("FILE")->required();
     app.add_option("--output", o.output, "safetensors file to write")->type_name("FILE")->required();
     app.add_flag("--features", o.features, "also write 'features'");
     add_dtype_option(app, o.dtype, {"f32", "f64", "bf16"});
@@ -38,6 +89,9 @@ int run_run(int argc, const char* const* argv) {
     app.add_flag("--random-weights", o.random_weights, "run without --weights (seeded random initialisation; for "
                                                        "testing)");
     add_seed_option(app, o.seed);
+    app.add_option("--cfg-scale", o.cfg_scale, "diffusion models: run the official forward_with_cfg with this guidance "
+                                               "scale (the batch: conditional half, then the null-label half)")
+        ->type_name("S");
     if (!parse(app, argc, argv)) return 0;
     runtime::configure_threads(o.threads);
     LINVIS_CHECK(app.count("--weights") > 0 || o.random_weights,
@@ -46,16 +100,14 @@ int run_run(int argc, const char* const* argv) {
     const torch::ScalarType dtype = dtype_name == "f32"   ? torch::kFloat32
                                     : dtype_name == "f64" ? torch::kFloat64
                                                           : torch::kBFloat16;
+    if (models::has_generative_model(o.model.model)) {
+        LINVIS_CHECK(!o.features, "--features applies to classifiers, not to the generative model ", o.model.model);
+        return run_generative(o, app.count("--cfg-scale") > 0, dtype);
+    }
+    LINVIS_CHECK(app.count("--cfg-scale") == 0, "--cfg-scale applies to diffusion models, not to ", o.model.model);
     const std::string& input_path = o.input;
     io::SafetensorsFile input_file = io::SafetensorsFile::open(input_path);
-    LINVIS_CHECK(input_file.contains("input"), input_path, ": no tensor named 'input' (has: ",
-                 [&] {
-                     std::string names;
-                     for (const auto& n : input_file.names()) names += (names.empty() ? "" : ", ") + n;
-                     return names;
-                 }(),
-                 ")");
-    torch::Tensor input = input_file.tensor("input");
+    torch::Tensor input = require_tensor(input_file, input_path, "input");
     LINVIS_CHECK(input.dim() == 4, input_path, ": tensor 'input': expected shape (B, C, H, W), got ",
                  shape_string(input.sizes()));
     std::map<std::string, std::string> defaults;

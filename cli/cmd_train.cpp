@@ -17,8 +17,11 @@
 #include "linvis/models/deit_t5.h"
 #include "linvis/models/registry.h"
 #include "linvis/plot/plot.h"
+#include "linvis/io/torch_checkpoint.h"
+#include "linvis/models/dit.h"
 #include "linvis/train/data_sources.h"
 #include "linvis/train/distributed.h"
+#include "linvis/train/diffusion_trainer.h"
 #include "linvis/train/finetune.h"
 #include "linvis/train/trainer.h"
 
@@ -116,13 +119,135 @@ bool is_launch_option(const std::string& token) {
 int train_worker(TrainOptions& o, int argc, const char* const* argv, const std::shared_ptr<train::Distributed>& dist,
                  bool main_rank);
 
+// linvis train --task diffusion: the official DiT recipe (models/dit.h, train/diffusion_trainer.h) in pixel space.
+struct DiffusionTrainOptions {
+    std::string task = "diffusion";
+    std::string model;
+    std::map<std::string, std::string> kwargs;
+    train::DiffusionTrainConfig config;
+    int64_t seed = 0;
+    std::string init_from;
+    double ttt_lr_scale = 2.0;
+    std::string vae;
+    bool no_progress = false;
+    DataOptions data;
+};
+
+int run_train_diffusion(int argc, const char* const* argv) {
+    DiffusionTrainOptions o;
+    train::DiffusionTrainConfig& config = o.config;
+    o.data.config.batch_size = 64;
+    o.data.config.augment = train::DataConfig::Augment::Flip;
+    CommandApp app("train", "Train a class-conditional diffusion model (DiT, DiT3, DiT5) with the official DiT recipe: "
+                            "images in [-1, 1] with horizontal flips, uniform timesteps, mse + vb loss, AdamW (weight "
+                            "decay 0, constant lr), label dropout 0.1, EMA 0.9999. Writes checkpoint.pt, last.safetensors, "
+                            "ema.safetensors and metrics.jsonl into --output after every epoch.");
+    add_choice(app, "--task", o.task, {"classification", "diffusion"}, "what to train");
+    add_model_option(app, o.model)->required();
+    add_model_kwargs_option(app, o.kwargs);
+    app.add_option("--output", config.output_dir, "output directory")->type_name("DIR")->required();
+    add_number(app, "--epochs", config.epochs, "epochs", int64_t{1});
+    add_number(app, "--batch-size", o.data.config.batch_size, "images per batch", int64_t{1});
+    add_number(app, "--limit-train", o.data.config.limit_train, "train on the first N images only (0: all)");
+    add_number(app, "--lr", config.lr, "AdamW learning rate (constant)", 0.0);
+    add_number(app, "--ema-decay", config.ema_decay, "EMA decay of every parameter", 0.0, 1.0);
+    add_seed_option(app, o.seed);
+    app.add_flag("--resume", config.resume, "continue from OUTPUT/checkpoint.pt at the next epoch");
+    app.add_option("--init-from", o.init_from, "DiT5 inheritance: a softmax DiT's weights (safetensors or a train.py "
+                                               "checkpoint; its 'model' state dict first, as DiT5/train.py)")
+        ->type_name("FILE");
+    add_number(app, "--ttt-lr-scale", o.ttt_lr_scale, "with --init-from: lr multiplier of attn.w1 / attn.w2 (official 2.0)",
+               0.0);
+    app.add_option("--vae", o.vae, "latent-space training (needs the VAE encoder)")->type_name("FILE");
+    app.add_flag("--no-progress", o.no_progress, "no progress bar");
+    add_data_options(app, o.data);
+    if (!parse(app, argc, argv)) return 0;
+    LINVIS_CHECK(o.vae.empty(), "--vae: latent-space diffusion training needs the VAE encoder, which linvis does not "
+                                "have yet; train in pixel space (without --vae)");
+    runtime::configure_threads(o.data.threads);
+    train::DataConfig& data_config = o.data.config;
+    data_config.seed = static_cast<uint64_t>(o.seed);
+    data_config.minus_one_to_one = true;
+    if (data_config.img_size == 0 && data_config.dataset == "fashion-mnist") data_config.img_size = 32;  // 28 -> 32
+    train::DataSources data = train::make_data_sources(data_config);
+    std::cerr << data.description << "\n";
+
+    auto kwargs = o.kwargs;
+    kwargs.emplace("num_classes", std::to_string(data.num_classes));
+    kwargs.emplace("in_channels", std::to_string(data.in_chans));
+    kwargs.emplace("input_size", std::to_string(data.img_size));
+    torch::manual_seed(data_config.seed);
+    models::DiffusionModelPtr model = models::create_diffusion_model(o.model, models::ModelConfig(kwargs));
+    std::cerr << o.model << ": " << with_commas(models::count_parameters(*model)) << " parameters";
+    for (const auto& [key, value] : kwargs) std::cerr << " " << key << "=" << value;
+    std::cerr << "\n";
+    if (!o.init_from.empty()) {
+        std::map<std::string, torch::Tensor> source;
+        if (o.init_from.size() > 12 && o.init_from.substr(o.init_from.size() - 12) == ".safetensors") {
+            source = io::SafetensorsFile::open(o.init_from).load_all();
+        } else {
+            const io::CheckpointContents contents = io::read_torch_checkpoint(o.init_from);
+            std::string chosen;
+            try {
+                source = io::extract_state_dict(contents, false, &chosen);  // 'model', 'state_dict', ... or bare
+            } catch (const Error&) {
+                source = io::extract_state_dict(contents, true, &chosen);  // only 'ema'
+            }
+        }
+        const train::DitInheritanceReport report = train::inherit_softmax_dit(*model, source);
+        LINVIS_CHECK(!report.copied.empty(), "--init-from ", o.init_from, ": no tensor matches ", o.model,
+                     " (expected a softmax DiT of the same size)");
+        std::cerr << "inherited " << report.copied.size() << " tensors from " << o.init_from << "; "
+                  << report.initialised.size() << " keep their initialisation; " << report.skipped.size()
+                  << " source tensors skipped\n";
+        config.ttt_parameters = train::ttt_fast_weight_parameters(*model);
+        config.ttt_lr_scale = o.ttt_lr_scale;
+    }
+    config.seed = data_config.seed;
+    config.progress = !o.no_progress;
+    // The run's identity for --resume: every option except --resume, --no-progress and --epochs (a run
+    // may be extended by more epochs).
+    nlohmann::json run_config;
+    const std::vector<std::string> tokens(argv + 1, argv + argc);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+        if (tokens[i] == "--epochs") {
+            ++i;
+            continue;
+        }
+        if (tokens[i] != "--resume" && tokens[i] != "--no-progress" && tokens[i].rfind("--epochs=", 0) != 0)
+            run_config.push_back(tokens[i]);
+    }
+    config.config_json = run_config.dump();
+    train::DiffusionTrainer trainer(model, config);
+    trainer.fit(*data.train);
+    if (trainer.history().empty()) {
+        std::printf("%s: already trained for %lld epochs (nothing to do)\n", config.output_dir.c_str(),
+                    static_cast<long long>(config.epochs));
+        return 0;
+    }
+    const auto& last = trainer.history().back();
+    std::printf("trained %s for %lld epochs (%lld steps): loss %.5f (mse %.5f, vb %.5f)\n", o.model.c_str(),
+                static_cast<long long>(config.epochs), static_cast<long long>(last.steps), last.loss, last.mse, last.vb);
+    std::printf("outputs in %s: ema.safetensors (for sampling), last.safetensors, checkpoint.pt, metrics.jsonl\n",
+                config.output_dir.c_str());
+    return 0;
+}
+
 int run_train(int argc, const char* const* argv) {
+    for (int i = 1; i + 1 < argc; ++i)
+        if (std::string(argv[i]) == "--task" && std::string(argv[i + 1]) == "diffusion")
+            return run_train_diffusion(argc, argv);
+        else if (std::string(argv[i]) == "--task=diffusion")
+            return run_train_diffusion(argc, argv);
     TrainOptions o;
+    std::string task = "classification";
     train::TrainConfig& config = o.config;
     CommandApp app("train", "Train a model with the DeiT recipe (AdamW, cosine schedule with warm-up, label "
                             "smoothing, mixup/cutmix, drop path, EMA) on Fashion-MNIST, CIFAR or an ImageFolder "
                             "tree. Writes checkpoint.pt every epoch (atomically), best/last weights as safetensors, "
                             "metrics.jsonl and curves.png into --output.");
+    add_choice(app, "--task", task, {"classification", "diffusion"},
+               "what to train (diffusion: see 'linvis train --task diffusion --help')");
     add_model_option(app, o.model)->required();
     add_model_kwargs_option(app, o.kwargs);
     app.add_option("--output", config.output_dir, "output directory")->type_name("DIR")->required();

@@ -24,16 +24,11 @@ void add_model_options(CLI::App& app, ModelOptions& options, bool weights_requir
     add_weights_flags(app, options.ema, options.non_strict);
 }
 
-models::ModelPtr build_model(const ModelOptions& options, const std::map<std::string, std::string>& defaults) {
-    auto kwargs = options.kwargs;
-    for (const auto& [key, value] : defaults) kwargs.emplace(key, value);
-    models::ModelPtr model = models::create_model(options.model, models::ModelConfig(kwargs));
+namespace {
+void load_and_report(models::Model& model, const ModelOptions& options, bool strict) {
     const std::string& weights = options.weights;
     if (!weights.empty()) {
-        // A features_only backbone takes classification checkpoints as the official det/seg code does:
-        // non-strictly, reporting what was left out.
-        const bool strict = !options.non_strict && model->feature_indices().empty();
-        const auto result = models::load_model_weights(*model, weights, options.ema, strict);
+        const auto result = models::load_model_weights(model, weights, options.ema, strict);
         std::cerr << "loaded " << result.loaded << " tensors from " << weights << " (" << result.format
                   << (result.chosen_key.empty() ? "" : ", key '" + result.chosen_key + "'") << ")";
         if (!result.mapping.renamed.empty()) std::cerr << ", " << result.mapping.renamed.size() << " renamed";
@@ -44,6 +39,26 @@ models::ModelPtr build_model(const ModelOptions& options, const std::map<std::st
         for (const auto& key : result.mapping.unexpected) std::cerr << "  unexpected (ignored): " << key << "\n";
         for (const auto& key : result.mapping.mismatched) std::cerr << "  shape mismatch (ignored): " << key << "\n";
     }
+}
+}  // namespace
+
+models::ModelPtr build_model(const ModelOptions& options, const std::map<std::string, std::string>& defaults) {
+    auto kwargs = options.kwargs;
+    for (const auto& [key, value] : defaults) kwargs.emplace(key, value);
+    models::ModelPtr model = models::create_model(options.model, models::ModelConfig(kwargs));
+    // A features_only backbone takes classification checkpoints as the official det/seg code does:
+    // non-strictly, reporting what was left out.
+    load_and_report(*model, options, !options.non_strict && model->feature_indices().empty());
+    model->eval();
+    return model;
+}
+
+std::shared_ptr<models::Model> build_generative_model(const ModelOptions& options,
+                                                      const std::map<std::string, std::string>& defaults) {
+    auto kwargs = options.kwargs;
+    for (const auto& [key, value] : defaults) kwargs.emplace(key, value);
+    std::shared_ptr<models::Model> model = models::create_generative_model(options.model, models::ModelConfig(kwargs));
+    load_and_report(*model, options, !options.non_strict);
     model->eval();
     return model;
 }

@@ -189,11 +189,11 @@ CLI::Option* add_impl_option(CLI::App& app, std::string& impl) {
                       "reference first)");
 }
 
-CLI::Option* add_model_kwargs_option(CLI::App& app, std::map<std::string, std::string>& kwargs) {
+CLI::Option* add_model_kwargs_option(CLI::App& app, std::map<std::string, std::string>& kwargs,
+                                     const std::string& name) {
     return app
         .add_option_function<std::vector<std::string>>(
-            "--model-kwargs",
-            [&kwargs](const std::vector<std::string>& items) { kwargs = parse_key_values(items, "--model-kwargs"); },
+            name, [&kwargs, name](const std::vector<std::string>& items) { kwargs = parse_key_values(items, name); },
             "model options, e.g. depth=6 embed_dim=128 img_size=384 num_classes=10")
         ->type_name("K=V")
         ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);

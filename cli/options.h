@@ -84,7 +84,8 @@ CLI::Option* add_impl_option(CLI::App& app, std::string& impl);
 extern const std::vector<std::string> kImplChoices;
 // --model-kwargs K=V ...: model options, every value up to the next option; given twice, the lists add up.
 // "--model-kwargs: expected key=value, got 'depth'" for an item without '='.
-CLI::Option* add_model_kwargs_option(CLI::App& app, std::map<std::string, std::string>& kwargs);
+CLI::Option* add_model_kwargs_option(CLI::App& app, std::map<std::string, std::string>& kwargs,
+                                     const std::string& name = "--model-kwargs");
 // --ema and --non-strict: which tensors of a weights file or PyTorch checkpoint are taken.
 void add_weights_flags(CLI::App& app, bool& ema, bool& non_strict);
 

@@ -33,7 +33,7 @@ std::string name_list(const std::vector<std::string>& names, size_t limit = 20) 
 }  // namespace
 
 std::map<std::string, torch::Tensor> map_state_dict_to_model(const std::map<std::string, torch::Tensor>& raw,
-                                                             const VisionModel& model, bool strict,
+                                                             const Model& model, bool strict,
                                                              ModelMappingReport* report) {
     ModelMappingReport local;
     ModelMappingReport& rep = report ? *report : local;
@@ -84,7 +84,7 @@ std::map<std::string, torch::Tensor> map_state_dict_to_model(const std::map<std:
     return out;
 }
 
-WeightsLoadResult load_model_weights(VisionModel& model, const std::string& path, bool prefer_ema, bool strict) {
+WeightsLoadResult load_model_weights(Model& model, const std::string& path, bool prefer_ema, bool strict) {
     LINVIS_CHECK(std::filesystem::exists(path), path, ": weights file not found");
     WeightsLoadResult result;
     std::map<std::string, torch::Tensor> raw;
@@ -95,7 +95,17 @@ WeightsLoadResult load_model_weights(VisionModel& model, const std::string& path
         raw = io::SafetensorsFile::open(path).load_all();
     } else {
         result.format = "torch checkpoint";
-        raw = io::extract_state_dict(io::read_torch_checkpoint(path), prefer_ema, &result.chosen_key);
+        const io::CheckpointContents contents = io::read_torch_checkpoint(path);
+        bool ema = prefer_ema;
+        if (!ema && model.loads_ema_by_default()) {
+            // The EMA when the file has one (DiT's find_model), else the model / bare state dict.
+            try {
+                raw = io::extract_state_dict(contents, true, &result.chosen_key);
+                ema = true;
+            } catch (const Error&) {
+            }
+        }
+        if (raw.empty()) raw = io::extract_state_dict(contents, ema, &result.chosen_key);
     }
     std::map<std::string, torch::Tensor> mapped;
     try {

@@ -14,6 +14,20 @@ std::map<std::string, ModelInfo>& table() {
     return models;
 }
 
+std::map<std::string, GenerativeModelInfo>& generative_table() {
+    static std::map<std::string, GenerativeModelInfo> models;
+    return models;
+}
+
+template <typename Table>
+std::string close_names(const Table& t, const std::string& name) {
+    std::string close;
+    const std::string family = name.substr(0, name.find('_'));
+    for (const auto& [other, info] : t)
+        if (other.rfind(family, 0) == 0) close += (close.empty() ? "" : ", ") + other;
+    return close;
+}
+
 std::string lowercase(std::string s) {
     std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
     return s;
@@ -130,10 +144,9 @@ bool has_model(const std::string& name) { return table().count(name) != 0; }
 ModelPtr create_model(const std::string& name, const ModelConfig& config) {
     auto it = table().find(name);
     if (it == table().end()) {
-        std::string close;
-        const std::string family = name.substr(0, name.find('_'));
-        for (const auto& [other, info] : table())
-            if (other.rfind(family, 0) == 0) close += (close.empty() ? "" : ", ") + other;
+        LINVIS_CHECK(!generative_table().count(name), "model '", name, "' is a ", generative_model_kind(name),
+                     " model, not a classifier: use 'linvis run' or 'linvis sample' with it");
+        const std::string close = close_names(table(), name);
         fail("unknown model '", name, "'", close.empty() ? std::string(" (see 'linvis models')") : "; did you mean one of: " + close);
     }
     ModelConfig local = config;
@@ -145,6 +158,45 @@ ModelPtr create_model(const std::string& name, const ModelConfig& config) {
 ModelRegistrar::ModelRegistrar(std::string name, std::string family, std::string description,
                                ModelFactory create) {
     register_model({std::move(name), std::move(family), std::move(description), std::move(create)});
+}
+
+void register_generative_model(GenerativeModelInfo info) {
+    LINVIS_CHECK(!table().count(info.name) && !generative_table().count(info.name), "model '", info.name,
+                 "' registered twice");
+    generative_table()[info.name] = std::move(info);
+}
+
+std::vector<GenerativeModelInfo> list_generative_models() {
+    std::vector<GenerativeModelInfo> out;
+    for (const auto& [name, info] : generative_table()) out.push_back(info);
+    return out;
+}
+
+bool has_generative_model(const std::string& name) { return generative_table().count(name) != 0; }
+
+std::string generative_model_kind(const std::string& name) {
+    auto it = generative_table().find(name);
+    return it == generative_table().end() ? std::string() : it->second.kind;
+}
+
+std::shared_ptr<Model> create_generative_model(const std::string& name, const ModelConfig& config) {
+    auto it = generative_table().find(name);
+    if (it == generative_table().end()) {
+        LINVIS_CHECK(!table().count(name), "model '", name, "' is a classifier, not a generative model");
+        const std::string close = close_names(generative_table(), name);
+        fail("unknown model '", name, "'",
+             close.empty() ? std::string(" (see 'linvis models')") : "; did you mean one of: " + close);
+    }
+    ModelConfig local = config;
+    std::shared_ptr<Model> model = it->second.create(local);
+    local.check_all_used(name);
+    return model;
+}
+
+GenerativeModelRegistrar::GenerativeModelRegistrar(std::string name, std::string family, std::string kind,
+                                                   std::string description, GenerativeFactory create) {
+    register_generative_model(
+        {std::move(name), std::move(family), std::move(kind), std::move(description), std::move(create)});
 }
 
 int64_t count_parameters(const torch::nn::Module& module, bool trainable_only) {

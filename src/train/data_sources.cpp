@@ -98,8 +98,12 @@ private:
 
 DataSources small_sources(const DataConfig& c, bool with_train, const std::string& label,
                           const std::shared_ptr<InMemoryDataset>& train, const std::shared_ptr<InMemoryDataset>& test,
-                          const Normalisation& norm, int64_t native_size, int64_t pad) {
+                          const Normalisation& dataset_norm, int64_t native_size, int64_t pad) {
     DataSources out;
+    const int64_t channels = test->images().size(3);
+    const Normalisation norm = c.minus_one_to_one ? Normalisation{std::vector<double>(channels, 0.5),
+                                                                  std::vector<double>(channels, 0.5)}
+                                                  : dataset_norm;
     out.img_size = c.img_size > 0 ? c.img_size : native_size;
     out.num_classes = test->num_classes();
     out.in_chans = test->images().size(3);
@@ -149,6 +153,8 @@ DataSources make_data_sources(const DataConfig& c, bool with_train) {
     if (c.dataset.rfind("folder:", 0) == 0) {
         const fs::path root = c.dataset.substr(7);
         LINVIS_CHECK(fs::is_directory(root), "--dataset ", c.dataset, ": not a directory");
+        LINVIS_CHECK(!c.minus_one_to_one, "--dataset ", c.dataset,
+                     ": pixel-space diffusion training takes fashion-mnist, cifar10 or cifar100 (in-memory sets)");
         const fs::path train_dir = fs::is_directory(root / "train") ? root / "train" : root;
         fs::path eval_dir;
         for (const char* name : {"val", "validation", "test"})

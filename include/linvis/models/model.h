@@ -56,7 +56,27 @@ struct FeatureOptions {
 };
 FeatureOptions read_feature_options(const ModelConfig& config);
 
-class VisionModel : public torch::nn::Module {
+// What every loadable linvis model shares: weights are loaded into it by name from a checkpoint
+// (models/pretrained.h), through these two hooks. VisionModel (classifiers and backbones) and the
+// generative models (models/dit.h: diffusion transformers; models/vae.h: the VAE decoder) derive from it.
+class Model : public torch::nn::Module {
+public:
+    ~Model() override = default;
+
+    // Maps a key of an official raw/training checkpoint to this model's key; an empty string
+    // drops the key. The default keeps keys unchanged.
+    virtual std::string map_checkpoint_key(const std::string& key) const { return key; }
+    // Adapts a loaded tensor whose shape depends on the resolution (absolute position
+    // embeddings: bicubic resize; RoPE buffers: recomputed). Returns `value` unchanged by default.
+    virtual torch::Tensor adapt_checkpoint_tensor(const std::string& key, const torch::Tensor& value) const {
+        return value;
+    }
+    // Whether a training checkpoint holding both 'model' and 'ema' weights loads the EMA by default
+    // (the official DiT find_model does; classifiers load 'model' unless --ema is given).
+    virtual bool loads_ema_by_default() const { return false; }
+};
+
+class VisionModel : public Model {
 public:
     ~VisionModel() override = default;
 
@@ -87,15 +107,6 @@ public:
 
     virtual int64_t num_classes() const = 0;
     virtual int64_t num_features() const = 0;  // width of the pooled features
-
-    // Maps a key of an official raw/training checkpoint to this model's key; an empty string
-    // drops the key. The default keeps keys unchanged.
-    virtual std::string map_checkpoint_key(const std::string& key) const { return key; }
-    // Adapts a loaded tensor whose shape depends on the resolution (absolute position
-    // embeddings: bicubic resize; RoPE buffers: recomputed). Returns `value` unchanged by default.
-    virtual torch::Tensor adapt_checkpoint_tensor(const std::string& key, const torch::Tensor& value) const {
-        return value;
-    }
 
     // ---- Probing: the forward pass one step at a time, for interpretability tools and feature
     // extraction (with linvis/nn/probe.h for tensors inside a block). forward_features equals

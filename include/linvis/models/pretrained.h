@@ -29,7 +29,7 @@ struct ModelMappingReport {
 // any missing/unexpected/mismatched key throws linvis::Error naming them all. Two raw keys
 // mapping to the same model key always throw.
 std::map<std::string, torch::Tensor> map_state_dict_to_model(const std::map<std::string, torch::Tensor>& raw,
-                                                             const VisionModel& model, bool strict,
+                                                             const Model& model, bool strict,
                                                              ModelMappingReport* report = nullptr);
 
 struct WeightsLoadResult {
@@ -43,7 +43,7 @@ struct WeightsLoadResult {
 // may be left over; otherwise one linvis::Error names every missing, unexpected and mismatched
 // key and the file, and the model is left unchanged. prefer_ema picks the EMA weights of a
 // torch checkpoint (an error if it has none; safetensors files hold one set of weights).
-WeightsLoadResult load_model_weights(VisionModel& model, const std::string& path, bool prefer_ema = false,
+WeightsLoadResult load_model_weights(Model& model, const std::string& path, bool prefer_ema = false,
                                      bool strict = true);
 
 }  // namespace linvis::models

@@ -32,6 +32,31 @@ struct ModelRegistrar {
     ModelRegistrar(std::string name, std::string family, std::string description, ModelFactory create);
 };
 
+// ---- Generative models (diffusion transformers, the VAE decoder): not classifiers, so a registry of
+// their own with a kind tag; `linvis models` lists both. create_model on such a name is an error
+// pointing here, and create_generative_model on a classifier name likewise.
+using GenerativeFactory = std::function<std::shared_ptr<Model>(const ModelConfig&)>;
+
+struct GenerativeModelInfo {
+    std::string name;         // e.g. "dit3_s2"
+    std::string family;       // "dit", "dit3", "dit5", "vae"
+    std::string kind;         // "diffusion" (models/dit.h DiffusionModel) or "vae" (models/vae.h VaeDecoder)
+    std::string description;
+    GenerativeFactory create;
+};
+
+void register_generative_model(GenerativeModelInfo info);
+std::vector<GenerativeModelInfo> list_generative_models();
+bool has_generative_model(const std::string& name);
+// The kind of a registered generative model, "" when the name is not one.
+std::string generative_model_kind(const std::string& name);
+std::shared_ptr<Model> create_generative_model(const std::string& name, const ModelConfig& config = ModelConfig());
+
+struct GenerativeModelRegistrar {
+    GenerativeModelRegistrar(std::string name, std::string family, std::string kind, std::string description,
+                             GenerativeFactory create);
+};
+
 int64_t count_parameters(const torch::nn::Module& module, bool trainable_only = false);
 
 }  // namespace linvis::models

@@ -32,6 +32,9 @@ struct DataConfig {
     enum class Augment { None, Flip, Full };
     Augment augment = Augment::Full;
     TrainAugmentConfig folder_augment;  // used for folders (img_size is overwritten)
+    // Fashion-MNIST / CIFAR: pixels mapped to [-1, 1] ((x - 0.5) / 0.5, the diffusion models' range) instead of
+    // the data set's mean / std. Not available for folders.
+    bool minus_one_to_one = false;
 };
 
 // "none" | "flip" | "full"; throws linvis::Error naming the accepted values otherwise.

@@ -1,5 +1,5 @@
-// Reference 2-D neighborhood attention (NATTEN semantics) and DiT5's TTT + NA mix
-// (see include/linvis/ops/neighborhood_attention.h and spec B4).
+// Reference 2-D neighborhood attention (NATTEN semantics): the window geometry, na2d_qk / na2d_av and
+// their composition (see include/linvis/ops/neighborhood_attention.h and spec B4).
 #include "linvis/ops/neighborhood_attention.h"
 
 #include <algorithm>
@@ -7,6 +7,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "ops/neighborhood_attention/reference.h"
 
 namespace linvis::ops {
 namespace {
@@ -82,31 +83,15 @@ torch::Tensor na2d_av(const torch::Tensor& attn, const torch::Tensor& v, int64_t
     return out.view({B, h, H, W, dv});
 }
 
+namespace reference {
+
 torch::Tensor neighborhood_attention_2d(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                        int64_t kernel_size, double scale, Impl impl) {
-    use_fused(impl, "neighborhood_attention_2d", "this op has no fused kernel", false);
-    check_grid_tensor("neighborhood_attention_2d", "q", q);
-    LINVIS_CHECK(v.dim() == 5 && v.sizes().slice(0, 4) == q.sizes().slice(0, 4),
-                 "neighborhood_attention_2d: v: expected (B, h, H, W, dv) matching q ", shape_string(q.sizes()),
-                 ", got ", shape_string(v.sizes()));
+                                        int64_t kernel_size, double scale) {
     // DiT5 order: q * scale first, then the neighbourhood dot products.
     torch::Tensor attn = na2d_qk(q * scale, k, kernel_size).softmax(-1);
     return na2d_av(attn, v, kernel_size);
 }
 
-torch::Tensor dit5_mixed_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                   const Dit5TttParams& params, int64_t num_heads, int64_t height, int64_t width,
-                                   int64_t kernel_size, Impl impl) {
-    use_fused(impl, "dit5_mixed_attention", "this op has no fused kernel", false);
-    torch::Tensor x_ttt = dit5_ttt_attention(q, k, v, params, num_heads, height, width, impl);
-    const int64_t B = q.size(0), C = q.size(2), d = C / num_heads;
-    auto to_grid = [&](const torch::Tensor& t) {
-        return t.reshape({B, height, width, num_heads, d}).permute({0, 3, 1, 2, 4});
-    };
-    const double scale = std::pow(static_cast<double>(d), -0.5);
-    torch::Tensor x_na = neighborhood_attention_2d(to_grid(q), to_grid(k), to_grid(v), kernel_size, scale, impl);
-    x_na = x_na.permute({0, 2, 3, 1, 4}).reshape({B, height * width, C});
-    return 0.5 * x_na + 0.5 * x_ttt;
-}
+}  // namespace reference
 
 }  // namespace linvis::ops

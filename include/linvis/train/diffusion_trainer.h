@@ -1,0 +1,75 @@
+// Training a class-conditional diffusion model with the official DiT recipe (spec dit_generation.md §4):
+// images in [-1, 1] (horizontal flips from the data source), t ~ U{0..999}, loss = mean over the batch of
+// GaussianDiffusion("").training_losses (mse + vb), AdamW (betas 0.9/0.999, eps 1e-8, weight decay 0,
+// constant lr, no clipping), label dropout 0.1 in train mode (the model's), EMA of every named parameter
+// (pos_embed included) with decay 0.9999 updated after every step (starting as an exact copy).
+// DiT5 inheritance (DiT5/train.py): two AdamW groups, the TTT fast-weight initialisers (attn.w1 / attn.w2)
+// at lr * ttt_lr_scale first, everything else at lr.
+//
+// Writes into output_dir after every epoch: checkpoint.pt (model, optimiser, EMA, epoch; atomically),
+// last.safetensors (the model), ema.safetensors (the EMA weights, what sampling uses) and metrics.jsonl
+// (one line per epoch). resume continues from checkpoint.pt at the next epoch; batch order, timesteps,
+// noise and label dropout are seeded per (seed, epoch), so a resumed run repeats the uninterrupted one.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "linvis/models/dit.h"
+#include "linvis/train/data.h"
+
+namespace linvis::train {
+
+struct DiffusionTrainConfig {
+    int64_t epochs = 10;
+    double lr = 1e-4;
+    double weight_decay = 0.0;
+    double ema_decay = 0.9999;
+    double ttt_lr_scale = 1.0;                // lr multiplier of the parameters in ttt_parameters
+    std::set<std::string> ttt_parameters;     // the first AdamW group (DiT5 inheritance: attn.w1 / attn.w2)
+    uint64_t seed = 0;
+    std::string output_dir;
+    bool resume = false;
+    bool progress = true;
+    std::string config_json;                  // stored in the checkpoint; resuming another run is refused
+};
+
+struct DiffusionEpochRecord {
+    int64_t epoch = 0;
+    double loss = 0.0, mse = 0.0, vb = 0.0;   // means over the epoch's batches
+    double seconds = 0.0, images_per_s = 0.0;
+    int64_t steps = 0;                        // optimiser steps so far
+};
+
+class DiffusionTrainer {
+public:
+    DiffusionTrainer(models::DiffusionModelPtr model, DiffusionTrainConfig config);
+    // Trains for config.epochs epochs on (images in [-1, 1], labels) batches. Throws linvis::Error when
+    // the loss becomes NaN / Inf (the last checkpoint stays).
+    void fit(BatchSource& data);
+    const std::vector<DiffusionEpochRecord>& history() const { return history_; }
+
+private:
+    models::DiffusionModelPtr model_;
+    DiffusionTrainConfig config_;
+    std::vector<DiffusionEpochRecord> history_;
+};
+
+// The names of the TTT fast-weight initialisers of a model (DiT5/train.py create_optimizer_with_layer_lr:
+// names containing attn.w1, attn.w2, attn.b1, attn.b2 or attn.w3).
+std::set<std::string> ttt_fast_weight_parameters(const torch::nn::Module& model);
+
+// DiT5/train.py load_softmax_weights_to_ttt: every source tensor (a leading "module." stripped) whose key
+// exists in `model` with an identical shape is copied, except keys containing attn.w1 / attn.w2; the rest
+// keep their initialisation. For a softmax DiT-S/2 source: 132 copied, 96 DiT5 tensors keep their init.
+struct DitInheritanceReport {
+    std::vector<std::string> copied;
+    std::vector<std::string> skipped;     // source keys not copied (absent, other shape, attn.w1/w2)
+    std::vector<std::string> initialised; // model keys the source did not provide
+};
+DitInheritanceReport inherit_softmax_dit(torch::nn::Module& model, const std::map<std::string, torch::Tensor>& source);
+
+}  // namespace linvis::train

@@ -1,0 +1,472 @@
+// DiT, DiT3 and DiT5 (spec dit_generation.md §1-2; facebookresearch/DiT@ed81ce2:models.py,
+// LeapLabTHU/ViTTT@e347758:dittt/models.py, LeapLabTHU/Transformer-to-TTT@06493e4:DiT5/models.py).
+// The mixers reuse the ops of ViT3 (nn::Vit3Ttt -> ops::vit3_ttt_mix) and T5/DiT5
+// (ops::dit5_mixed_attention); the softmax mixer is ops::softmax_attention.
+#include "linvis/models/dit.h"
+
+#include <cctype>
+#include <cmath>
+
+#include "linvis/core/error.h"
+#include "linvis/core/flops.h"
+#include "linvis/models/registry.h"
+#include "linvis/nn/vit.h"
+#include "linvis/nn/vit3_layers.h"
+#include "linvis/ops/attention.h"
+#include "linvis/ops/neighborhood_attention.h"
+#include "linvis/ops/t5_ttt.h"
+
+namespace linvis::models {
+namespace {
+
+constexpr int64_t kNatKernel = 5;
+
+torch::Tensor modulate(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale) {
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1);
+}
+
+torch::Tensor layer_norm_no_affine(const torch::Tensor& x) {
+    return torch::layer_norm(x, {x.size(-1)}, {}, {}, 1e-6);
+}
+
+torch::Tensor linear(const torch::nn::Linear& l, const torch::Tensor& x) {
+    return flops::linear(x, l->weight, l->bias);
+}
+
+void xavier_linear_(const torch::nn::Linear& l) {
+    torch::NoGradGuard g;
+    torch::nn::init::xavier_uniform_(l->weight);
+    if (l->bias.defined()) l->bias.zero_();
+}
+
+torch::nn::Conv2d depthwise3x3(int64_t channels) {
+    return torch::nn::Conv2d(torch::nn::Conv2dOptions(channels, channels, 3).padding(1).groups(channels).bias(true));
+}
+
+// Sequential(SiLU, Linear(in -> out)): key `<name>.1.*`.
+torch::nn::Sequential silu_linear(int64_t in, int64_t out) {
+    return torch::nn::Sequential(torch::nn::SiLU(), torch::nn::Linear(in, out));
+}
+
+// ---------------------------------------------------------------- mixers
+
+class DitMixer : public torch::nn::Module {
+public:
+    // u (B, N, C) on a G x G grid -> (B, N, C).
+    virtual torch::Tensor forward(const torch::Tensor& u, int64_t grid) = 0;
+    virtual void init_linears() = 0;
+};
+
+// timm Attention(qkv_bias=True): rows of qkv [q | k | v], head i = channels i*d...
+class SoftmaxMixer : public DitMixer {
+public:
+    SoftmaxMixer(int64_t dim, int64_t heads) : heads_(heads) {
+        qkv = register_module("qkv", torch::nn::Linear(dim, 3 * dim));
+        proj = register_module("proj", torch::nn::Linear(dim, dim));
+    }
+    torch::Tensor forward(const torch::Tensor& u, int64_t) override {
+        const int64_t B = u.size(0), N = u.size(1), C = u.size(2), d = C / heads_;
+        torch::Tensor p = linear(qkv, u).reshape({B, N, 3, heads_, d}).permute({2, 0, 3, 1, 4});
+        torch::Tensor o = ops::softmax_attention(p[0], p[1], p[2], std::pow(static_cast<double>(d), -0.5));
+        return linear(proj, o.transpose(1, 2).reshape({B, N, C}));
+    }
+    void init_linears() override {
+        xavier_linear_(qkv);
+        xavier_linear_(proj);
+    }
+    torch::nn::Linear qkv{nullptr}, proj{nullptr};
+
+private:
+    int64_t heads_;
+};
+
+// DiTTT: the ViT3 TTT module, called as TTT.forward(u, G, G) without RoPE (s = 1/3 both branches).
+class Dit3Mixer : public DitMixer {
+public:
+    Dit3Mixer(int64_t dim, int64_t heads, ops::Impl impl) {
+        ttt = nn::Vit3Ttt(dim, heads, true, impl);
+        // The TTT module's own names (w1, w2, w3, qkv, proj) directly under `attn`.
+        for (auto& p : ttt->named_parameters(false)) register_parameter(p.key(), p.value());
+        register_module("qkv", ttt->qkv);
+        register_module("proj", ttt->proj);
+    }
+    torch::Tensor forward(const torch::Tensor& u, int64_t grid) override { return ttt->forward(u, grid, grid); }
+    void init_linears() override {
+        xavier_linear_(ttt->qkv);
+        xavier_linear_(ttt->proj);
+    }
+    nn::Vit3Ttt ttt{nullptr};
+};
+
+// DiT5 MixedAttention: out = proj(0.5 NA(q, k, v) + 0.5 TTT-MLP(q, k, v)).
+class Dit5Mixer : public DitMixer {
+public:
+    Dit5Mixer(int64_t dim, int64_t heads, ops::Impl impl, bool allow_small_grid)
+        : heads_(heads), impl_(impl), allow_small_grid_(allow_small_grid) {
+        const int64_t d = dim / heads;
+        w1 = register_parameter("w1", torch::empty({1, heads, d, d}));
+        w2 = register_parameter("w2", torch::empty({1, heads, d, d}));
+        nn::trunc_normal_(w1, 0.02);
+        nn::trunc_normal_(w2, 0.02);
+        qk_scale_ttt = register_parameter("qk_scale_ttt", torch::ones({1, 1, dim, 2}));
+        qk_offset_ttt = register_parameter("qk_offset_ttt", torch::zeros({1, 1, dim, 2}));
+        qkv = register_module("qkv", torch::nn::Linear(dim, 3 * dim));
+        proj = register_module("proj", torch::nn::Linear(dim, dim));
+        q_conv2d = register_module("q_conv2d", depthwise3x3(dim));
+        k_conv2d = register_module("k_conv2d", depthwise3x3(dim));
+    }
+    torch::Tensor forward(const torch::Tensor& u, int64_t grid) override {
+        LINVIS_CHECK(grid >= kNatKernel || allow_small_grid_, "dit5: the token grid ", grid, "x", grid,
+                     " (input_size / patch_size) is smaller than the 5x5 neighbourhood-attention window, which NATTEN "
+                     "rejects (model option nat_small_grid=true: the window covers the whole axis instead)");
+        std::vector<torch::Tensor> c = linear(qkv, u).chunk(3, -1);
+        const ops::Dit5TttParams params{w1, w2, qk_scale_ttt, qk_offset_ttt, q_conv2d->weight, q_conv2d->bias,
+                                        k_conv2d->weight, k_conv2d->bias};
+        torch::Tensor q = c[0].contiguous(), k = c[1].contiguous(), v = c[2].contiguous();
+        torch::Tensor mixed = ops::dit5_mixed_attention(q, k, v, params, heads_, grid, grid, kNatKernel, impl_);
+        return linear(proj, mixed);
+    }
+    void init_linears() override {
+        xavier_linear_(qkv);
+        xavier_linear_(proj);
+    }
+    torch::Tensor w1, w2, qk_scale_ttt, qk_offset_ttt;
+    torch::nn::Linear qkv{nullptr}, proj{nullptr};
+    torch::nn::Conv2d q_conv2d{nullptr}, k_conv2d{nullptr};
+
+private:
+    int64_t heads_;
+    ops::Impl impl_;
+    bool allow_small_grid_;
+};
+
+// ---------------------------------------------------------------- skeleton
+
+class GeluTanhMlp : public torch::nn::Module {
+public:
+    GeluTanhMlp(int64_t dim, int64_t hidden) {
+        fc1 = register_module("fc1", torch::nn::Linear(dim, hidden));
+        fc2 = register_module("fc2", torch::nn::Linear(hidden, dim));
+    }
+    torch::Tensor forward(const torch::Tensor& x) { return linear(fc2, torch::gelu(linear(fc1, x), "tanh")); }
+    torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+class DitBlock : public torch::nn::Module {
+public:
+    DitBlock(const DitConfig& c) : dit3_(c.family == "dit3") {
+        const int64_t C = c.hidden_size;
+        if (dit3_) cpe = register_module("cpe", depthwise3x3(C));
+        if (c.family == "dit")
+            attn = register_module("attn", std::make_shared<SoftmaxMixer>(C, c.num_heads));
+        else if (c.family == "dit3")
+            attn = register_module("attn", std::make_shared<Dit3Mixer>(C, c.num_heads, c.impl));
+        else
+            attn = register_module("attn", std::make_shared<Dit5Mixer>(C, c.num_heads, c.impl, c.nat_small_grid));
+        mlp = register_module("mlp", std::make_shared<GeluTanhMlp>(C, static_cast<int64_t>(C * c.mlp_ratio)));
+        adaLN_modulation = register_module("adaLN_modulation", silu_linear(C, 6 * C));
+    }
+    torch::Tensor forward(torch::Tensor x, const torch::Tensor& cond, int64_t grid) {
+        if (dit3_) {
+            torch::Tensor map = nn::tokens_to_map(x, grid, grid);
+            x = x + nn::map_to_tokens(nn::conv_forward(cpe, map));
+        }
+        std::vector<torch::Tensor> m = adaLN_modulation->forward(cond).chunk(6, 1);
+        x = x + m[2].unsqueeze(1) * attn->forward(modulate(layer_norm_no_affine(x), m[0], m[1]), grid);
+        x = x + m[5].unsqueeze(1) * mlp->forward(modulate(layer_norm_no_affine(x), m[3], m[4]));
+        return x;
+    }
+    torch::nn::Conv2d cpe{nullptr};
+    std::shared_ptr<DitMixer> attn;
+    std::shared_ptr<GeluTanhMlp> mlp;
+    torch::nn::Sequential adaLN_modulation{nullptr};
+
+private:
+    bool dit3_;
+};
+
+class TimestepEmbedder : public torch::nn::Module {
+public:
+    explicit TimestepEmbedder(int64_t C) {
+        mlp = register_module("mlp", torch::nn::Sequential(torch::nn::Linear(256, C), torch::nn::SiLU(),
+                                                           torch::nn::Linear(C, C)));
+    }
+    torch::Tensor forward(const torch::Tensor& t) { return mlp->forward(dit_timestep_embedding(t, 256)); }
+    torch::nn::Sequential mlp{nullptr};
+};
+
+class LabelEmbedder : public torch::nn::Module {
+public:
+    LabelEmbedder(int64_t num_classes, int64_t C, double dropout) : num_classes_(num_classes), dropout_(dropout) {
+        embedding_table = register_module("embedding_table",
+                                          torch::nn::Embedding(num_classes + (dropout > 0 ? 1 : 0), C));
+    }
+    torch::Tensor forward(torch::Tensor y) {
+        if (is_training() && dropout_ > 0) {
+            torch::Tensor drop = torch::rand({y.size(0)}, torch::TensorOptions().device(y.device())) < dropout_;
+            y = torch::where(drop, torch::full_like(y, num_classes_), y);
+        }
+        return embedding_table->forward(y);
+    }
+    torch::nn::Embedding embedding_table{nullptr};
+
+private:
+    int64_t num_classes_;
+    double dropout_;
+};
+
+class FinalLayer : public torch::nn::Module {
+public:
+    FinalLayer(int64_t C, int64_t patch, int64_t out_channels) {
+        linear = register_module("linear", torch::nn::Linear(C, patch * patch * out_channels));
+        adaLN_modulation = register_module("adaLN_modulation", silu_linear(C, 2 * C));
+    }
+    torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cond) {
+        std::vector<torch::Tensor> m = adaLN_modulation->forward(cond).chunk(2, 1);
+        return models::linear(linear, modulate(layer_norm_no_affine(x), m[0], m[1]));
+    }
+    torch::nn::Linear linear{nullptr};
+    torch::nn::Sequential adaLN_modulation{nullptr};
+};
+
+torch::nn::Linear seq_linear(const torch::nn::Sequential& s, size_t index) {
+    return torch::nn::Linear(std::dynamic_pointer_cast<torch::nn::LinearImpl>(s->ptr(index)));
+}
+
+class DitModel : public DiffusionModel {
+public:
+    explicit DitModel(const DitConfig& c) : config_(c) {
+        const std::string& f = c.family;
+        LINVIS_CHECK(f == "dit" || f == "dit3" || f == "dit5", "DiT: unknown family '", f, "' (dit, dit3, dit5)");
+        LINVIS_CHECK(c.patch_size >= 1 && c.input_size >= c.patch_size && c.input_size % c.patch_size == 0, f,
+                     ": option input_size: the latent side ", c.input_size, " is not divisible by the patch size ",
+                     c.patch_size);
+        LINVIS_CHECK(c.num_heads >= 1 && c.hidden_size % c.num_heads == 0, f, ": option hidden_size ", c.hidden_size,
+                     " is not divisible by num_heads ", c.num_heads);
+        LINVIS_CHECK(c.hidden_size % 4 == 0, f, ": option hidden_size must be a multiple of 4 (sin-cos pos_embed), got ",
+                     c.hidden_size);
+        LINVIS_CHECK(c.depth >= 1 && c.in_channels >= 1 && c.num_classes >= 1, f,
+                     ": depth, in_channels and num_classes must be >= 1");
+        grid_ = c.input_size / c.patch_size;
+        const int64_t C = c.hidden_size;
+        x_embedder = register_module("x_embedder", nn::PatchEmbed(c.in_channels, C, c.patch_size));
+        t_embedder = register_module("t_embedder", std::make_shared<TimestepEmbedder>(C));
+        y_embedder = register_module("y_embedder", std::make_shared<LabelEmbedder>(c.num_classes, C, c.class_dropout_prob));
+        pos_embed = register_parameter("pos_embed", torch::zeros({1, grid_ * grid_, C}), /*requires_grad=*/false);
+        blocks = register_module("blocks", torch::nn::ModuleList());
+        for (int64_t i = 0; i < c.depth; ++i) {
+            auto b = std::make_shared<DitBlock>(c);
+            blocks->push_back(b);
+            block_ptrs_.push_back(b);
+        }
+        final_layer = register_module("final_layer", std::make_shared<FinalLayer>(C, c.patch_size, out_channels()));
+        initialize_weights();
+    }
+
+    const DitConfig& config() const override { return config_; }
+
+    void initialize_weights() override {
+        torch::NoGradGuard g;
+        // 1. every Linear: xavier_uniform, bias 0.
+        for (auto& m : modules(/*include_self=*/false))
+            if (auto* l = dynamic_cast<torch::nn::LinearImpl*>(m.get())) {
+                torch::nn::init::xavier_uniform_(l->weight);
+                if (l->bias.defined()) l->bias.zero_();
+            }
+        // 2. pos_embed
+        pos_embed.copy_(dit_pos_embed(config_.hidden_size, grid_).unsqueeze(0));
+        // 3. patch embed as a Linear on its (C, in*p*p) view
+        torch::nn::init::xavier_uniform_(x_embedder->proj->weight.view({x_embedder->proj->weight.size(0), -1}));
+        x_embedder->proj->bias.zero_();
+        // 4.-5.
+        torch::nn::init::normal_(y_embedder->embedding_table->weight, 0.0, 0.02);
+        torch::nn::init::normal_(seq_linear(t_embedder->mlp, 0)->weight, 0.0, 0.02);
+        torch::nn::init::normal_(seq_linear(t_embedder->mlp, 2)->weight, 0.0, 0.02);
+        // 6. zero the adaLN modulations and the output layer
+        for (const auto& b : block_ptrs_) {
+            seq_linear(b->adaLN_modulation, 1)->weight.zero_();
+            seq_linear(b->adaLN_modulation, 1)->bias.zero_();
+        }
+        seq_linear(final_layer->adaLN_modulation, 1)->weight.zero_();
+        seq_linear(final_layer->adaLN_modulation, 1)->bias.zero_();
+        final_layer->linear->weight.zero_();
+        final_layer->linear->bias.zero_();
+    }
+
+    torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) override {
+        check_inputs(x, t, y);
+        const int64_t B = x.size(0), p = config_.patch_size, oc = out_channels();
+        torch::Tensor h = nn::map_to_tokens(x_embedder->forward(x)) + pos_embed;
+        torch::Tensor cond = t_embedder->forward(t) + y_embedder->forward(y);
+        for (const auto& b : block_ptrs_) h = b->forward(h, cond, grid_);
+        h = final_layer->forward(h, cond);  // (B, N, p*p*oc)
+        // unpatchify: channel fastest, (B, G, G, p, p, oc) -> (B, oc, G*p, G*p)
+        return h.reshape({B, grid_, grid_, p, p, oc})
+            .permute({0, 5, 1, 3, 2, 4})
+            .reshape({B, oc, grid_ * p, grid_ * p});
+    }
+
+    nn::PatchEmbed x_embedder{nullptr};
+    std::shared_ptr<TimestepEmbedder> t_embedder;
+    std::shared_ptr<LabelEmbedder> y_embedder;
+    torch::Tensor pos_embed;
+    torch::nn::ModuleList blocks{nullptr};
+    std::shared_ptr<FinalLayer> final_layer;
+
+private:
+    DitConfig config_;
+    int64_t grid_ = 0;
+    std::vector<std::shared_ptr<DitBlock>> block_ptrs_;
+};
+
+struct DitSize {
+    const char* name;
+    int64_t depth, hidden, heads;
+};
+constexpr DitSize kSizes[] = {{"s", 12, 384, 6}, {"b", 12, 768, 12}, {"l", 24, 1024, 16}, {"xl", 28, 1152, 16}};
+
+DiffusionModelPtr make_registered(const ModelConfig& cfg, const std::string& family, const DitSize& size,
+                                  int64_t patch) {
+    DitConfig c;
+    c.family = family;
+    c.patch_size = cfg.get_int("patch_size", patch);
+    c.depth = cfg.get_int("depth", size.depth);
+    c.hidden_size = cfg.get_int("hidden_size", size.hidden);
+    c.num_heads = cfg.get_int("num_heads", size.heads);
+    c.input_size = cfg.get_int("input_size", 32);
+    c.in_channels = cfg.get_int("in_channels", 4);
+    c.num_classes = cfg.get_int("num_classes", 1000);
+    c.learn_sigma = cfg.get_bool("learn_sigma", true);
+    c.class_dropout_prob = cfg.get_double("class_dropout_prob", 0.1);
+    c.mlp_ratio = cfg.get_double("mlp_ratio", 4.0);
+    c.impl = ops::parse_impl(cfg.get_string("impl", "auto"));
+    if (family == "dit5") c.nat_small_grid = cfg.get_bool("nat_small_grid", false);
+    return make_dit(c);
+}
+
+const char* family_title(const std::string& f) {
+    return f == "dit" ? "DiT (softmax, Peebles & Xie 2023)"
+                      : f == "dit3" ? "DiT3 (DiTTT: ViT3's TTT mixer + cpe)" : "DiT5 (0.5 NA + 0.5 TTT-MLP, T5 paper)";
+}
+
+struct Registrations {
+    std::vector<std::unique_ptr<GenerativeModelRegistrar>> all;
+    Registrations() {
+        for (const std::string family : {"dit", "dit3", "dit5"})
+            for (const DitSize& s : kSizes)
+                for (const int64_t p : {2, 4, 8}) {
+                    const std::string name = family + "_" + s.name + std::to_string(p);
+                    const std::string desc = str_cat(family_title(family), " ", s.name, "/", p, ": depth ", s.depth,
+                                                     ", width ", s.hidden, ", ", s.heads, " heads; latent 32x32x4");
+                    all.push_back(std::make_unique<GenerativeModelRegistrar>(
+                        name, family, "diffusion", desc, [family, s, p](const ModelConfig& c) -> std::shared_ptr<Model> {
+                            return make_registered(c, family, s, p);
+                        }));
+                }
+    }
+};
+const Registrations registrations;
+
+}  // namespace
+
+torch::Tensor DiffusionModel::forward_with_cfg(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
+                                               double cfg_scale) {
+    LINVIS_CHECK(x.dim() >= 1 && x.size(0) % 2 == 0, "forward_with_cfg: the batch must be even (conditional half, "
+                                                     "then the null-label half), got ", x.size(0));
+    const int64_t n = x.size(0) / 2;
+    torch::Tensor half = x.narrow(0, 0, n);
+    torch::Tensor out = forward(torch::cat({half, half}, 0), t, y);
+    // The official slice out[:, :3]: channels 0..2 whatever the model's channel count (a 1-channel pixel model
+    // with learned sigma has [eps | v] there, and both are guided, as the official code would).
+    const int64_t guided = std::min<int64_t>(3, out.size(1));
+    torch::Tensor eps = out.narrow(1, 0, guided), rest = out.narrow(1, guided, out.size(1) - guided);
+    torch::Tensor cond = eps.narrow(0, 0, n), uncond = eps.narrow(0, n, n);
+    torch::Tensor g = uncond + cfg_scale * (cond - uncond);
+    return torch::cat({torch::cat({g, g}, 0), rest}, 1);
+}
+
+void DiffusionModel::check_inputs(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) const {
+    const DitConfig& c = config();
+    LINVIS_CHECK(x.defined() && x.dim() == 4 && x.size(1) == c.in_channels && x.size(2) == c.input_size &&
+                     x.size(3) == c.input_size,
+                 c.family, ": x: expected (B, ", c.in_channels, ", ", c.input_size, ", ", c.input_size, "), got ",
+                 x.defined() ? shape_string(x.sizes()) : std::string("undefined"));
+    LINVIS_CHECK(x.is_floating_point(), c.family, ": x must be a floating-point tensor");
+    const int64_t B = x.size(0);
+    LINVIS_CHECK(t.defined() && t.dim() == 1 && t.size(0) == B && !t.is_floating_point(), c.family,
+                 ": t: expected (", B, ",) integer timesteps, got ",
+                 t.defined() ? str_cat(shape_string(t.sizes()), " ", t.dtype()) : std::string("undefined"));
+    LINVIS_CHECK(y.defined() && y.dim() == 1 && y.size(0) == B && !y.is_floating_point(), c.family,
+                 ": y: expected (", B, ",) integer labels, got ",
+                 y.defined() ? str_cat(shape_string(y.sizes()), " ", y.dtype()) : std::string("undefined"));
+    if (B > 0) {
+        const int64_t max_label = has_null_label() ? c.num_classes : c.num_classes - 1;
+        const int64_t lo = y.min().item<int64_t>(), hi = y.max().item<int64_t>();
+        LINVIS_CHECK(lo >= 0 && hi <= max_label, c.family, ": label ", lo < 0 ? lo : hi, " out of range [0, ",
+                     max_label, "] (", c.num_classes, " classes",
+                     has_null_label() ? str_cat(", ", c.num_classes, " = the null label") : std::string(), ")");
+        const int64_t tlo = t.min().item<int64_t>();
+        LINVIS_CHECK(tlo >= 0, c.family, ": timestep ", tlo, " is negative");
+    }
+}
+
+DiffusionModelPtr make_dit(const DitConfig& config) { return std::make_shared<DitModel>(config); }
+
+DiffusionModelPtr create_diffusion_model(const std::string& name, const ModelConfig& config) {
+    const std::string kind = generative_model_kind(name);
+    LINVIS_CHECK(kind.empty() || kind == "diffusion", "model '", name, "' is a ", kind, " model, not a diffusion model");
+    auto model = std::dynamic_pointer_cast<DiffusionModel>(create_generative_model(name, config));
+    LINVIS_CHECK(model != nullptr, "model '", name, "' is not a diffusion model");
+    return model;
+}
+
+int64_t count_diffusion_model_parameters(const std::string& name) {
+    auto one = create_diffusion_model(name, ModelConfig().set("depth", std::string("1")));
+    const int64_t c1 = count_parameters(*one);
+    const int64_t c2 = count_parameters(*create_diffusion_model(name, ModelConfig().set("depth", std::string("2"))));
+    int64_t depth = 0;
+    for (const DitSize& s : kSizes)
+        if (name.size() > 1 && name.substr(name.find('_') + 1, std::string(s.name).size()) == s.name &&
+            std::isdigit(static_cast<unsigned char>(name[name.find('_') + 1 + std::string(s.name).size()])))
+            depth = s.depth;
+    LINVIS_CHECK(depth > 0, "count_diffusion_model_parameters: '", name, "' is not a registered DiT size");
+    return c1 + (depth - 1) * (c2 - c1);
+}
+
+torch::Tensor dit_pos_embed(int64_t hidden_size, int64_t grid_size) {
+    const int64_t half = hidden_size / 2, quarter = half / 2;
+    auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+    torch::Tensor omega = 1.0 / torch::pow(10000.0, torch::arange(quarter, f64) / static_cast<double>(quarter));
+    torch::Tensor pos = torch::arange(grid_size, f64);
+    torch::Tensor out = torch::outer(pos, omega);                       // (G, D'/2)
+    torch::Tensor emb1 = torch::cat({torch::sin(out), torch::cos(out)}, 1);  // (G, half)
+    // token n = i*G + j: first half the column j, second half the row i
+    torch::Tensor col = emb1.unsqueeze(0).expand({grid_size, grid_size, half});
+    torch::Tensor row = emb1.unsqueeze(1).expand({grid_size, grid_size, half});
+    return torch::cat({col, row}, 2).reshape({grid_size * grid_size, hidden_size}).to(torch::kFloat32);
+}
+
+torch::Tensor dit_timestep_embedding(const torch::Tensor& t, int64_t dim) {
+    const int64_t half = dim / 2;
+    auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(t.device());
+    torch::Tensor freqs = torch::exp(-std::log(10000.0) * torch::arange(0, half, f32) / static_cast<double>(half));
+    torch::Tensor args = t.to(torch::kFloat32).unsqueeze(1) * freqs.unsqueeze(0);
+    torch::Tensor emb = torch::cat({torch::cos(args), torch::sin(args)}, -1);
+    if (dim % 2) emb = torch::cat({emb, torch::zeros_like(emb.narrow(1, 0, 1))}, -1);
+    return emb;
+}
+
+bool is_dit5_new_parameter(const std::string& key) {
+    static const char* const kNew[] = {".attn.w1", ".attn.w2", ".attn.qk_scale_ttt", ".attn.qk_offset_ttt",
+                                       ".attn.q_conv2d.weight", ".attn.q_conv2d.bias", ".attn.k_conv2d.weight",
+                                       ".attn.k_conv2d.bias"};
+    if (key.rfind("blocks.", 0) != 0) return false;
+    for (const char* s : kNew) {
+        const std::string suffix(s);
+        if (key.size() >= suffix.size() && key.compare(key.size() - suffix.size(), suffix.size(), suffix) == 0)
+            return true;
+    }
+    return false;
+}
+
+}  // namespace linvis::models

@@ -1,0 +1,56 @@
+// linvis::ops::neighborhood_attention_2d and dit5_mixed_attention: input checks, FLOP count and the choice
+// between the reference and the fused CPU kernel (include/linvis/ops/neighborhood_attention.h).
+#include "linvis/ops/neighborhood_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "linvis/core/error.h"
+#include "linvis/core/flops.h"
+#include "ops/neighborhood_attention/cpu.h"
+#include "ops/neighborhood_attention/reference.h"
+
+namespace linvis::ops {
+
+torch::Tensor neighborhood_attention_2d(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                        int64_t kernel_size, double scale, Impl impl) {
+    const char* op = "neighborhood_attention_2d";
+    LINVIS_CHECK(kernel_size >= 1 && kernel_size % 2 == 1, op, ": kernel_size must be odd and >= 1, got ", kernel_size);
+    LINVIS_CHECK(q.defined() && q.dim() == 5, op, ": q: expected (B, h, H, W, d), got ",
+                 q.defined() ? shape_string(q.sizes()) : std::string("undefined"));
+    LINVIS_CHECK(k.defined() && k.sizes() == q.sizes(), op, ": k: expected shape ", shape_string(q.sizes()), ", got ",
+                 k.defined() ? shape_string(k.sizes()) : std::string("undefined"));
+    LINVIS_CHECK(v.defined() && v.dim() == 5 && v.sizes().slice(0, 4) == q.sizes().slice(0, 4), op,
+                 ": v: expected (B, h, H, W, dv) matching q ", shape_string(q.sizes()), ", got ",
+                 v.defined() ? shape_string(v.sizes()) : std::string("undefined"));
+    const std::string unsupported =
+        !q.device().is_cpu() || !k.device().is_cpu() || !v.device().is_cpu() ? "CPU tensors only, got " + q.device().str()
+        : !q.is_floating_point() ? std::string("floating-point tensors only")
+                                 : std::string();
+    // The kernel has no ISA-specific code. It never materialises the (N, K*K, d) neighbour tensors of the
+    // reference, and it was the faster path in both DiT5 measurements of docs/generation.md.
+    if (use_fused(impl, op, unsupported, /*fused_is_faster=*/true)) {
+        const int64_t kk = std::min(kernel_size, q.size(2)) * std::min(kernel_size, q.size(3));
+        flops::add(q.size(0) * q.size(1) * q.size(2) * q.size(3) * kk * (q.size(4) + v.size(4)));
+        return cpu::neighborhood_attention_2d_fused(q, k, v, kernel_size, scale);
+    }
+    return reference::neighborhood_attention_2d(q, k, v, kernel_size, scale);
+}
+
+torch::Tensor dit5_mixed_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                   const Dit5TttParams& params, int64_t num_heads, int64_t height, int64_t width,
+                                   int64_t kernel_size, Impl impl) {
+    // The TTT branch has no fused kernel (Impl::Fused is an error there); the NA branch follows `impl`.
+    torch::Tensor x_ttt = dit5_ttt_attention(q, k, v, params, num_heads, height, width, impl);
+    const int64_t B = q.size(0), C = q.size(2), d = C / num_heads;
+    auto to_grid = [&](const torch::Tensor& t) {
+        return t.reshape({B, height, width, num_heads, d}).permute({0, 3, 1, 2, 4});
+    };
+    const double scale = std::pow(static_cast<double>(d), -0.5);
+    torch::Tensor x_na = neighborhood_attention_2d(to_grid(q), to_grid(k), to_grid(v), kernel_size, scale, impl);
+    x_na = x_na.permute({0, 2, 3, 1, 4}).reshape({B, height * width, C});
+    return 0.5 * x_na + 0.5 * x_ttt;
+}
+
+}  // namespace linvis::ops

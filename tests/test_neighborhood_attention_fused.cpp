@@ -1,0 +1,114 @@
+// The fused CPU neighbourhood-attention kernel (src/ops/neighborhood_attention/cpu.cpp) against the reference
+// (gathers + softmax with autograd): outputs and the gradients of q, k and v, float32 and float64, clamped
+// windows at every border, windows covering a whole short axis, non-square grids, dv != d; with
+// LINVIS_FORCE_SCALAR=1 and without (the kernel has one portable path; both settings must agree).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+
+#include "linvis/core/error.h"
+#include "linvis/ops/neighborhood_attention.h"
+#include "support/testing.h"
+
+namespace {
+
+using linvis::ops::Impl;
+using linvis::ops::neighborhood_attention_2d;
+using linvis::testing::all_close;
+
+struct Case {
+    int64_t B, h, H, W, d, dv, K;
+};
+
+void compare(const Case& c, torch::ScalarType type, double rtol, double atol) {
+    torch::manual_seed(c.B * 100 + c.H * 10 + c.W + c.K);
+    auto opts = torch::TensorOptions().dtype(type);
+    torch::Tensor q0 = torch::randn({c.B, c.h, c.H, c.W, c.d}, opts), k0 = torch::randn({c.B, c.h, c.H, c.W, c.d}, opts);
+    torch::Tensor v0 = torch::randn({c.B, c.h, c.H, c.W, c.dv}, opts);
+    torch::Tensor probe = torch::randn({c.B, c.h, c.H, c.W, c.dv}, opts);
+    const double scale = std::pow(static_cast<double>(c.d), -0.5);
+    std::vector<torch::Tensor> outs, grads;
+    for (const Impl impl : {Impl::Reference, Impl::Fused}) {
+        torch::Tensor q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(), v = v0.clone().requires_grad_();
+        torch::Tensor o = neighborhood_attention_2d(q, k, v, c.K, scale, impl);
+        (o * probe).sum().backward();
+        outs.push_back(o.detach());
+        grads.push_back(q.grad());
+        grads.push_back(k.grad());
+        grads.push_back(v.grad());
+    }
+    const std::string where = "B" + std::to_string(c.B) + " H" + std::to_string(c.H) + " W" + std::to_string(c.W) +
+                              " K" + std::to_string(c.K) + " " + std::string(c10::toString(type));
+    EXPECT_TRUE(all_close(outs[1], outs[0], rtol, atol)) << "out " << where;
+    const char* names[] = {"dq", "dk", "dv"};
+    for (int i = 0; i < 3; ++i) EXPECT_TRUE(all_close(grads[3 + i], grads[i], rtol, atol)) << names[i] << " " << where;
+}
+
+const Case kCases[] = {
+    {2, 3, 8, 8, 16, 16, 5},   // DiT5's kernel on a small grid: every query near a border
+    {1, 2, 16, 16, 32, 32, 5}, // interior queries too
+    {1, 2, 7, 11, 8, 12, 5},   // non-square, dv != d
+    {2, 1, 5, 5, 4, 4, 5},     // the window is the whole grid (G = K)
+    {1, 2, 3, 9, 6, 6, 5},     // K > H on one axis: that axis is covered whole
+    {1, 1, 6, 6, 4, 5, 3},
+    {1, 2, 9, 9, 8, 8, 7},
+};
+
+void run_all_cases() {
+    for (const Case& c : kCases) {
+        compare(c, torch::kFloat64, 1e-10, 1e-12);
+        compare(c, torch::kFloat32, 1e-4, 1e-5);
+    }
+}
+
+TEST(NeighborhoodAttentionFused, MatchesReferenceForwardAndGradients) { run_all_cases(); }
+
+TEST(NeighborhoodAttentionFused, MatchesReferenceWithForcedScalar) {
+    const char* old = std::getenv("LINVIS_FORCE_SCALAR");
+    const std::string saved = old ? old : "";
+    setenv("LINVIS_FORCE_SCALAR", "1", 1);
+    run_all_cases();
+    if (old) setenv("LINVIS_FORCE_SCALAR", saved.c_str(), 1);
+    else unsetenv("LINVIS_FORCE_SCALAR");
+}
+
+TEST(NeighborhoodAttentionFused, Bfloat16ComputedInFloat32) {
+    auto opts = torch::TensorOptions().dtype(torch::kBFloat16);
+    torch::Tensor q = torch::randn({1, 2, 8, 8, 16}, opts), k = torch::randn({1, 2, 8, 8, 16}, opts),
+                  v = torch::randn({1, 2, 8, 8, 16}, opts);
+    torch::Tensor fused = neighborhood_attention_2d(q, k, v, 5, 0.25, Impl::Fused);
+    EXPECT_EQ(fused.scalar_type(), torch::kBFloat16);
+    torch::Tensor ref = neighborhood_attention_2d(q.to(torch::kFloat32), k.to(torch::kFloat32), v.to(torch::kFloat32), 5,
+                                                  0.25, Impl::Reference);
+    EXPECT_TRUE(all_close(fused.to(torch::kFloat32), ref, 2e-2, 2e-2));
+}
+
+// Neighbour order ky*5 + kx and the clamped start: with v = one-hot of the key position and q = 0
+// (uniform weights over the window), the output says which keys were used.
+TEST(NeighborhoodAttentionFused, ClampedWindowsCoverTheNattenNeighbours) {
+    const int64_t G = 7, N = G * G;
+    torch::Tensor q = torch::zeros({1, 1, G, G, 2}, torch::kFloat64), k = torch::randn({1, 1, G, G, 2}, torch::kFloat64);
+    torch::Tensor v = torch::eye(N, torch::kFloat64).view({1, 1, G, G, N});
+    torch::Tensor out = neighborhood_attention_2d(q, k, v, 5, 1.0, Impl::Fused).view({N, N});
+    for (int64_t y = 0; y < G; ++y)
+        for (int64_t x = 0; x < G; ++x) {
+            const int64_t sy = std::min(std::max<int64_t>(y - 2, 0), G - 5), sx = std::min(std::max<int64_t>(x - 2, 0), G - 5);
+            for (int64_t m = 0; m < N; ++m) {
+                const int64_t my = m / G, mx = m % G;
+                const bool inside = my >= sy && my < sy + 5 && mx >= sx && mx < sx + 5;
+                EXPECT_NEAR(out[y * G + x][m].item<double>(), inside ? 1.0 / 25 : 0.0, 1e-12) << y << "," << x << " key " << m;
+            }
+        }
+}
+
+TEST(NeighborhoodAttentionFused, BadInput) {
+    torch::Tensor q = torch::randn({1, 1, 6, 6, 4});
+    EXPECT_THROW(neighborhood_attention_2d(q, torch::randn({1, 1, 6, 5, 4}), q, 5, 1.0, Impl::Fused), linvis::Error);
+    EXPECT_THROW(neighborhood_attention_2d(q, q, q, 4, 1.0, Impl::Fused), linvis::Error);
+    EXPECT_THROW(neighborhood_attention_2d(q.to(torch::kInt64), q.to(torch::kInt64), q.to(torch::kInt64), 5, 1.0,
+                                           Impl::Fused),
+                 linvis::Error);
+}
+
+}  // namespace
