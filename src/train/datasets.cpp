@@ -266,13 +266,15 @@ ImageFolder::ImageFolder(const std::string& root) : root_(root) {
             const fs::path class_dir = fs::path(root) / class_names_[label];
             std::vector<std::string> files;
             // Symbolic links to directories are followed, but each directory (device, inode) is
-            // entered once, so a link loop (a/x -> ..) cannot make the scan recurse or blow up.
+            // entered once and the root never, so a link loop (a/x -> ..) cannot make the scan
+            // recurse or blow up.
             std::set<std::pair<uint64_t, uint64_t>> entered;
             auto first_visit = [&entered](const fs::path& dir) {
                 struct stat st;
                 if (::stat(dir.c_str(), &st) != 0) return false;
                 return entered.insert({uint64_t(st.st_dev), uint64_t(st.st_ino)}).second;
             };
+            first_visit(root);  // a link back up to the root would list every class again
             first_visit(class_dir);
             for (auto it = fs::recursive_directory_iterator(class_dir, fs::directory_options::follow_directory_symlink);
                  it != fs::recursive_directory_iterator(); ++it) {
