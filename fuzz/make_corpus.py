@@ -113,8 +113,8 @@ def pth():
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "evil.pth")
         with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
-            z.writestr("archive/data.pkl", small["refused_global.pkl"])
-            z.writestr("archive/version", b"3\n")
+            for name, data in (("archive/data.pkl", small["refused_global.pkl"]), ("archive/version", b"3\n")):
+                z.writestr(zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0)), data)
         with open(path, "rb") as f:
             put("pth", "file_refused_global.pth", b"\x00" + f.read())
 
@@ -165,8 +165,12 @@ def folder_seeds():
 
 
 if __name__ == "__main__":
+    # Generated seeds are rewritten; regression_* files (inputs of fixed findings) are kept.
     for target in ("pth", "image", "idx", "cifar", "image_folder"):
-        shutil.rmtree(os.path.join(CORPUS, target), ignore_errors=True)
+        d = os.path.join(CORPUS, target)
+        for name in os.listdir(d) if os.path.isdir(d) else []:
+            if not name.startswith("regression_"):
+                os.remove(os.path.join(d, name))
     for name, data in images().items():
         put("image", name, data)
     pth()

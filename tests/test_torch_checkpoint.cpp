@@ -883,6 +883,31 @@ TEST(TorchCheckpoint, GlobalOutsideTheAllowListIsRefusedNamingIt) {
         EXPECT_TRUE(linvis::io::pickle_global_allowed(m, n)) << m << "." << n;
 }
 
+// Found by fuzz_pth: a zip record whose central-directory entry declares 4 GB made LibTorch's
+// reader allocate 4 GB before reading it. Declared sizes are now checked against the file first.
+TEST(TorchCheckpoint, ZipRecordDeclaringMoreThanTheFileCanHoldIsRefused) {
+    CheckpointWriter w;
+    w.p.proto(2);
+    w.state_dict(sample_state_dict(22));
+    w.p.stop();
+    const std::string path = temp_path("huge_record.pth");
+    w.save(path);
+    std::string bytes = read_bytes(path);
+    // the central-directory entry of data.pkl: signature PK\1\2, uncompressed size at +24
+    size_t at = std::string::npos;
+    for (size_t i = bytes.find("PK\x01\x02"); i != std::string::npos; i = bytes.find("PK\x01\x02", i + 4)) {
+        const size_t name_len = static_cast<uint8_t>(bytes[i + 28]) | (static_cast<uint8_t>(bytes[i + 29]) << 8);
+        const std::string name = bytes.substr(i + 46, name_len);
+        if (name.size() >= 8 && name.compare(name.size() - 8, 8, "data.pkl") == 0) at = i;
+    }
+    ASSERT_NE(at, std::string::npos);
+    bytes.replace(at + 24, 4, std::string("\x00\x00\x00\xf0", 4));  // 0xf0000000 = 4026531840 bytes
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+    const std::string msg = expect_error([&] { linvis::io::read_torch_checkpoint(path); });
+    EXPECT_NE(msg.find("data.pkl' declares 4026531840 bytes, impossible in a file of"), std::string::npos) << msg;
+    std::remove(path.c_str());
+}
+
 TEST(TorchCheckpoint, CorruptedPicklesNeverCrash) {
     // Every single-byte corruption and every truncation of a real data.pkl either parses or
     // throws linvis::Error; nothing else escapes.

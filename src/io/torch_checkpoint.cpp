@@ -989,6 +989,78 @@ namespace {
 const std::string kLegacyMagic("\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19", 10);
 constexpr int64_t kLegacyProtocolVersion = 1001;
 
+// Largest uncompressed size any record of the zip at `path` declares in the central directory.
+// LibTorch's reader allocates a record's declared size before reading it, so a forged size
+// (found by fuzz_pth: 4 GB declared in a 3.5 KB file) must be refused first. The directory is
+// walked the way miniz does (end-of-directory record searched from the end, zip64 included);
+// anything inconsistent is refused too.
+uint64_t largest_zip_record(const std::string& path, std::ifstream& in, uint64_t file_size, std::string* which) {
+    auto read_at = [&](uint64_t offset, size_t n) {
+        LINVIS_CHECK(offset <= file_size && n <= file_size - offset, path, ": zip structure at offset ", offset,
+                     " (", n, " bytes) lies beyond the end of the file (", file_size, " bytes)");
+        std::string b(n, '\0');
+        in.clear();
+        in.seekg(static_cast<std::streamoff>(offset));
+        in.read(b.data(), static_cast<std::streamsize>(n));
+        LINVIS_CHECK(static_cast<size_t>(in.gcount()) == n, path, ": cannot read ", n, " bytes at offset ", offset);
+        return b;
+    };
+    auto le = [](const std::string& b, size_t at, int n) {
+        uint64_t v = 0;
+        for (int i = 0; i < n; ++i) v |= uint64_t(static_cast<uint8_t>(b[at + static_cast<size_t>(i)])) << (8 * i);
+        return v;
+    };
+    const uint64_t tail_size = std::min<uint64_t>(file_size, 22 + 65535);
+    const std::string tail = read_at(file_size - tail_size, static_cast<size_t>(tail_size));
+    size_t eocd = std::string::npos;
+    for (size_t i = tail.size() >= 22 ? tail.size() - 22 + 1 : 0; i-- > 0;)
+        if (le(tail, i, 4) == 0x06054b50) {
+            eocd = i;
+            break;
+        }
+    LINVIS_CHECK(eocd != std::string::npos, path, ": cannot read the zip archive: no end-of-central-directory record");
+    uint64_t entries = le(tail, eocd + 10, 2), cd_size = le(tail, eocd + 12, 4), cd_offset = le(tail, eocd + 16, 4);
+    if (entries == 0xffff || cd_size == 0xffffffff || cd_offset == 0xffffffff) {  // zip64
+        const uint64_t eocd_pos = file_size - tail_size + eocd;
+        LINVIS_CHECK(eocd_pos >= 20, path, ": cannot read the zip archive: zip64 locator missing");
+        const std::string locator = read_at(eocd_pos - 20, 20);
+        LINVIS_CHECK(le(locator, 0, 4) == 0x07064b50, path, ": cannot read the zip archive: zip64 locator missing");
+        const std::string record = read_at(le(locator, 8, 8), 56);
+        LINVIS_CHECK(le(record, 0, 4) == 0x06064b50, path, ": cannot read the zip archive: bad zip64 end record");
+        entries = le(record, 32, 8);
+        cd_size = le(record, 40, 8);
+        cd_offset = le(record, 48, 8);
+    }
+    const std::string cd = read_at(cd_offset, static_cast<size_t>(std::min<uint64_t>(cd_size, file_size)));
+    uint64_t largest = 0;
+    size_t at = 0;
+    for (uint64_t e = 0; e < entries; ++e) {
+        LINVIS_CHECK(cd.size() >= 46 && at <= cd.size() - 46 && le(cd, at, 4) == 0x02014b50, path,
+                     ": cannot read the zip archive: central directory entry ", e, " is malformed");
+        uint64_t uncompressed = le(cd, at + 24, 4);
+        const size_t name_len = le(cd, at + 28, 2), extra_len = le(cd, at + 30, 2), comment_len = le(cd, at + 32, 2);
+        LINVIS_CHECK(name_len + extra_len + comment_len <= cd.size() - at - 46, path,
+                     ": cannot read the zip archive: central directory entry ", e, " is truncated");
+        const std::string name = cd.substr(at + 46, name_len);
+        if (uncompressed == 0xffffffff) {  // the real size is in the zip64 extra field
+            size_t x = at + 46 + name_len;
+            const size_t end = x + extra_len;
+            while (x + 4 <= end) {
+                const uint64_t id = le(cd, x, 2), len = le(cd, x + 2, 2);
+                if (x + 4 + len > end) break;
+                if (id == 0x0001 && len >= 8) uncompressed = le(cd, x + 4, 8);
+                x += 4 + len;
+            }
+        }
+        if (uncompressed >= largest) {
+            largest = uncompressed;
+            *which = name;
+        }
+        at += 46 + name_len + extra_len + comment_len;
+    }
+    return largest;
+}
+
 CheckpointContents read_legacy_checkpoint(const std::string& path, const std::string& bytes) {
     // A named std::function: the Unpickler keeps a reference to it.
     const std::function<torch::Tensor(const std::string&)> no_storage = [&path](const std::string& key) -> torch::Tensor {
@@ -1127,6 +1199,15 @@ CheckpointContents read_torch_checkpoint(const std::string& path) {
             LINVIS_CHECK(in.gcount() == size, path, ": read ", in.gcount(), " of ", size, " bytes");
             return read_legacy_checkpoint(path, bytes);
         }
+        in.clear();
+        in.seekg(0, std::ios::end);
+        const auto size = static_cast<uint64_t>(in.tellg());
+        // A record cannot inflate to more than 1032 times its compressed bytes (deflate's limit),
+        // and torch.save stores its records uncompressed.
+        std::string record;
+        const uint64_t largest = largest_zip_record(path, in, size, &record);
+        LINVIS_CHECK(largest <= size * 1032 + 65536, path, ": zip record '", record, "' declares ", largest,
+                     " bytes, impossible in a file of ", size, " bytes");
     }
     CheckpointContents contents;
     contents.path = path;
