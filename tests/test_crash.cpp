@@ -76,27 +76,36 @@ std::vector<std::string> train_args(const fs::path& data, const fs::path& out, b
 }
 
 Child launch(const std::vector<std::string>& args, const fs::path& log, const Launch& how = {}) {
+    // Everything the child needs is prepared before fork(): between fork and exec it only calls
+    // async-signal-safe functions (the test process has LibTorch's threads).
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) {
+        const std::string entry = *e;
+        if (entry.rfind("LINVIS_TEST_STOP_AT=", 0) != 0 && entry.rfind("OMP_NUM_THREADS=", 0) != 0) env.push_back(entry);
+    }
+    env.push_back("OMP_NUM_THREADS=1");
+    if (!how.stop_at.empty()) env.push_back("LINVIS_TEST_STOP_AT=" + how.stop_at);
+    std::vector<char*> envp, argv;
+    for (auto& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    const std::string log_path = log.string();
+    struct rlimit limit = {how.file_size_limit, how.file_size_limit};
     Child child;
     child.log = log;
     child.pid = ::fork();
     if (child.pid == 0) {
-        const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        const int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
         if (fd >= 0) {
             ::dup2(fd, 1);
             ::dup2(fd, 2);
         }
-        ::setenv("OMP_NUM_THREADS", "1", 1);
-        if (!how.stop_at.empty()) ::setenv("LINVIS_TEST_STOP_AT", how.stop_at.c_str(), 1);
-        else ::unsetenv("LINVIS_TEST_STOP_AT");
         if (how.file_size_limit > 0) {
             ::signal(SIGXFSZ, SIG_IGN);  // write() then fails with EFBIG instead of killing the process
-            struct rlimit limit = {how.file_size_limit, how.file_size_limit};
             ::setrlimit(RLIMIT_FSIZE, &limit);
         }
-        std::vector<char*> argv;
-        for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-        argv.push_back(nullptr);
-        ::execv(argv[0], argv.data());
+        ::execve(argv[0], argv.data(), envp.data());
         ::_exit(127);
     }
     return child;
