@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds linvis (incrementally) and runs the test suite.
-#   ./test.sh        unit tests and a short bounded fuzz run of the safetensors reader (what CI runs)
-# LINVIS_FUZZ_SECONDS sets the fuzz run's length (default 60; 0 replays the seed corpus only).
+#   ./test.sh        unit tests and a short bounded fuzz run of every file reader (what CI runs)
+# LINVIS_FUZZ_SECONDS sets the fuzz run's total length, split evenly over the six libFuzzer targets
+# (default 60, i.e. 10 s each; 0 replays the seed corpora only).
 set -euo pipefail
 cd "$(dirname "$0")"
 ./scripts/build.sh

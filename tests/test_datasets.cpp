@@ -222,6 +222,27 @@ TEST(Datasets, Cifar100UsesFineLabels) {
 
 // ------------------------------------------------------------------ ImageFolder
 
+// Symbolic links are followed, but a loop (found by fuzz_image_folder's seeds) neither recurses
+// until ELOOP (a std::filesystem_error escaped) nor multiplies the samples: each directory is
+// entered once, the root never.
+TEST(Datasets, ImageFolderSymlinkLoopsAreEnteredOnce) {
+    TempDir dir;
+    fs::create_directories(dir.file("a"));
+    fs::create_directories(dir.file("b/deep"));
+    linvis::io::write_image(dir.file("a/one.png"), linvis::io::demo_image(8, 8));
+    linvis::io::write_image(dir.file("b/two.png"), linvis::io::demo_image(8, 8));
+    fs::create_directory_symlink("..", dir.file("a/up"));
+    fs::create_directory_symlink(".", dir.file("a/self"));
+    fs::create_directory_symlink(".", dir.file("a/self2"));
+    fs::create_directory_symlink("../..", dir.file("b/deep/root"));
+    fs::create_directory_symlink("../b", dir.file("a/other"));  // another class's files, reached once
+    ImageFolder folder(dir.path.string());
+    EXPECT_EQ(folder.class_names(), (std::vector<std::string>{"a", "b"}));
+    std::vector<std::pair<std::string, int64_t>> want = {
+        {dir.file("a/one.png"), 0}, {dir.file("a/other/two.png"), 0}, {dir.file("b/two.png"), 1}};
+    EXPECT_EQ(folder.samples(), want);
+}
+
 TEST(Datasets, ImageFolderSortsClassesAndSkipsCorruptImages) {
     TempDir dir;
     fs::create_directories(dir.file("zebra"));

@@ -728,15 +728,20 @@ TEST(TorchCheckpoint, StackUnderflowHugeLengthsAndBadViewsAreErrors) {
     std::remove(path.c_str());
 }
 
-TEST(TorchCheckpoint, NotAZipLegacyFormatAndMissingFileAreErrors) {
+TEST(TorchCheckpoint, NotAZipNorLegacyAndMissingFileAreErrors) {
     const std::string text = temp_path("text.pth");
     std::ofstream(text) << "hello";
     EXPECT_NE(expect_error([&] { linvis::io::read_torch_checkpoint(text); }).find("not a zip archive"),
               std::string::npos);
-    const std::string legacy = temp_path("legacy.pth");
+    const std::string legacy = temp_path("legacy.pth");  // the legacy magic pickle, cut short
     std::ofstream(legacy, std::ios::binary) << std::string("\x80\x02\x8a\x0a", 4);
     EXPECT_NE(expect_error([&] { linvis::io::read_torch_checkpoint(legacy); }).find("legacy (pre-1.6)"),
               std::string::npos);
+    const std::string other_int = temp_path("int.pth");  // a pickle, but not the magic number
+    std::ofstream(other_int, std::ios::binary) << std::string("\x80\x02K\x07.", 5);
+    const std::string msg = expect_error([&] { linvis::io::read_torch_checkpoint(other_int); });
+    EXPECT_NE(msg.find("expected the magic number 0x1950a86a20f9469cfc6c"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("int 7"), std::string::npos) << msg;
     const std::string broken = temp_path("broken.pth");
     std::ofstream(broken, std::ios::binary) << std::string("PK\x03\x04garbage", 11);
     EXPECT_NE(expect_error([&] { linvis::io::read_torch_checkpoint(broken); }).find("cannot read the zip archive"),
@@ -745,7 +750,162 @@ TEST(TorchCheckpoint, NotAZipLegacyFormatAndMissingFileAreErrors) {
               std::string::npos);
     std::remove(text.c_str());
     std::remove(legacy.c_str());
+    std::remove(other_int.c_str());
     std::remove(broken.c_str());
+}
+
+namespace {
+std::string legacy_fixture() { return std::string(LINVIS_TEST_DATA_DIR) + "/torch_checkpoints/legacy.pt"; }
+
+std::string read_bytes(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+}  // namespace
+
+// tests/data/torch_checkpoints/legacy.pt is written by make_legacy.py (CPython's pickler, the
+// layout of torch.save(..., _use_new_zipfile_serialization=False)); its values are re-created here.
+TEST(TorchCheckpoint, LegacyFormatReadsTensorsViewsAndConfig) {
+    const auto contents = linvis::io::read_torch_checkpoint(legacy_fixture());
+    EXPECT_EQ(contents.format_version, 1001);
+    EXPECT_EQ(contents.byteorder, "little");
+    EXPECT_EQ(contents.num_storages, 5);
+    EXPECT_TRUE(contents.records.empty());
+    const Value& root = *contents.root;
+    ASSERT_TRUE(root.is_dict_like());
+    ASSERT_NE(root.find("epoch"), nullptr);
+    EXPECT_EQ(root.find("epoch")->integer, 7);
+    const Value* args = root.find("args");
+    ASSERT_NE(args, nullptr);
+    EXPECT_EQ(args->class_name, "argparse.Namespace");
+    ASSERT_NE(args->attribute("model"), nullptr);
+    EXPECT_EQ(args->attribute("model")->text, "deit_tiny");
+
+    std::string chosen;
+    const auto sd = linvis::io::extract_state_dict(contents, false, &chosen);
+    EXPECT_EQ(chosen, "model");
+    ASSERT_EQ(sd.size(), 6u);
+    auto ramp = [](int64_t n, double step, double start, torch::ScalarType dtype) {
+        return (torch::arange(n, torch::kFloat64) * step + start).to(dtype);
+    };
+    EXPECT_TRUE(same_tensor(sd.at("a.weight"), ramp(6, 0.5, -3, torch::kFloat32).view({2, 3})));
+    EXPECT_TRUE(same_tensor(sd.at("a.bias"), ramp(3, 0.5, -2, torch::kFloat64)));
+    EXPECT_TRUE(same_tensor(sd.at("half"), ramp(4, 0.25, -1, torch::kFloat16)));
+    EXPECT_TRUE(same_tensor(sd.at("steps"), torch::tensor(int64_t{1234})));
+    // the transpose shares a.weight's storage, like torch.load
+    EXPECT_TRUE(same_tensor(sd.at("a_t"), sd.at("a.weight").t()));
+    EXPECT_EQ(sd.at("a_t").data_ptr(), sd.at("a.weight").data_ptr());
+    EXPECT_EQ(sd.at("a_t").strides(), (std::vector<int64_t>{1, 3}));
+    // a tensor on a storage view: elements 4..5 of a 6-element root storage
+    EXPECT_TRUE(same_tensor(sd.at("tail"), torch::tensor({0.0f, 0.5f})));
+}
+
+TEST(TorchCheckpoint, LegacyFormatEveryTruncationOrCorruptCountIsAnError) {
+    const std::string good = read_bytes(legacy_fixture());
+    ASSERT_GT(good.size(), 900u);
+    const std::string path = temp_path("legacy_cut.pt");
+    // Every proper prefix (including cuts inside the storage bytes after the pickles) is refused:
+    // nothing is returned half-read.
+    for (size_t cut = 1; cut < good.size(); cut += (cut < 880 ? 7 : 1)) {
+        std::ofstream(path, std::ios::binary | std::ios::trunc) << good.substr(0, cut);
+        const std::string msg = expect_error([&] { linvis::io::read_torch_checkpoint(path); });
+        EXPECT_NE(msg.find(path), std::string::npos) << "cut " << cut << ": " << msg;
+    }
+    // An element count that disagrees with the object pickle's numel.
+    const size_t count_at = good.size() - 8 * 5 - (6 * 4 + 3 * 8 + 4 * 2 + 8 + 6 * 4);
+    std::string bad = good;
+    ASSERT_EQ(bad[count_at], '\x06');  // storage 0: 6 float32 elements
+    bad[count_at] = '\x05';
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bad;
+    const std::string msg = expect_error([&] { linvis::io::read_torch_checkpoint(path); });
+    EXPECT_NE(msg.find("storage '0' holds 5 elements, the object pickle says 6"), std::string::npos) << msg;
+    std::remove(path.c_str());
+}
+
+// A pickle that names a global outside the allow-list is refused, naming the global, in the zip
+// format and the legacy one, however the global is named (GLOBAL, STACK_GLOBAL, INST), even when
+// the rest of the file is a valid checkpoint.
+TEST(TorchCheckpoint, GlobalOutsideTheAllowListIsRefusedNamingIt) {
+    struct Case {
+        std::string module, name;
+        char how;  // 'c' GLOBAL, 's' STACK_GLOBAL, 'i' INST
+    };
+    const std::vector<Case> cases = {{"posix", "system", 'c'},          {"os", "system", 's'},
+                                     {"builtins", "eval", 'c'},         {"subprocess", "Popen", 'i'},
+                                     {"__main__", "Exploit", 's'},      {"torch", "load", 'c'},
+                                     {"torch._utils", "_rebuild_evil", 'c'}};
+    for (const auto& c : cases) {
+        CheckpointWriter w;
+        auto& p = w.p;
+        p.proto(2);
+        p.empty_dict();
+        p.mark();
+        p.str("model");
+        w.state_dict(sample_state_dict(21));  // valid weights first: refusal must not return them
+        p.str("payload");
+        if (c.how == 'c') {
+            p.global(c.module, c.name).str("echo pwned").tuple_n(1).reduce();
+        } else if (c.how == 's') {
+            p.stack_global(c.module, c.name).str("echo pwned").tuple_n(1).reduce();
+        } else {
+            p.mark().str("echo pwned").op('i').raw(c.module + "\n" + c.name + "\n");
+        }
+        p.setitems();
+        p.stop();
+        const std::string path = temp_path("evil.pth");
+        w.save(path);
+        const std::string full = c.module + "." + c.name;
+        std::string msg = expect_error([&] { linvis::io::read_torch_checkpoint(path); });
+        EXPECT_NE(msg.find("refusing global '" + full + "'"), std::string::npos) << msg;
+        EXPECT_NE(msg.find(path), std::string::npos) << msg;
+        EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+        EXPECT_FALSE(linvis::io::pickle_global_allowed(c.module, c.name)) << full;
+        std::remove(path.c_str());
+    }
+    // Legacy format: the object pickle of legacy.pt with its argparse.Namespace renamed to posix.system
+    // (same length, so the rest of the file stays valid).
+    std::string legacy = read_bytes(legacy_fixture());
+    const std::string from = "argparse\nNamespace\n", to = "posixxxx\nsystem___\n";
+    const size_t at = legacy.find(from);
+    ASSERT_NE(at, std::string::npos);
+    legacy.replace(at, from.size(), to);
+    const std::string path = temp_path("evil_legacy.pt");
+    std::ofstream(path, std::ios::binary) << legacy;
+    const std::string msg = expect_error([&] { linvis::io::read_torch_checkpoint(path); });
+    EXPECT_NE(msg.find("refusing global 'posixxxx.system___'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("legacy object pickle"), std::string::npos) << msg;
+    std::remove(path.c_str());
+    // What official checkpoints name stays allowed.
+    for (const auto& [m, n] : std::vector<std::pair<std::string, std::string>>{
+             {"torch._utils", "_rebuild_tensor_v2"}, {"torch", "FloatStorage"}, {"torch.cuda", "HalfStorage"},
+             {"torch", "bfloat16"}, {"collections", "OrderedDict"}, {"argparse", "Namespace"},
+             {"yacs.config", "CfgNode"}, {"numpy.core.multiarray", "scalar"}, {"_codecs", "encode"}})
+        EXPECT_TRUE(linvis::io::pickle_global_allowed(m, n)) << m << "." << n;
+}
+
+// Found by fuzz_pth: a zip record whose central-directory entry declares 4 GB made LibTorch's
+// reader allocate 4 GB before reading it. Declared sizes are now checked against the file first.
+TEST(TorchCheckpoint, ZipRecordDeclaringMoreThanTheFileCanHoldIsRefused) {
+    CheckpointWriter w;
+    w.p.proto(2);
+    w.state_dict(sample_state_dict(22));
+    w.p.stop();
+    const std::string path = temp_path("huge_record.pth");
+    w.save(path);
+    std::string bytes = read_bytes(path);
+    // the central-directory entry of data.pkl: signature PK\1\2, uncompressed size at +24
+    size_t at = std::string::npos;
+    for (size_t i = bytes.find("PK\x01\x02"); i != std::string::npos; i = bytes.find("PK\x01\x02", i + 4)) {
+        const size_t name_len = static_cast<uint8_t>(bytes[i + 28]) | (static_cast<uint8_t>(bytes[i + 29]) << 8);
+        const std::string name = bytes.substr(i + 46, name_len);
+        if (name.size() >= 8 && name.compare(name.size() - 8, 8, "data.pkl") == 0) at = i;
+    }
+    ASSERT_NE(at, std::string::npos);
+    bytes.replace(at + 24, 4, std::string("\x00\x00\x00\xf0", 4));  // 0xf0000000 = 4026531840 bytes
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+    const std::string msg = expect_error([&] { linvis::io::read_torch_checkpoint(path); });
+    EXPECT_NE(msg.find("data.pkl' declares 4026531840 bytes, impossible in a file of"), std::string::npos) << msg;
+    std::remove(path.c_str());
 }
 
 TEST(TorchCheckpoint, CorruptedPicklesNeverCrash) {

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "linvis/core/error.h"
+#include "linvis/core/test_hooks.h"
 
 namespace linvis::io {
 namespace {
@@ -47,6 +48,11 @@ public:
     }
 
     const std::string& path() const { return path_; }
+    const std::string& target() const { return target_; }
+    std::string base_name() const {
+        const size_t slash = target_.find_last_of('/');
+        return target_.substr(slash == std::string::npos ? 0 : slash + 1);
+    }
 
     void write(const void* data, size_t size) {
         const char* bytes = static_cast<const char*>(data);
@@ -77,6 +83,7 @@ public:
         const int fd = fd_;
         fd_ = -1;
         LINVIS_CHECK(::close(fd) == 0, target_, ": close failed: ", errno_text(errno));
+        test_stop_point("atomic-write-rename:" + base_name());
         LINVIS_CHECK(::rename(path_.c_str(), target_.c_str()) == 0, target_, ": cannot rename ", path_,
                      " over it: ", errno_text(errno));
         committed_ = true;
@@ -98,6 +105,7 @@ private:
 
 void write_file_atomically(const std::string& path, const std::function<void(const ByteSink& sink)>& produce) {
     TempFile temp(path);
+    test_stop_point("atomic-write-begin:" + temp.base_name());
     produce([&](const void* data, size_t size) { temp.write(data, size); });
     temp.commit();
 }
@@ -109,6 +117,7 @@ void write_file_atomically(const std::string& path, std::string_view bytes) {
 void write_file_atomically_via(const std::string& path, const std::function<void(const std::string& temp_path)>& write) {
     TempFile temp(path);
     temp.release();
+    test_stop_point("atomic-write-begin:" + temp.base_name());
     write(temp.path());
     temp.commit();
 }

@@ -18,7 +18,7 @@ std::vector<uint8_t> read_gzip_file(const std::string& path) {
     gzFile file = gzopen(path.c_str(), "rb");
     LINVIS_CHECK(file != nullptr, path, ": cannot open: ", std::strerror(errno));
     std::vector<uint8_t> out;
-    std::vector<uint8_t> buffer(1 << 20);
+    std::vector<uint8_t> buffer(size_t{1} << 16);
     int got = 0;
     while ((got = gzread(file, buffer.data(), unsigned(buffer.size()))) > 0)
         out.insert(out.end(), buffer.begin(), buffer.begin() + got);

@@ -248,8 +248,24 @@ const char* opcode_name(uint8_t op) {
 class Unpickler {
 public:
     Unpickler(const std::string& data, const std::function<torch::Tensor(const std::string&)>& load_storage,
-              const std::string& source)
-        : data_(data), load_storage_(load_storage), source_(source) {}
+              const std::string& source, size_t start = 0, const char* what = "data.pkl")
+        : data_(data), load_storage_(load_storage), source_(source), what_(what), pos_(start) {}
+
+    // Legacy (pre-1.6) mode: persistent ids carry (storage_type, root_key, location, numel,
+    // view_metadata) and the storages are allocated here, zero-filled, and filled by the caller
+    // from the bytes that follow the pickles (legacy_storages()). `byte_budget` bounds the
+    // allocation by what the file can hold.
+    void set_legacy(size_t byte_budget) {
+        legacy_ = true;
+        legacy_budget_ = byte_budget;
+    }
+    struct LegacyStorage {
+        torch::Tensor bytes;  // uint8, the root storage
+        int64_t element_size = 1;
+    };
+    const std::map<std::string, LegacyStorage>& legacy_storages() const { return legacy_roots_; }
+    // Offset just after the STOP opcode of the pickle run() read.
+    size_t position() const { return pos_; }
 
     ValuePtr run() {
         while (true) {
@@ -267,7 +283,7 @@ public:
 
 private:
     [[noreturn]] void fail_at(size_t offset, const std::string& what) const {
-        fail(source_, ": data.pkl offset ", offset, ": ", what);
+        fail(source_, ": ", what_, " offset ", offset, ": ", what);
     }
     [[noreturn]] void fail_op(uint8_t op, const std::string& what) const {
         const char* name = opcode_name(op);
@@ -330,6 +346,7 @@ private:
         push(v);
     }
     void push_global(const std::string& module, const std::string& name) {
+        check_global_allowed(module, name);
         auto v = make(Value::Kind::Global);
         v->class_name = module + "." + name;
         push(v);
@@ -595,6 +612,7 @@ private:
         else fail_op(op, str_cat("persistent id: storage key must be a str, got ", describe(*it[2])));
         if (!storage_class_dtype(it[1]->class_name))
             fail_op(op, str_cat("unsupported storage type ", it[1]->class_name));
+        if (legacy_) return persistent_load_legacy(it, key, op);
         auto cached = storages_.find(key);
         torch::Tensor raw;
         if (cached != storages_.end()) {
@@ -816,6 +834,7 @@ private:
             case 'i': {  // INST: module/name lines, MARK args...
                 const std::string module = read_line(op);
                 const std::string name = read_line(op);
+                check_global_allowed(module, name);
                 auto items = pop_mark(op);
                 auto cls = make(Value::Kind::Global);
                 cls->class_name = module + "." + name;
@@ -880,10 +899,63 @@ private:
         return static_cast<int64_t>(v);
     }
 
+    // The allow-list check (include/linvis/io/torch_checkpoint.h): refuses the file at the
+    // opcode that names the global, before any object of it exists.
+    void check_global_allowed(const std::string& module, const std::string& name) const {
+        if (pickle_global_allowed(module, name)) return;
+        fail_at(op_offset_, str_cat("refusing global '", module, ".", name,
+                                    "': not in the allow-list of classes and functions a checkpoint may name "
+                                    "(tensors, storages, containers, argparse/yacs configs, numpy scalars)"));
+    }
+
+    ValuePtr persistent_load_legacy(const std::vector<ValuePtr>& it, const std::string& key, uint8_t op) {
+        // ('storage', storage_type, root_key, location, numel, view_metadata)
+        if (it.size() < 5 || it[4]->kind != Value::Kind::Int)
+            fail_op(op, "legacy persistent id needs ('storage', type, key, location, numel, view_metadata)");
+        const int64_t esize = static_cast<int64_t>(c10::elementSize(*storage_class_dtype(it[1]->class_name)));
+        const int64_t numel = it[4]->integer;
+        int64_t bytes = 0;
+        if (numel < 0 || __builtin_mul_overflow(numel, esize, &bytes) || static_cast<uint64_t>(bytes) > legacy_budget_)
+            fail_op(op, str_cat("storage '", key, "' (", it[1]->class_name, ") claims ", numel,
+                                " elements, more than the ", legacy_budget_, " bytes left in the file"));
+        auto root = legacy_roots_.find(key);
+        if (root == legacy_roots_.end()) {
+            legacy_budget_ -= static_cast<uint64_t>(bytes);
+            root = legacy_roots_.emplace(key, LegacyStorage{torch::zeros({bytes}, torch::kUInt8), esize}).first;
+        } else if (root->second.element_size != esize || root->second.bytes.numel() != bytes) {
+            fail_op(op, str_cat("storage '", key, "' is referenced with two different types or sizes"));
+        }
+        torch::Tensor raw = root->second.bytes;
+        std::string name = key;
+        if (it.size() >= 6 && it[5]->kind != Value::Kind::None) {
+            // (view_key, offset, view_size) in elements of the root storage
+            const ValuePtr& view = it[5];
+            if (view->kind != Value::Kind::Tuple || view->items.size() != 3 ||
+                view->items[0]->kind != Value::Kind::String)
+                fail_op(op, str_cat("legacy storage view must be (key, offset, size), got ", describe(*view)));
+            const int64_t offset = as_int(view->items[1], "storage view offset", op);
+            const int64_t size = as_int(view->items[2], "storage view size", op);
+            if (offset < 0 || size < 0 || offset > numel || size > numel - offset)
+                fail_op(op, str_cat("storage view ", view->items[0]->text, " (offset ", offset, ", size ", size,
+                                    ") lies outside storage '", key, "' of ", numel, " elements"));
+            raw = raw.narrow(0, offset * esize, size * esize);
+            name = view->items[0]->text;
+        }
+        auto v = make(Value::Kind::Storage);
+        v->class_name = it[1]->class_name;
+        v->text = name;
+        v->tensor = raw;
+        return v;
+    }
+
     const std::string& data_;
     const std::function<torch::Tensor(const std::string&)>& load_storage_;
     const std::string& source_;
+    const char* what_;
     size_t pos_ = 0;
+    bool legacy_ = false;
+    uint64_t legacy_budget_ = 0;
+    std::map<std::string, LegacyStorage> legacy_roots_;
     size_t op_offset_ = 0;
     std::vector<ValuePtr> stack_;
     std::vector<size_t> marks_;
@@ -910,6 +982,204 @@ ValuePtr unpickle(const std::string& bytes, const std::function<torch::Tensor(co
 
 // ------------------------------------------------------------------ archive
 
+namespace {
+
+// The legacy format's magic number 0x1950a86a20f9469cfc6c as the little-endian bytes of the
+// pickled int (LONG1 of 10 bytes), and the protocol version torch writes after it.
+const std::string kLegacyMagic("\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19", 10);
+constexpr int64_t kLegacyProtocolVersion = 1001;
+
+// Largest uncompressed size any record of the zip at `path` declares in the central directory.
+// LibTorch's reader allocates a record's declared size before reading it, so a forged size
+// (found by fuzz_pth: 4 GB declared in a 3.5 KB file) must be refused first. The directory is
+// walked the way miniz does (end-of-directory record searched from the end, zip64 included);
+// anything inconsistent is refused too.
+uint64_t largest_zip_record(const std::string& path, std::ifstream& in, uint64_t file_size, std::string* which) {
+    auto read_at = [&](uint64_t offset, size_t n) {
+        LINVIS_CHECK(offset <= file_size && n <= file_size - offset, path, ": zip structure at offset ", offset,
+                     " (", n, " bytes) lies beyond the end of the file (", file_size, " bytes)");
+        std::string b(n, '\0');
+        in.clear();
+        in.seekg(static_cast<std::streamoff>(offset));
+        in.read(b.data(), static_cast<std::streamsize>(n));
+        LINVIS_CHECK(static_cast<size_t>(in.gcount()) == n, path, ": cannot read ", n, " bytes at offset ", offset);
+        return b;
+    };
+    auto le = [](const std::string& b, size_t at, int n) {
+        uint64_t v = 0;
+        for (int i = 0; i < n; ++i) v |= uint64_t(static_cast<uint8_t>(b[at + static_cast<size_t>(i)])) << (8 * i);
+        return v;
+    };
+    const uint64_t tail_size = std::min<uint64_t>(file_size, 22 + 65535);
+    const std::string tail = read_at(file_size - tail_size, static_cast<size_t>(tail_size));
+    size_t eocd = std::string::npos;
+    for (size_t i = tail.size() >= 22 ? tail.size() - 22 + 1 : 0; i-- > 0;)
+        if (le(tail, i, 4) == 0x06054b50) {
+            eocd = i;
+            break;
+        }
+    LINVIS_CHECK(eocd != std::string::npos, path, ": cannot read the zip archive: no end-of-central-directory record");
+    uint64_t entries = le(tail, eocd + 10, 2), cd_size = le(tail, eocd + 12, 4), cd_offset = le(tail, eocd + 16, 4);
+    if (entries == 0xffff || cd_size == 0xffffffff || cd_offset == 0xffffffff) {  // zip64
+        const uint64_t eocd_pos = file_size - tail_size + eocd;
+        LINVIS_CHECK(eocd_pos >= 20, path, ": cannot read the zip archive: zip64 locator missing");
+        const std::string locator = read_at(eocd_pos - 20, 20);
+        LINVIS_CHECK(le(locator, 0, 4) == 0x07064b50, path, ": cannot read the zip archive: zip64 locator missing");
+        const std::string record = read_at(le(locator, 8, 8), 56);
+        LINVIS_CHECK(le(record, 0, 4) == 0x06064b50, path, ": cannot read the zip archive: bad zip64 end record");
+        entries = le(record, 32, 8);
+        cd_size = le(record, 40, 8);
+        cd_offset = le(record, 48, 8);
+    }
+    const std::string cd = read_at(cd_offset, static_cast<size_t>(std::min<uint64_t>(cd_size, file_size)));
+    uint64_t largest = 0;
+    size_t at = 0;
+    for (uint64_t e = 0; e < entries; ++e) {
+        LINVIS_CHECK(cd.size() >= 46 && at <= cd.size() - 46 && le(cd, at, 4) == 0x02014b50, path,
+                     ": cannot read the zip archive: central directory entry ", e, " is malformed");
+        uint64_t uncompressed = le(cd, at + 24, 4);
+        const size_t name_len = le(cd, at + 28, 2), extra_len = le(cd, at + 30, 2), comment_len = le(cd, at + 32, 2);
+        LINVIS_CHECK(name_len + extra_len + comment_len <= cd.size() - at - 46, path,
+                     ": cannot read the zip archive: central directory entry ", e, " is truncated");
+        const std::string name = cd.substr(at + 46, name_len);
+        if (uncompressed == 0xffffffff) {  // the real size is in the zip64 extra field
+            size_t x = at + 46 + name_len;
+            const size_t end = x + extra_len;
+            while (x + 4 <= end) {
+                const uint64_t id = le(cd, x, 2), len = le(cd, x + 2, 2);
+                if (x + 4 + len > end) break;
+                if (id == 0x0001 && len >= 8) uncompressed = le(cd, x + 4, 8);
+                x += 4 + len;
+            }
+        }
+        if (uncompressed >= largest) {
+            largest = uncompressed;
+            *which = name;
+        }
+        at += 46 + name_len + extra_len + comment_len;
+    }
+    return largest;
+}
+
+CheckpointContents read_legacy_checkpoint(const std::string& path, const std::string& bytes) {
+    // A named std::function: the Unpickler keeps a reference to it.
+    const std::function<torch::Tensor(const std::string&)> no_storage = [&path](const std::string& key) -> torch::Tensor {
+        fail(path, ": legacy torch.save header pickle references storage '", key, "'");
+    };
+    size_t pos = 0;
+    ValuePtr magic;
+    try {
+        Unpickler first(bytes, no_storage, path, 0, "legacy magic-number pickle");
+        magic = first.run();
+        pos = first.position();
+    } catch (const Error& e) {
+        fail(path, ": not a zip archive (a torch.save checkpoint starts with 'PK\\x03\\x04') nor a legacy "
+                   "(pre-1.6) torch.save file (its first pickle is unreadable: ",
+             std::string(e.what()).substr(path.size() + 2), ")");
+    }
+    const bool magic_ok = magic->kind == Value::Kind::Object && magic->class_name == "builtins.int" && magic->args &&
+                          magic->args->items.size() == 1 && magic->args->items[0]->text == kLegacyMagic;
+    LINVIS_CHECK(magic_ok, path, ": not a zip archive (a torch.save checkpoint starts with 'PK\\x03\\x04') nor a "
+                 "legacy (pre-1.6) torch.save file (first pickle is ", describe(*magic),
+                 ", expected the magic number 0x1950a86a20f9469cfc6c)");
+    auto next_pickle = [&](const char* what) {
+        Unpickler u(bytes, no_storage, path, pos, what);
+        ValuePtr v = u.run();
+        pos = u.position();
+        return v;
+    };
+    const ValuePtr version = next_pickle("legacy protocol-version pickle");
+    LINVIS_CHECK(version->kind == Value::Kind::Int && version->integer == kLegacyProtocolVersion, path,
+                 ": legacy torch.save protocol version is ", describe(*version), ", expected int ",
+                 kLegacyProtocolVersion);
+    const ValuePtr sys_info = next_pickle("legacy sys_info pickle");
+    LINVIS_CHECK(sys_info->kind == Value::Kind::Dict, path, ": legacy torch.save sys_info is ", describe(*sys_info),
+                 ", expected a dict");
+    CheckpointContents contents;
+    contents.path = path;
+    contents.format_version = kLegacyProtocolVersion;
+    if (const Value* little = sys_info->find("little_endian")) {
+        LINVIS_CHECK(little->kind == Value::Kind::Bool && little->boolean, path,
+                     ": legacy sys_info says little_endian=", describe(*little),
+                     "; only little-endian checkpoints are supported");
+        contents.byteorder = "little";
+    }
+    Unpickler objects(bytes, no_storage, path, pos, "legacy object pickle");
+    objects.set_legacy(bytes.size() - pos);
+    ValuePtr root = objects.run();
+    pos = objects.position();
+    const ValuePtr keys = next_pickle("legacy storage-key pickle");
+    LINVIS_CHECK(keys->kind == Value::Kind::List, path, ": legacy storage keys are ", describe(*keys),
+                 ", expected a list of str");
+    const auto& storages = objects.legacy_storages();
+    std::set<std::string> filled;
+    for (const auto& key_value : keys->items) {
+        LINVIS_CHECK(key_value->kind == Value::Kind::String, path, ": legacy storage key is ", describe(*key_value),
+                     ", expected a str");
+        const std::string& key = key_value->text;
+        auto it = storages.find(key);
+        LINVIS_CHECK(it != storages.end(), path, ": legacy storage key '", key,
+                     "' is not referenced by the object pickle");
+        LINVIS_CHECK(filled.insert(key).second, path, ": legacy storage '", key, "' is listed twice");
+        LINVIS_CHECK(bytes.size() - pos >= 8, path, ": offset ", pos, ": truncated: storage '", key,
+                     "' needs an 8-byte element count, only ", bytes.size() - pos, " bytes left");
+        uint64_t count = 0;
+        for (int i = 0; i < 8; ++i) count |= uint64_t(static_cast<uint8_t>(bytes[pos + i])) << (8 * i);
+        pos += 8;
+        const torch::Tensor& target = it->second.bytes;
+        const uint64_t esize = static_cast<uint64_t>(it->second.element_size);
+        LINVIS_CHECK(count <= UINT64_MAX / esize && count * esize == static_cast<uint64_t>(target.numel()), path,
+                     ": offset ", pos - 8, ": storage '", key, "' holds ", count, " elements, the object pickle says ",
+                     static_cast<uint64_t>(target.numel()) / esize);
+        const size_t n = static_cast<size_t>(target.numel());
+        LINVIS_CHECK(bytes.size() - pos >= n, path, ": offset ", pos, ": truncated: storage '", key, "' needs ", n,
+                     " bytes, only ", bytes.size() - pos, " left");
+        if (n > 0) std::memcpy(target.data_ptr<uint8_t>(), bytes.data() + pos, n);
+        pos += n;
+    }
+    for (const auto& [key, storage] : storages)
+        LINVIS_CHECK(filled.count(key), path, ": legacy storage '", key,
+                     "' is used by a tensor but missing from the storage-key list (no data for it)");
+    contents.num_storages = static_cast<int64_t>(storages.size());
+    contents.root = std::move(root);
+    return contents;
+}
+
+}  // namespace
+
+bool pickle_global_allowed(const std::string& module, const std::string& name) {
+    static const std::set<std::string> exact = {
+        // tensors and parameters (torch.save's reduce functions)
+        "torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3",
+        "torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state",
+        "torch._tensor._rebuild_from_type", "torch._tensor._rebuild_from_type_v2", "torch.Tensor",
+        "torch.nn.parameter.Parameter", "torch.Size", "torch.device", "torch.torch_version.TorchVersion",
+        // TorchScript's pickler (torch::pickle_save)
+        "torch.jit._pickle.restore_type_tag", "torch.jit._pickle.build_intlist", "torch.jit._pickle.build_doublelist",
+        "torch.jit._pickle.build_boollist", "torch.jit._pickle.build_tensorlist",
+        "torch.jit._pickle.build_genericlist",
+        // containers and plain values
+        "collections.OrderedDict", "builtins.dict", "builtins.list", "builtins.tuple", "builtins.set",
+        "builtins.frozenset", "builtins.bytes", "builtins.bytearray", "builtins.int", "builtins.float",
+        "builtins.complex", "builtins.str", "builtins.bool", "builtins.slice", "builtins.object",
+        "__builtin__.dict", "__builtin__.list", "__builtin__.tuple", "__builtin__.set", "__builtin__.frozenset",
+        "__builtin__.bytes", "__builtin__.bytearray", "__builtin__.int", "__builtin__.long", "__builtin__.float",
+        "__builtin__.complex", "__builtin__.str", "__builtin__.unicode", "__builtin__.bool", "__builtin__.slice",
+        "__builtin__.object", "_codecs.encode", "copyreg._reconstructor", "copy_reg._reconstructor",
+        // training configs stored next to the weights
+        "argparse.Namespace", "yacs.config.CfgNode", "pathlib.PosixPath", "pathlib.PurePosixPath",
+        "pathlib.WindowsPath", "pathlib.PureWindowsPath",
+        // numpy scalars and arrays (best accuracy, schedules)
+        "numpy.dtype", "numpy.ndarray", "numpy.core.multiarray.scalar", "numpy.core.multiarray._reconstruct",
+        "numpy._core.multiarray.scalar", "numpy._core.multiarray._reconstruct",
+    };
+    const std::string full = module + "." + name;
+    if (exact.count(full)) return true;
+    if (module == "torch" || module == "torch.cuda") return storage_class_dtype(full).has_value() ||
+                                                            (module == "torch" && dtype_global(full).has_value());
+    return false;
+}
+
 CheckpointContents read_torch_checkpoint(const std::string& path) {
     {
         std::ifstream in(path, std::ios::binary);
@@ -919,11 +1189,25 @@ CheckpointContents read_torch_checkpoint(const std::string& path) {
         const std::streamsize got = in.gcount();
         LINVIS_CHECK(got > 0, path, ": file is empty");
         if (!(got == 4 && std::memcmp(magic, "PK\x03\x04", 4) == 0)) {
-            if (static_cast<uint8_t>(magic[0]) == 0x80)
-                fail(path, ": legacy (pre-1.6) torch.save format; re-save it with a current torch "
-                           "(torch.save(torch.load(f), g)) to get the zip format");
-            fail(path, ": not a zip archive (a torch.save checkpoint starts with 'PK\\x03\\x04')");
+            in.clear();
+            in.seekg(0, std::ios::end);
+            const std::streamoff size = in.tellg();
+            LINVIS_CHECK(size >= 0, path, ": cannot determine the file size");
+            std::string bytes(static_cast<size_t>(size), '\0');
+            in.seekg(0);
+            in.read(bytes.data(), size);
+            LINVIS_CHECK(in.gcount() == size, path, ": read ", in.gcount(), " of ", size, " bytes");
+            return read_legacy_checkpoint(path, bytes);
         }
+        in.clear();
+        in.seekg(0, std::ios::end);
+        const auto size = static_cast<uint64_t>(in.tellg());
+        // A record cannot inflate to more than 1032 times its compressed bytes (deflate's limit),
+        // and torch.save stores its records uncompressed.
+        std::string record;
+        const uint64_t largest = largest_zip_record(path, in, size, &record);
+        LINVIS_CHECK(largest <= size * 1032 + 65536, path, ": zip record '", record, "' declares ", largest,
+                     " bytes, impossible in a file of ", size, " bytes");
     }
     CheckpointContents contents;
     contents.path = path;

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <filesystem>
 
@@ -25,7 +26,7 @@ std::string tensor_string(const torch::Tensor& t) {
 
 void save_checkpoint(const std::string& path, const TrainingState& state, const torch::nn::Module& model,
                      const torch::optim::Optimizer& optimizer, const std::map<std::string, torch::Tensor>* ema) {
-    io::write_file_atomically_via(path, [&](const std::string& temp) {
+    io::write_file_atomically(path, [&](const io::ByteSink& sink) {
         torch::serialize::OutputArchive archive;
         torch::serialize::OutputArchive model_archive, optimizer_archive, ema_archive;
         for (const auto& item : model.named_parameters(true)) model_archive.write(item.key(), item.value());
@@ -47,7 +48,28 @@ void save_checkpoint(const std::string& path, const TrainingState& state, const 
             std::lock_guard<std::mutex> lock(generator.mutex());
             archive.write("torch_rng", generator.get_state(), true);
         }
-        archive.save_to(temp);
+        // LibTorch's zip writer streams into the atomic writer's temporary file. A failed write
+        // (full disk, file-size limit) must not reach LibTorch: its writer then throws again from
+        // its destructor and the process aborts. So the sink's first error is kept, LibTorch is
+        // told every byte was written, and the error is raised once save_to has returned.
+        std::exception_ptr write_error;
+        archive.save_to([&](const void* data, size_t size) -> size_t {
+            if (!write_error) {
+                try {
+                    sink(data, size);
+                } catch (...) {
+                    write_error = std::current_exception();
+                }
+            }
+            return size;
+        });
+        if (write_error) {
+            try {
+                std::rethrow_exception(write_error);
+            } catch (const Error& e) {
+                fail(e.what(), "; the previous checkpoint is kept");
+            }
+        }
     });
 }
 

@@ -1,12 +1,15 @@
 // Datasets (Fashion-MNIST IDX, CIFAR binary, ImageFolder) and the threaded DataLoader.
 #include "linvis/train/datasets.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <numeric>
+#include <set>
 
 #include "linvis/core/error.h"
 #include "linvis/train/data.h"
@@ -254,20 +257,42 @@ std::shared_ptr<InMemoryDataset> load_cifar100(const std::string& dir, Split spl
 ImageFolder::ImageFolder(const std::string& root) : root_(root) {
     std::error_code ec;
     LINVIS_CHECK(fs::is_directory(root, ec), root, ": not a directory (ImageFolder expects DIR/<class>/<images>)");
-    for (const auto& entry : fs::directory_iterator(root))
-        if (entry.is_directory()) class_names_.push_back(entry.path().filename().string());
-    std::sort(class_names_.begin(), class_names_.end());
-    LINVIS_CHECK(!class_names_.empty(), root, ": no class sub-directories (ImageFolder expects DIR/<class>/<images>)");
-    for (size_t label = 0; label < class_names_.size(); ++label) {
-        const fs::path class_dir = fs::path(root) / class_names_[label];
-        std::vector<std::string> files;
-        for (const auto& entry :
-             fs::recursive_directory_iterator(class_dir, fs::directory_options::follow_directory_symlink))
-            if (entry.is_regular_file() && has_image_extension(entry.path())) files.push_back(entry.path().string());
-        std::sort(files.begin(), files.end());
-        LINVIS_CHECK(!files.empty(), class_dir.string(), ": class '", class_names_[label],
-                     "' has no .jpg/.jpeg/.png/.bmp file");
-        for (auto& file : files) samples_.emplace_back(std::move(file), int64_t(label));
+    try {
+        for (const auto& entry : fs::directory_iterator(root))
+            if (entry.is_directory()) class_names_.push_back(entry.path().filename().string());
+        std::sort(class_names_.begin(), class_names_.end());
+        LINVIS_CHECK(!class_names_.empty(), root,
+                     ": no class sub-directories (ImageFolder expects DIR/<class>/<images>)");
+        for (size_t label = 0; label < class_names_.size(); ++label) {
+            const fs::path class_dir = fs::path(root) / class_names_[label];
+            std::vector<std::string> files;
+            // Symbolic links to directories are followed, but each directory (device, inode) is
+            // entered once and the root never, so a link loop (a/x -> ..) cannot make the scan
+            // recurse or blow up.
+            std::set<std::pair<uint64_t, uint64_t>> entered;
+            auto first_visit = [&entered](const fs::path& dir) {
+                struct stat st;
+                if (::stat(dir.c_str(), &st) != 0) return false;
+                return entered.insert({uint64_t(st.st_dev), uint64_t(st.st_ino)}).second;
+            };
+            first_visit(root);  // a link back up to the root would list every class again
+            first_visit(class_dir);
+            for (auto it = fs::recursive_directory_iterator(class_dir, fs::directory_options::follow_directory_symlink);
+                 it != fs::recursive_directory_iterator(); ++it) {
+                const auto& entry = *it;
+                if (entry.is_directory(ec)) {
+                    if (!first_visit(entry.path())) it.disable_recursion_pending();
+                } else if (entry.is_regular_file(ec) && has_image_extension(entry.path())) {
+                    files.push_back(entry.path().string());
+                }
+            }
+            std::sort(files.begin(), files.end());
+            LINVIS_CHECK(!files.empty(), class_dir.string(), ": class '", class_names_[label],
+                         "' has no .jpg/.jpeg/.png/.bmp file");
+            for (auto& file : files) samples_.emplace_back(std::move(file), int64_t(label));
+        }
+    } catch (const fs::filesystem_error& e) {
+        fail(root, ": cannot scan the image folder: ", e.what());
     }
 }
 

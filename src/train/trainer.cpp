@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "linvis/core/error.h"
+#include "linvis/core/test_hooks.h"
 #include "linvis/nn/batch_norm.h"
 #include "linvis/train/checkpoint.h"
 #include "linvis/train/distributed.h"
@@ -281,6 +282,7 @@ bool Trainer::fit(BatchSource& train_data, BatchSource* eval_data) {
         torch::Tensor images, labels;
         optimizer->zero_grad();
         for (int64_t b = state.batch; b < batches && train_data.next(images, labels); ++b) {
+            test_stop_point("train-batch");
             std::mt19937_64 mix_rng(mix_seed(config_.seed, static_cast<uint64_t>(epoch), static_cast<uint64_t>(b)));
             const int64_t num_classes = model_->num_classes();
             torch::Tensor targets = mix_batch(images, labels, num_classes, config_.mixup, mix_rng);

@@ -88,9 +88,32 @@ struct CheckpointContents {
     int64_t num_storages = 0;          // distinct data/<key> storages loaded
 };
 
-// Reads a torch.save zip archive (torch >= 1.6 format; also what torch::pickle_save writes).
-// Every malformed input throws linvis::Error naming `path` and the problem (not a zip,
-// legacy pre-1.6 format, unknown opcode and its offset, stack underflow, bad memo index,
+// The allow-list. A pickle may only name (GLOBAL, STACK_GLOBAL, INST) these classes and
+// functions; any other global (posix.system, os.system, builtins.eval, subprocess.Popen,
+// __main__.Anything ...) makes the whole read fail with one linvis::Error naming the global
+// and its offset, at the opcode that names it, so nothing of the file is returned:
+//   tensors      torch._utils._rebuild_tensor{,_v2,_v3}, _rebuild_parameter{,_with_state},
+//                torch._tensor._rebuild_from_type{,_v2}, torch.Tensor, torch.nn.parameter.Parameter,
+//                torch.Size, torch.device, torch.torch_version.TorchVersion,
+//                torch[.cuda].<T>Storage (the typed storages), torch.<dtype> (torch.float32, ...)
+//   TorchScript  torch.jit._pickle.restore_type_tag, build_{int,double,bool,tensor,generic}list
+//   containers   collections.OrderedDict; builtins / __builtin__ dict, list, tuple, set, frozenset,
+//                bytes, bytearray, int, long, float, complex, str, unicode, bool, slice, object;
+//                _codecs.encode, copyreg._reconstructor / copy_reg._reconstructor
+//   configs      argparse.Namespace, yacs.config.CfgNode, pathlib.{Pure,}{Posix,Windows}Path
+//   numpy        numpy.dtype, numpy.ndarray, numpy{.core,._core}.multiarray.{scalar,_reconstruct}
+// Nothing named is ever called except the tensor rebuild functions; the others become inert
+// Object/Dict/Set/Bytes nodes.
+bool pickle_global_allowed(const std::string& module, const std::string& name);
+
+// Reads a torch.save checkpoint: the zip archive (torch >= 1.6 format; also what
+// torch::pickle_save writes) or the legacy pre-1.6 format (_use_new_zipfile_serialization=False):
+// a pickled magic number 0x1950a86a20f9469cfc6c, protocol version 1001, a sys_info dict, the
+// object pickle whose persistent ids are ('storage', storage_type, root_key, location, numel,
+// view_metadata), a pickled list of storage keys, then per key an 8-byte little-endian element
+// count and the raw bytes. Both go through the same unpickler and allow-list.
+// Every malformed input throws linvis::Error naming `path` and the problem (not a zip nor a
+// legacy file, a global outside the allow-list, unknown opcode and its offset, stack underflow, bad memo index,
 // missing storage record, tensor view outside its storage, big-endian data ...).
 // Tensors come back on the CPU with the checkpoint's dtype, strides and storage offset.
 CheckpointContents read_torch_checkpoint(const std::string& path);

@@ -1,0 +1,33 @@
+// libFuzzer target for the image decoding path (src/io/image.cpp): format sniffing, the PNG
+// chunk/CRC walk, the JPEG marker walk, the BMP row check, then stb_image.
+// Properties: only linvis::Error escapes; an accepted image is uint8 (H, W, 3), contiguous,
+// H * W within kMaxImagePixels, and every pixel is readable (sum() under ASan).
+#include <cstdint>
+
+#include <torch/torch.h>
+
+#include "fuzz_util.h"
+#include "linvis/core/error.h"
+#include "linvis/io/image.h"
+
+using namespace linvis;
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+    torch::set_num_threads(1);
+    return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+    torch::Tensor image;
+    try {
+        image = io::decode_image(data, size, "fuzz-input");
+    } catch (const Error&) {
+        return 0;
+    }
+    if (image.dim() != 3 || image.size(2) != 3 || image.scalar_type() != torch::kUInt8 || !image.is_contiguous())
+        fuzz::violated("fuzz_image", "decoded image is not contiguous uint8 (H, W, 3)");
+    if (image.size(0) <= 0 || image.size(1) <= 0 || image.size(0) * image.size(1) > io::kMaxImagePixels)
+        fuzz::violated("fuzz_image", "decoded image has an impossible size");
+    (void)image.sum().item<int64_t>();
+    return 0;
+}
