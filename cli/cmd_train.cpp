@@ -17,6 +17,7 @@
 #include "linvis/train/data_sources.h"
 #include "linvis/train/finetune.h"
 #include "linvis/train/trainer.h"
+#include "segmentation.h"
 
 namespace linvis::cli {
 namespace {
@@ -100,6 +101,7 @@ struct TrainOptions {
 };
 
 int run_train(int argc, const char* const* argv) {
+    if (task_is(argc, argv, "segmentation")) return run_train_segmentation(argc, argv);
     TrainOptions o;
     train::TrainConfig& config = o.config;
     CommandApp app("train", "Train a model with the DeiT recipe (AdamW, cosine schedule with warm-up, label "
@@ -212,6 +214,7 @@ struct EvalOptions {
 };
 
 int run_eval(int argc, const char* const* argv) {
+    if (task_is(argc, argv, "segmentation")) return run_eval_segmentation(argc, argv);
     EvalOptions o;
     CommandApp app("eval", "Top-1/top-5 accuracy and cross-entropy of a model on a data set's evaluation split. With "
                            "--format json the last line is a JSON object with top1, top5, loss and images.");
