@@ -229,20 +229,40 @@ int run_train_segmentation(int argc, const char* const* argv) {
 
 int run_eval_segmentation(int argc, const char* const* argv) {
     SegDataOptions d;
-    std::string task = "segmentation", weights, format = "text";
+    std::string task = "segmentation", weights, format = "text", export_dir;
     int64_t seed = 0, batch = 2;
     CommandApp app("eval", "mIoU, per-class IoU and pixel accuracy of a segmentation model (weights written by "
                            "'linvis train --task segmentation') on the evaluation split, whole-image inference.");
     add_choice(app, "--task", task, {"classification", "segmentation"}, "what to evaluate");
-    app.add_option("--weights", weights, "segmentation weights (.safetensors)")->type_name("FILE")->required();
+    app.add_option("--weights", weights, "segmentation weights (.safetensors)")->type_name("FILE");
+    app.add_option("--export", export_dir,
+                   "instead of evaluating, write the evaluation images and label maps (--eval-limit of them) as "
+                   "DIR/images/validation/*.png and DIR/annotations/validation/*.png (the ADE20K layout)")
+        ->type_name("DIR");
     add_number(app, "--batch-size", batch, "images per batch", int64_t{1});
     add_seed_option(app, seed);
     add_format_option(app, format);
     add_seg_data_options(app, d);
     if (!parse(app, argc, argv)) return 0;
     runtime::configure_threads(d.threads);
-    auto model = load_seg_model(weights);
     auto data = make_seg_data(d, uint64_t(seed), false).second;
+    if (!export_dir.empty()) {
+        const int64_t n = d.eval_limit > 0 ? std::min(d.eval_limit, data->size()) : data->size();
+        fs::create_directories(fs::path(export_dir) / "images" / "validation");
+        fs::create_directories(fs::path(export_dir) / "annotations" / "validation");
+        for (int64_t i = 0; i < n; ++i) {
+            const train::SegSample s = data->get(i);
+            char stem[32];
+            std::snprintf(stem, sizeof(stem), "%06lld.png", static_cast<long long>(i));
+            io::write_png((fs::path(export_dir) / "images" / "validation" / stem).string(), s.image);
+            io::write_png((fs::path(export_dir) / "annotations" / "validation" / stem).string(),
+                          s.label.clamp(0, 255).to(torch::kUInt8));
+        }
+        std::cerr << "wrote " << n << " images and label maps under " << export_dir << "\n";
+        return 0;
+    }
+    LINVIS_CHECK(!weights.empty(), "--weights is required (unless --export)");
+    auto model = load_seg_model(weights);
     const train::SegEvalResult r = train::evaluate_segmentation(*model, *data, batch, d.eval_limit, format == "text");
     if (format == "json") {
         nlohmann::json per_class = nlohmann::json::array();

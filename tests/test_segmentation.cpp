@@ -20,6 +20,8 @@ namespace {
 
 using namespace linvis;
 using namespace linvis::train;
+using linvis::testing::TempDir;
+using linvis::testing::write_file;
 
 std::string error_of(const std::function<void()>& f) {
     try {
@@ -122,12 +124,10 @@ TEST(SegmentationAugment, ImageAndLabelMoveTogether) {
         const SegSample s = augment_sample({image, label}, a, rng);
         ASSERT_EQ(s.image.sizes(), (std::vector<int64_t>{32, 32, 3}));
         ASSERT_EQ(s.label.sizes(), (std::vector<int64_t>{32, 32}));
-        const auto inside = s.label == 3;
-        const auto bright = s.image.select(2, 0).to(torch::kInt32);
-        // Away from edges (bilinear blur) the label and the picture agree.
-        if (inside.any().item<bool>()) EXPECT_GT(bright.masked_select(inside).to(torch::kFloat64).mean().item<double>(), 150);
-        const auto valid = s.label == 0;
-        if (valid.any().item<bool>()) EXPECT_LT(bright.masked_select(valid).to(torch::kFloat64).mean().item<double>(), 60);
+        // Label and picture agree except along the square's (bilinearly blurred) border.
+        const auto valid = s.label != kIgnoreIndex;
+        const auto disagree = ((s.label == 3) != (s.image.select(2, 0) > 110)) & valid;
+        EXPECT_LE(disagree.sum().item<int64_t>(), 2 * 32 + 2 * 32) << "seed " << seed;
         const auto values = std::get<0>(at::_unique(s.label));
         for (int64_t i = 0; i < values.numel(); ++i) {
             const int64_t v = values[i].item<int64_t>();
@@ -168,6 +168,7 @@ TEST(SegmentationFolder, OneLineErrorsNameTheFile) {
     write_pair(dir, "training", "size", 9, 13, 8, 13, 2);    // label map 13x8, image 13x9
     write_pair(dir, "training", "range", 9, 13, 9, 13, 7);   // class 7 with num_classes 5
     write_pair(dir, "training", "ok", 9, 13, 9, 13, 2);
+    write_pair(dir, "training", "broken", 9, 13, 9, 13, 2);
     write_file((dir.path / "images" / "training" / "broken.png").string(), "not a png");
     write_pair(dir, "training", "zz", 4, 4, 4, 4, 1);
     write_file((dir.path / "annotations" / "training" / "zz.png").string(), "\x89PNG truncated");
@@ -233,7 +234,9 @@ TEST_P(SegmentationModelTest, OddNonSquareShapesNamesAndGradients) {
     torch::nn::functional::cross_entropy(logits, target).backward();
     int64_t without_grad = 0;
     for (const auto& p : model->named_parameters())
-        if (p.value().requires_grad() && (!p.value().grad().defined() || p.value().grad().abs().sum().item<double>() == 0))
+        // A plain features_only backbone keeps its final norm (checkpoint names) but reports pre-norm blocks.
+        if (c.plain && p.key().rfind("backbone.norm.", 0) == 0) continue;
+        else if (p.value().requires_grad() && (!p.value().grad().defined() || p.value().grad().abs().sum().item<double>() == 0))
             ++without_grad, ADD_FAILURE() << "no gradient: " << p.key();
     EXPECT_EQ(without_grad, 0);
 }
