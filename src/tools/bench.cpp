@@ -66,6 +66,9 @@ BenchResult measure_dense_case(const BenchCase& c) {
     result.config = c;
     LINVIS_CHECK(c.task == "features" || c.task == "segment", "bench: task must be classify, features or segment, got ",
                  c.task);
+    LINVIS_CHECK(!(c.task == "segment" && c.train && c.batch < 2),
+                 "bench: --task segment --train needs --batch >= 2 (BatchNorm in UperNet's pooling branch), got ",
+                 c.batch);
     torch::manual_seed(0);
     models::ModelConfig config(c.model_kwargs);
     config.set("impl", c.impl == "reference" ? std::string("reference") : c.impl);
