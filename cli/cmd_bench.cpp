@@ -147,6 +147,7 @@ struct BenchOptions {
     std::string dtype = "f32";
     std::string impl = "auto";
     bool train = false;
+    std::string task = "classify";
     int warmup = 2;
     int iters = 5;
     double max_seconds = 60;
@@ -170,6 +171,9 @@ int run_bench(int argc, const char* const* argv) {
     add_dtype_option(app, o.dtype, {"f32", "bf16"});
     add_impl_option(app, o.impl);
     app.add_flag("--train", o.train, "time forward + backward instead of inference");
+    add_choice(app, "--task", o.task, {"classify", "features", "segment"},
+               "classify: the classifier | features: features_only backbone maps (dense) | segment: backbone + "
+               "UperNet (with --train: a segmentation training step)");
     add_number(app, "--warmup", o.warmup, "warm-up passes per case");
     add_number(app, "--iters", o.iters, "timed passes per case (at least 3 are kept)");
     add_number(app, "--max-seconds", o.max_seconds, "stop timing a case after S seconds (once 3 passes are done)");
@@ -200,6 +204,7 @@ int run_bench(int argc, const char* const* argv) {
     const runtime::Info info = runtime::query();
     const double sgemm = o.no_gemm ? 0.0 : tools::measure_sgemm_gflops();
     if (format == "table") {
+        if (o.task != "classify") std::printf("task: %s (%s)\n", o.task.c_str(), o.train ? "training step" : "inference");
         std::printf("machine: %s | threads %d | BLAS %s\n", runtime::simd_name(info.simd), info.torch_threads,
                     info.blas.c_str());
         if (sgemm > 0) std::printf("SGEMM rate (2048^3, same run): %.1f GFLOP/s\n", sgemm);
@@ -219,6 +224,7 @@ int run_bench(int argc, const char* const* argv) {
             c.dtype = dtype;
             c.impl = model_impl;
             c.train = o.train;
+            c.task = o.task;
             c.warmup = o.warmup;
             c.iters = o.iters;
             c.max_seconds = o.max_seconds;

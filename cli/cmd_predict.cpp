@@ -9,6 +9,7 @@
 #include "linvis/io/image.h"
 #include "linvis/io/transforms.h"
 #include "linvis/models/imagenet.h"
+#include "segmentation.h"
 
 namespace linvis::cli {
 namespace {
@@ -23,6 +24,7 @@ struct PredictOptions {
 };
 
 int run_predict(int argc, const char* const* argv) {
+    if (task_is(argc, argv, "segmentation")) return run_predict_segmentation(argc, argv);
     PredictOptions o;
     CommandApp app("predict", "Classify images: the top-5 classes with their probabilities, after the standard "
                               "evaluation transform (resize the shorter side with bicubic interpolation, centre crop, "

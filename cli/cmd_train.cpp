@@ -24,6 +24,7 @@
 #include "linvis/train/diffusion_trainer.h"
 #include "linvis/train/finetune.h"
 #include "linvis/train/trainer.h"
+#include "segmentation.h"
 
 namespace linvis::cli {
 namespace {
@@ -234,11 +235,8 @@ int run_train_diffusion(int argc, const char* const* argv) {
 }
 
 int run_train(int argc, const char* const* argv) {
-    for (int i = 1; i + 1 < argc; ++i)
-        if (std::string(argv[i]) == "--task" && std::string(argv[i + 1]) == "diffusion")
-            return run_train_diffusion(argc, argv);
-        else if (std::string(argv[i]) == "--task=diffusion")
-            return run_train_diffusion(argc, argv);
+    if (task_is(argc, argv, "diffusion")) return run_train_diffusion(argc, argv);
+    if (task_is(argc, argv, "segmentation")) return run_train_segmentation(argc, argv);
     TrainOptions o;
     std::string task = "classification";
     train::TrainConfig& config = o.config;
@@ -246,8 +244,8 @@ int run_train(int argc, const char* const* argv) {
                             "smoothing, mixup/cutmix, drop path, EMA) on Fashion-MNIST, CIFAR or an ImageFolder "
                             "tree. Writes checkpoint.pt every epoch (atomically), best/last weights as safetensors, "
                             "metrics.jsonl and curves.png into --output.");
-    add_choice(app, "--task", task, {"classification", "diffusion"},
-               "what to train (diffusion: see 'linvis train --task diffusion --help')");
+    add_choice(app, "--task", task, {"classification", "diffusion", "segmentation"},
+               "what to train (see 'linvis train --task diffusion|segmentation --help')");
     add_model_option(app, o.model)->required();
     add_model_kwargs_option(app, o.kwargs);
     app.add_option("--output", config.output_dir, "output directory")->type_name("DIR")->required();
@@ -419,6 +417,7 @@ struct EvalOptions {
 };
 
 int run_eval(int argc, const char* const* argv) {
+    if (task_is(argc, argv, "segmentation")) return run_eval_segmentation(argc, argv);
     EvalOptions o;
     CommandApp app("eval", "Top-1/top-5 accuracy and cross-entropy of a model on a data set's evaluation split. With "
                            "--format json the last line is a JSON object with top1, top5, loss and images.");

@@ -63,6 +63,15 @@ std::shared_ptr<models::Model> build_generative_model(const ModelOptions& option
     return model;
 }
 
+bool task_is(int argc, const char* const* argv, const char* name) {
+    const std::string joined = std::string("--task=") + name;
+    for (int i = 1; i < argc; ++i) {
+        if (std::string(argv[i]) == "--task" && i + 1 < argc && std::string(argv[i + 1]) == name) return true;
+        if (argv[i] == joined) return true;
+    }
+    return false;
+}
+
 std::string with_commas(int64_t n) {
     std::string digits = std::to_string(n), out;
     for (size_t i = 0; i < digits.size(); ++i) {

@@ -37,6 +37,10 @@ std::shared_ptr<models::Model> build_generative_model(const ModelOptions& option
 
 std::string with_commas(int64_t n);
 
+// True when argv holds "--task NAME" or "--task=NAME": train, eval and predict hand a task other than
+// classification to its own command line before parsing.
+bool task_is(int argc, const char* const* argv, const char* name);
+
 // ---- Self-describing weights: the safetensors metadata 'linvis train' writes beside the tensors, so
 // that the weights alone say how to build and feed the model (all values are strings; the lists and
 // the options are JSON):

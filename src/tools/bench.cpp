@@ -21,6 +21,7 @@
 #include "linvis/core/flops.h"
 #include "linvis/core/runtime.h"
 #include "linvis/models/registry.h"
+#include "linvis/models/segmentation.h"
 
 namespace linvis::tools {
 namespace {
@@ -57,6 +58,65 @@ void run_pass(models::VisionModel& model, const torch::Tensor& images, const tor
     torch::Tensor loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat32), labels);
     loss.backward();
     for (auto& p : model.parameters()) p.mutable_grad() = torch::Tensor();
+}
+
+// Dense cases (BenchCase::task features / segment): the same timing and memory accounting as measure_case.
+BenchResult measure_dense_case(const BenchCase& c) {
+    BenchResult result;
+    result.config = c;
+    LINVIS_CHECK(c.task == "features" || c.task == "segment", "bench: task must be classify, features or segment, got ",
+                 c.task);
+    LINVIS_CHECK(!(c.task == "segment" && c.train && c.batch < 2),
+                 "bench: --task segment --train needs --batch >= 2 (BatchNorm in UperNet's pooling branch), got ",
+                 c.batch);
+    torch::manual_seed(0);
+    models::ModelConfig config(c.model_kwargs);
+    config.set("impl", c.impl == "reference" ? std::string("reference") : c.impl);
+    config.set("features_only", std::string("true"));
+    models::ModelPtr backbone = models::create_model(c.model, config);
+    models::SegmentationModelPtr seg;
+    torch::nn::Module* module = backbone.get();
+    if (c.task == "segment") {
+        seg = std::make_shared<models::SegmentationModel>(backbone, models::SegmentationConfig{});
+        module = seg.get();
+    }
+    module->to(parse_dtype(c.dtype));
+    module->train(c.train);
+    result.params = models::count_parameters(*module);
+    const torch::Tensor images = torch::randn({c.batch, 3, c.res, c.res}).to(parse_dtype(c.dtype));
+    const torch::Tensor labels = torch::randint(0, 11, {c.batch, c.res, c.res}, torch::kLong);
+    const std::vector<int64_t> indices = backbone->feature_indices();
+    auto pass = [&] {
+        if (!c.train) {
+            torch::NoGradGuard no_grad;
+            if (seg) seg->forward(images);
+            else backbone->forward_feature_maps(images, indices);
+            return;
+        }
+        torch::Tensor loss;
+        if (seg) {
+            loss = torch::nn::functional::cross_entropy(seg->forward(images).to(torch::kFloat32), labels);
+        } else {
+            loss = torch::zeros({});
+            for (const auto& m : backbone->forward_feature_maps(images, indices)) loss = loss + m.to(torch::kFloat32).mean();
+        }
+        loss.backward();
+        for (auto& p : module->parameters()) p.mutable_grad() = torch::Tensor();
+    };
+    result.base_mem_bytes = current_rss_bytes();
+    {
+        flops::Counter counter;
+        pass();
+        result.gflops = counter.gflops() / static_cast<double>(c.batch);
+    }
+    const std::vector<double> times = time_passes(pass, std::max(1, c.warmup) - 1, c.iters, c.max_seconds);
+    result.iterations = static_cast<int>(times.size());
+    result.latency_ms = median(times) * 1e3;
+    result.images_per_s = c.batch / median(times);
+    result.images_per_s_min = c.batch / *std::max_element(times.begin(), times.end());
+    result.images_per_s_max = c.batch / *std::min_element(times.begin(), times.end());
+    result.peak_mem_bytes = peak_rss_bytes();
+    return result;
 }
 
 }  // namespace
@@ -273,6 +333,7 @@ BenchResult measure_case(const BenchCase& c) {
     result.config = c;
     try {
         runtime::configure_threads(c.threads);
+        if (c.task != "classify") return measure_dense_case(c);
         if (c.impl != "reference") {
             result.check_rel_err = check_fused_against_reference(c);
             const double tolerance = c.dtype == "bf16" ? 3e-2 : 1e-4;
@@ -317,7 +378,7 @@ BenchResult measure_case(const BenchCase& c) {
 nlohmann::json to_json(const BenchCase& c) {
     return {{"model", c.model}, {"model_kwargs", c.model_kwargs}, {"res", c.res}, {"batch", c.batch},
             {"threads", c.threads}, {"dtype", c.dtype}, {"impl", c.impl}, {"train", c.train},
-            {"warmup", c.warmup}, {"iters", c.iters}, {"max_seconds", c.max_seconds}};
+            {"task", c.task}, {"warmup", c.warmup}, {"iters", c.iters}, {"max_seconds", c.max_seconds}};
 }
 
 BenchCase bench_case_from_json(const nlohmann::json& j) {
@@ -330,6 +391,7 @@ BenchCase bench_case_from_json(const nlohmann::json& j) {
     c.dtype = j.value("dtype", std::string("f32"));
     c.impl = j.value("impl", std::string("reference"));
     c.train = j.value("train", false);
+    c.task = j.value("task", std::string("classify"));
     c.warmup = j.value("warmup", 2);
     c.iters = j.value("iters", 5);
     c.max_seconds = j.value("max_seconds", 60.0);

@@ -27,6 +27,10 @@ struct BenchCase {
     std::string dtype = "f32";     // f32 | bf16
     std::string impl = "reference";  // auto | reference | fused: the model option impl (auto: the model's default)
     bool train = false;            // forward + backward instead of inference
+    // classify: the classifier | features: the features_only backbone's forward_feature_maps (dense feature
+    // extraction) | segment: the backbone + UperNet head (models/segmentation.h, 128 channels, 11 classes),
+    // with train: a segmentation training step (per-pixel cross-entropy, backward).
+    std::string task = "classify";
     int warmup = 2;
     int iters = 5;                 // at most this many timed iterations ...
     double max_seconds = 60.0;     // ... stopping early (after at least 3) once this much time is spent
