@@ -122,8 +122,9 @@ bool DiffusionTrainer::fit(BatchSource& data) {
     install_interrupt_handler();
     std::unique_ptr<GradientReducer> reducer;
     if (world > 1) reducer = std::make_unique<GradientReducer>(*model_, dist);
-    // Label dropout is drawn below with the timesteps and the noise (official token_drop with
-    // force_drop_ids); the label embedder itself is kept from drawing it again.
+    // Label dropout is drawn below with the timesteps and the noise: the official LabelEmbedder.token_drop
+    // with force_drop_ids (facebookresearch/DiT@ed81ce2:models.py), each label dropped independently with
+    // probability class_dropout_prob as in train mode. The label embedder (eval mode) does not draw again.
     std::vector<std::shared_ptr<torch::nn::Module>> label_embedders;
     for (const auto& m : model_->named_modules("", false))
         if (m.key() == "y_embedder" || (m.key().size() > 11 && m.key().substr(m.key().size() - 11) == ".y_embedder"))
