@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <thread>
 
@@ -92,6 +93,87 @@ void draw_curves(const std::string& path, const std::string& title, const std::v
     figure.save_png(path, 1500, 450);
 }
 
+// How many processes train (data parallel on c10d), shared by both tasks of 'linvis train'.
+struct LaunchOptions {
+    int64_t nproc_per_node = 1;
+    std::string dist_backend = "gloo";
+    double dist_timeout = 300.0;
+};
+
+void add_launch_options(CLI::App& app, LaunchOptions& o) {
+    add_number(app, "--nproc-per-node", o.nproc_per_node,
+               "data-parallel worker processes on this machine (--batch-size is the global batch); under "
+               "torchrun or Slurm the RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT environment is read instead",
+               int64_t{1}, int64_t{1024});
+    add_choice(app, "--dist-backend", o.dist_backend, {"gloo", "nccl"},
+               "c10d process group: gloo (CPU) or nccl (CUDA only)");
+    add_number(app, "--dist-timeout", o.dist_timeout,
+               "seconds a worker waits for the others (rendezvous, each all-reduce) before every worker stops",
+               1e-3);
+}
+
+// Options that choose how many processes train, not what is trained: a run may resume with others.
+bool is_launch_option(const std::string& token) {
+    for (const char* name : {"--nproc-per-node", "--dist-backend", "--dist-timeout"})
+        if (token == name || token.rfind(std::string(name) + "=", 0) == 0) return true;
+    return false;
+}
+
+// The process's part of a data-parallel run: alone (no process group), the launcher of
+// --nproc-per-node workers (re-executing argv), or one worker of a torchrun-style environment. Checks
+// that the global batch splits evenly, configures the threads (workers sharing a machine share its
+// cores) and runs `worker(process group or null, is rank 0)`. A worker's error is reported with its
+// rank and ends the process at once (its peers may be gone, and c10d's destructors would block).
+using DataParallelWorker = std::function<int(const std::shared_ptr<train::Distributed>&, bool main_rank)>;
+
+int run_data_parallel(int argc, const char* const* argv, const LaunchOptions& launch, int64_t global_batch,
+                      int threads, const DataParallelWorker& worker) {
+    const train::DistributedEnv dist_env = train::distributed_env_from_environment();
+    const int64_t world = dist_env.world_size > 1 ? dist_env.world_size : launch.nproc_per_node;
+    LINVIS_CHECK(global_batch % world == 0, "--batch-size ", global_batch,
+                 " (the global batch) must be divisible by the number of processes, ", world);
+    if (dist_env.world_size == 1 && launch.nproc_per_node > 1)
+        return train::launch_local_workers(std::vector<std::string>(argv, argv + argc), launch.nproc_per_node,
+                                           launch.dist_timeout);
+    std::shared_ptr<train::Distributed> dist;
+    if (dist_env.world_size > 1) dist = train::Distributed::create(dist_env, launch.dist_backend, launch.dist_timeout);
+    else LINVIS_CHECK(launch.dist_backend == "gloo" || torch::cuda::is_available(),
+                      "--dist-backend nccl: needs CUDA GPUs, and this LibTorch sees none; use --dist-backend gloo");
+    if (threads <= 0 && dist_env.local_world_size > 1)
+        threads = std::max<int>(1, static_cast<int>(std::thread::hardware_concurrency() /
+                                                    static_cast<unsigned>(dist_env.local_world_size)));
+    runtime::configure_threads(threads);
+    try {
+        return worker(dist, dist_env.rank == 0);
+    } catch (const std::exception& e) {
+        if (!dist) throw;
+        const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+        const std::string message = c10_error ? c10_error->what_without_backtrace() : e.what();
+        const std::string rank = "rank " + std::to_string(dist->rank());
+        std::fprintf(stderr, "linvis train: error: %s%s\n", message.rfind(rank, 0) == 0 ? "" : (rank + ": ").c_str(),
+                     message.c_str());
+        std::fflush(stderr);
+        _exit(1);
+    }
+}
+
+// The run's identity for --resume: the arguments without --resume, --no-progress, the launch options
+// and, when `skip` names it, an option that may change between runs (with its value).
+std::string run_identity(int argc, const char* const* argv, const std::string& skip = "") {
+    nlohmann::json run_config;
+    const std::vector<std::string> tokens(argv + 1, argv + argc);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+        if (tokens[i] == "--resume" || tokens[i] == "--no-progress") continue;
+        const bool skipped = !skip.empty() && (tokens[i] == skip || tokens[i].rfind(skip + "=", 0) == 0);
+        if (skipped || is_launch_option(tokens[i])) {
+            if (tokens[i].find('=') == std::string::npos) ++i;  // its value
+            continue;
+        }
+        run_config.push_back(tokens[i]);
+    }
+    return run_config.dump();
+}
+
 struct TrainOptions {
     std::string model;
     std::map<std::string, std::string> kwargs;
@@ -104,18 +186,9 @@ struct TrainOptions {
     double new_lr_mult = 20;
     bool freeze_inherited = false;
     bool no_progress = false;
-    int64_t nproc_per_node = 1;
-    std::string dist_backend = "gloo";
-    double dist_timeout = 300.0;
+    LaunchOptions launch;
     DataOptions data;
 };
-
-// Options that choose how many processes train, not what is trained: a run may resume with others.
-bool is_launch_option(const std::string& token) {
-    for (const char* name : {"--nproc-per-node", "--dist-backend", "--dist-timeout"})
-        if (token == name || token.rfind(std::string(name) + "=", 0) == 0) return true;
-    return false;
-}
 
 int train_worker(TrainOptions& o, int argc, const char* const* argv, const std::shared_ptr<train::Distributed>& dist,
                  bool main_rank);
@@ -131,8 +204,12 @@ struct DiffusionTrainOptions {
     double ttt_lr_scale = 2.0;
     std::string vae;
     bool no_progress = false;
+    LaunchOptions launch;
     DataOptions data;
 };
+
+int train_diffusion_worker(DiffusionTrainOptions& o, int argc, const char* const* argv,
+                           const std::shared_ptr<train::Distributed>& dist, bool main_rank);
 
 int run_train_diffusion(int argc, const char* const* argv) {
     DiffusionTrainOptions o;
@@ -161,17 +238,26 @@ int run_train_diffusion(int argc, const char* const* argv) {
                0.0);
     app.add_option("--vae", o.vae, "latent-space training (needs the VAE encoder)")->type_name("FILE");
     app.add_flag("--no-progress", o.no_progress, "no progress bar");
+    add_launch_options(app, o.launch);
     add_data_options(app, o.data);
     if (!parse(app, argc, argv)) return 0;
     LINVIS_CHECK(o.vae.empty(), "--vae: latent-space diffusion training needs the VAE encoder, which linvis does not "
                                 "have yet; train in pixel space (without --vae)");
-    runtime::configure_threads(o.data.threads);
+    return run_data_parallel(argc, argv, o.launch, o.data.config.batch_size, o.data.threads,
+                             [&](const std::shared_ptr<train::Distributed>& dist, bool main_rank) {
+                                 return train_diffusion_worker(o, argc, argv, dist, main_rank);
+                             });
+}
+
+int train_diffusion_worker(DiffusionTrainOptions& o, int argc, const char* const* argv,
+                           const std::shared_ptr<train::Distributed>& dist, bool main_rank) {
+    train::DiffusionTrainConfig& config = o.config;
     train::DataConfig& data_config = o.data.config;
     data_config.seed = static_cast<uint64_t>(o.seed);
     data_config.minus_one_to_one = true;
     if (data_config.img_size == 0 && data_config.dataset == "fashion-mnist") data_config.img_size = 32;  // 28 -> 32
     train::DataSources data = train::make_data_sources(data_config);
-    std::cerr << data.description << "\n";
+    if (main_rank) std::cerr << data.description << "\n";
 
     auto kwargs = o.kwargs;
     kwargs.emplace("num_classes", std::to_string(data.num_classes));
@@ -179,9 +265,13 @@ int run_train_diffusion(int argc, const char* const* argv) {
     kwargs.emplace("input_size", std::to_string(data.img_size));
     torch::manual_seed(data_config.seed);
     models::DiffusionModelPtr model = models::create_diffusion_model(o.model, models::ModelConfig(kwargs));
-    std::cerr << o.model << ": " << with_commas(models::count_parameters(*model)) << " parameters";
-    for (const auto& [key, value] : kwargs) std::cerr << " " << key << "=" << value;
-    std::cerr << "\n";
+    if (main_rank) {
+        std::cerr << o.model << ": " << with_commas(models::count_parameters(*model)) << " parameters";
+        for (const auto& [key, value] : kwargs) std::cerr << " " << key << "=" << value;
+        if (dist) std::cerr << "; " << dist->world_size() << " processes, " << data_config.batch_size / dist->world_size()
+                            << " images per process and batch";
+        std::cerr << "\n";
+    }
     if (!o.init_from.empty()) {
         std::map<std::string, torch::Tensor> source;
         if (o.init_from.size() > 12 && o.init_from.substr(o.init_from.size() - 12) == ".safetensors") {
@@ -198,7 +288,8 @@ int run_train_diffusion(int argc, const char* const* argv) {
         const train::DitInheritanceReport report = train::inherit_softmax_dit(*model, source);
         LINVIS_CHECK(!report.copied.empty(), "--init-from ", o.init_from, ": no tensor matches ", o.model,
                      " (expected a softmax DiT of the same size)");
-        std::cerr << "inherited " << report.copied.size() << " tensors from " << o.init_from << "; "
+        if (main_rank)
+            std::cerr << "inherited " << report.copied.size() << " tensors from " << o.init_from << "; "
                   << report.initialised.size() << " keep their initialisation; " << report.skipped.size()
                   << " source tensors skipped\n";
         config.ttt_parameters = train::ttt_fast_weight_parameters(*model);
@@ -206,21 +297,13 @@ int run_train_diffusion(int argc, const char* const* argv) {
     }
     config.seed = data_config.seed;
     config.progress = !o.no_progress;
-    // The run's identity for --resume: every option except --resume, --no-progress and --epochs (a run
-    // may be extended by more epochs).
-    nlohmann::json run_config;
-    const std::vector<std::string> tokens(argv + 1, argv + argc);
-    for (size_t i = 0; i < tokens.size(); ++i) {
-        if (tokens[i] == "--epochs") {
-            ++i;
-            continue;
-        }
-        if (tokens[i] != "--resume" && tokens[i] != "--no-progress" && tokens[i].rfind("--epochs=", 0) != 0)
-            run_config.push_back(tokens[i]);
-    }
-    config.config_json = run_config.dump();
+    config.distributed = dist;
+    // The run's identity for --resume: a run may be extended by more --epochs, and continued with
+    // another number of processes.
+    config.config_json = run_identity(argc, argv, "--epochs");
     train::DiffusionTrainer trainer(model, config);
-    trainer.fit(*data.train);
+    if (!trainer.fit(*data.train)) return 130;
+    if (!main_rank) return 0;
     if (trainer.history().empty()) {
         std::printf("%s: already trained for %lld epochs (nothing to do)\n", config.output_dir.c_str(),
                     static_cast<long long>(config.epochs));
@@ -281,49 +364,13 @@ int run_train(int argc, const char* const* argv) {
     add_number(app, "--new-lr-mult", o.new_lr_mult, "lr multiplier of parameters not inherited with --init-from");
     app.add_flag("--freeze-inherited", o.freeze_inherited, "train only the parameters not inherited with --init-from");
     app.add_flag("--no-progress", o.no_progress, "no progress bar");
-    add_number(app, "--nproc-per-node", o.nproc_per_node,
-               "data-parallel worker processes on this machine (--batch-size is the global batch); under "
-               "torchrun or Slurm the RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT environment is read instead",
-               int64_t{1}, int64_t{1024});
-    add_choice(app, "--dist-backend", o.dist_backend, {"gloo", "nccl"},
-               "c10d process group: gloo (CPU) or nccl (CUDA only)");
-    add_number(app, "--dist-timeout", o.dist_timeout,
-               "seconds a worker waits for the others (rendezvous, each all-reduce) before every worker stops",
-               1e-3);
+    add_launch_options(app, o.launch);
     add_data_options(app, o.data);
     if (!parse(app, argc, argv)) return 0;
-
-    const train::DistributedEnv dist_env = train::distributed_env_from_environment();
-    const int64_t world = dist_env.world_size > 1 ? dist_env.world_size : o.nproc_per_node;
-    LINVIS_CHECK(o.data.config.batch_size % world == 0, "--batch-size ", o.data.config.batch_size,
-                 " (the global batch) must be divisible by the number of processes, ", world);
-    if (dist_env.world_size == 1 && o.nproc_per_node > 1)
-        return train::launch_local_workers(std::vector<std::string>(argv, argv + argc), o.nproc_per_node,
-                                           o.dist_timeout);
-    std::shared_ptr<train::Distributed> dist;
-    if (dist_env.world_size > 1) dist = train::Distributed::create(dist_env, o.dist_backend, o.dist_timeout);
-    else LINVIS_CHECK(o.dist_backend == "gloo" || torch::cuda::is_available(),
-                      "--dist-backend nccl: needs CUDA GPUs, and this LibTorch sees none; use --dist-backend gloo");
-    const bool main_rank = dist_env.rank == 0;
-    // Workers sharing a machine share its cores.
-    int threads = o.data.threads;
-    if (threads <= 0 && dist_env.local_world_size > 1)
-        threads = std::max<int>(1, static_cast<int>(std::thread::hardware_concurrency() /
-                                                    static_cast<unsigned>(dist_env.local_world_size)));
-    runtime::configure_threads(threads);
-    try {
-        return train_worker(o, argc, argv, dist, main_rank);
-    } catch (const std::exception& e) {
-        if (!dist) throw;
-        // A worker whose peers are gone may block in c10d's destructors: report and leave at once.
-        const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-        const std::string message = c10_error ? c10_error->what_without_backtrace() : e.what();
-        const std::string rank = "rank " + std::to_string(dist->rank());
-        std::fprintf(stderr, "linvis train: error: %s%s\n", message.rfind(rank, 0) == 0 ? "" : (rank + ": ").c_str(),
-                     message.c_str());
-        std::fflush(stderr);
-        _exit(1);
-    }
+    return run_data_parallel(argc, argv, o.launch, o.data.config.batch_size, o.data.threads,
+                             [&](const std::shared_ptr<train::Distributed>& dist, bool main_rank) {
+                                 return train_worker(o, argc, argv, dist, main_rank);
+                             });
 }
 
 int train_worker(TrainOptions& o, int argc, const char* const* argv, const std::shared_ptr<train::Distributed>& dist,
@@ -371,17 +418,7 @@ int train_worker(TrainOptions& o, int argc, const char* const* argv, const std::
                       << "%, loss " << before.loss << "\n";
         }
     }
-    nlohmann::json run_config;
-    const std::vector<std::string> tokens(argv + 1, argv + argc);
-    for (size_t i = 0; i < tokens.size(); ++i) {
-        if (tokens[i] == "--resume" || tokens[i] == "--no-progress") continue;
-        if (is_launch_option(tokens[i])) {
-            if (tokens[i].find('=') == std::string::npos) ++i;  // its value
-            continue;
-        }
-        run_config.push_back(tokens[i]);
-    }
-    config.config_json = run_config.dump();
+    config.config_json = run_identity(argc, argv);
 
     train::Trainer trainer(model, config);
     // The weights describe themselves (model_metadata in common.h): 'linvis predict --weights FILE IMAGE'

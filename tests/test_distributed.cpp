@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -367,8 +368,9 @@ const std::string kFaultArgs =
     "--cutmix 0 ";
 
 // Starts two workers, waits for the first epoch's checkpoint and returns the launcher and its workers.
-Background start_pair(const fs::path& out, double timeout_s, std::vector<pid_t>& workers) {
-    Background launcher = start_cli(kFaultArgs + "--threads 1 --nproc-per-node 2 --dist-timeout " + std::to_string(timeout_s) +
+Background start_pair(const fs::path& out, double timeout_s, std::vector<pid_t>& workers,
+                      const std::string& args = kFaultArgs) {
+    Background launcher = start_cli(args + "--threads 1 --nproc-per-node 2 --dist-timeout " + std::to_string(timeout_s) +
                                         " --output " + out.string(),
                                     out.parent_path() / (out.filename().string() + ".log"));
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
@@ -448,6 +450,99 @@ TEST(DistributedFaults, InterruptSavesOnceAndResumesWithADifferentWorldSize) {
                 1e-5);
     EXPECT_NEAR(resumed_metrics.back()["eval"]["loss"].get<double>(),
                 reference_metrics.back()["eval"]["loss"].get<double>(), 1e-4);
+}
+
+// ---------------------------------------------------------------- diffusion (linvis train --task diffusion)
+
+std::string diffusion_args() {
+    return "train --task diffusion --model dit_s4 --model-kwargs depth=1 hidden_size=32 num_heads=2 --dataset "
+           "fashion-mnist --limit-train 64 --batch-size 16 --epochs 2 --lr 1e-3 --ema-decay 0.9 --no-progress "
+           "--seed 5 --dist-timeout 60";
+}
+
+// Every rank draws t, noise and the label-dropout mask of the whole global batch and keeps its rows: two
+// processes compute what one computes on the same global batch.
+TEST(DistributedDiffusion, TwoProcessesMatchOneOnTheSameGlobalBatch) {
+    if (!fs::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"))
+        GTEST_SKIP() << "no Fashion-MNIST in /usr/share/datasets/fashion-mnist";
+    TempDir one("ddiff_one"), two("ddiff_two"), half("ddiff_half");
+    const auto single = run_cli(diffusion_args() + " --threads 1 --output " + one.path.string());
+    ASSERT_EQ(single.status, 0) << single.output;
+    const auto pair = run_cli(diffusion_args() + " --nproc-per-node 2 --output " + two.path.string());
+    ASSERT_EQ(pair.status, 0) << pair.output;
+    EXPECT_NE(pair.output.find("2 processes, 8 images per process and batch"), std::string::npos) << pair.output;
+    EXPECT_NE(pair.output.find("(8 steps)"), std::string::npos) << pair.output;
+    // Only rank 0 printed the summary and wrote, and it wrote everything.
+    size_t summaries = 0;
+    for (size_t at = pair.output.find("trained dit_s4"); at != std::string::npos; at = pair.output.find("trained dit_s4", at + 1))
+        ++summaries;
+    EXPECT_EQ(summaries, 1u) << pair.output;
+    for (const char* file : {"last.safetensors", "ema.safetensors", "checkpoint.pt", "metrics.jsonl"})
+        EXPECT_TRUE(fs::exists(two.path / file)) << file;
+    // 8 AdamW steps of lr 1e-3: float32 rounding of the sums moves a weight by a small fraction of a step.
+    EXPECT_LT(max_abs_difference(weights(two.path / "last.safetensors"), weights(one.path / "last.safetensors")), 2e-4);
+    EXPECT_LT(max_abs_difference(weights(two.path / "ema.safetensors"), weights(one.path / "ema.safetensors")), 2e-4);
+    // The losses are of the global batch.
+    const auto m1 = metrics(one.path), m2 = metrics(two.path);
+    ASSERT_EQ(m1.size(), 2u);
+    ASSERT_EQ(m2.size(), 2u);
+    for (size_t e = 0; e < 2; ++e) {
+        for (const char* key : {"loss", "mse", "vb"}) {
+            ASSERT_TRUE(std::isfinite(m2[e][key].get<double>())) << key;
+            EXPECT_NEAR(m2[e][key].get<double>(), m1[e][key].get<double>(), 1e-4) << key << " epoch " << e + 1;
+        }
+        EXPECT_EQ(m2[e]["world_size"], 2);
+        EXPECT_EQ(m2[e]["steps"], 4 * static_cast<int>(e + 1));
+        EXPECT_FALSE(m1[e].contains("world_size"));
+    }
+    // The comparison can tell runs apart: half the global batch trains to other weights.
+    const auto other = run_cli(diffusion_args() + " --threads 1 --batch-size 8 --output " + half.path.string());
+    ASSERT_EQ(other.status, 0) << other.output;
+    EXPECT_GT(max_abs_difference(weights(half.path / "last.safetensors"), weights(one.path / "last.safetensors")), 1e-3);
+    // The global batch must split evenly.
+    const auto odd = run_cli(diffusion_args() + " --nproc-per-node 3 --output " + (half.path / "odd").string());
+    EXPECT_NE(odd.status, 0);
+    EXPECT_NE(odd.output.find("--batch-size 16 (the global batch) must be divisible by the number of processes, 3"),
+              std::string::npos)
+        << odd.output;
+}
+
+const std::string kDiffusionFaultArgs =
+    "train --task diffusion --model dit_s4 --model-kwargs depth=1 hidden_size=32 num_heads=2 --dataset fashion-mnist "
+    "--limit-train 1024 --batch-size 16 --epochs 4 --no-progress --seed 1 ";
+
+// Ctrl-C on the launcher of a diffusion run: every worker stops after the same step, rank 0 saves once
+// (mid-epoch); the run then continues on one process and ends where an uninterrupted one-process run ends.
+TEST(DistributedDiffusion, InterruptSavesOnceAndResumesWithADifferentWorldSize) {
+    if (!fs::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"))
+        GTEST_SKIP() << "no Fashion-MNIST in /usr/share/datasets/fashion-mnist";
+    TempDir dir("ddiff_int");
+    const fs::path out = dir.path / "run", reference = dir.path / "reference";
+    std::vector<pid_t> workers;
+    Background launcher = start_pair(out, 60.0, workers, kDiffusionFaultArgs);
+    ASSERT_TRUE(fs::exists(out / "checkpoint.pt")) << read_file(launcher.log);
+    ASSERT_EQ(kill(launcher.pid, SIGINT), 0);
+    const int status = wait_for(launcher.pid, 60.0);
+    const std::string log = read_file(launcher.log);
+    ASSERT_EQ(status, 130) << log;
+    size_t saves = 0;
+    for (size_t at = log.find("interrupted: saved"); at != std::string::npos; at = log.find("interrupted: saved", at + 1))
+        ++saves;
+    EXPECT_EQ(saves, 1u) << log;
+    const auto resumed = run_cli(kDiffusionFaultArgs + "--threads 1 --resume --output " + out.string());
+    ASSERT_EQ(resumed.status, 0) << resumed.output;
+    EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+    EXPECT_EQ(resumed.output.find("epoch 1:"), std::string::npos) << resumed.output;  // continued, not restarted
+    EXPECT_NE(resumed.output.find("(256 steps)"), std::string::npos) << resumed.output;
+    const auto uninterrupted = run_cli(kDiffusionFaultArgs + "--threads 1 --output " + reference.string());
+    ASSERT_EQ(uninterrupted.status, 0) << uninterrupted.output;
+    // 256 AdamW steps of lr 1e-4: rounding differences of the all-reduce stay a fraction of a step.
+    EXPECT_LT(max_abs_difference(weights(out / "last.safetensors"), weights(reference / "last.safetensors")), 1e-3);
+    EXPECT_LT(max_abs_difference(weights(out / "ema.safetensors"), weights(reference / "ema.safetensors")), 1e-3);
+    const auto resumed_metrics = metrics(out), reference_metrics = metrics(reference);
+    ASSERT_EQ(resumed_metrics.size(), 4u);
+    ASSERT_EQ(reference_metrics.size(), 4u);
+    EXPECT_NEAR(resumed_metrics.back()["loss"].get<double>(), reference_metrics.back()["loss"].get<double>(), 1e-4);
 }
 
 }  // namespace

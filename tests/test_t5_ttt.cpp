@@ -301,7 +301,7 @@ TEST(Ops, GradcheckT5Dit5Mixed) {
         in));
 }
 
-TEST(T5, BatchIndependence) {
+TEST(T5, AttentionOpsBatchIndependence) {
     torch::manual_seed(26);
     const int64_t B = 3, H = 5, W = 5, N = 25, C = 24, h = 3;
     auto q = torch::randn({B, N, C}), k = torch::randn({B, N, C}), v = torch::randn({B, N, C});

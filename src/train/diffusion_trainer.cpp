@@ -18,6 +18,7 @@
 #include "linvis/models/diffusion.h"
 #include "linvis/train/checkpoint.h"
 #include "linvis/train/ema.h"
+#include "linvis/train/trainer.h"
 
 namespace linvis::train {
 
@@ -62,11 +63,20 @@ DiffusionTrainer::DiffusionTrainer(models::DiffusionModelPtr model, DiffusionTra
     LINVIS_CHECK(config_.epochs >= 1, "--epochs must be >= 1, got ", config_.epochs);
 }
 
-void DiffusionTrainer::fit(BatchSource& data) {
+bool DiffusionTrainer::fit(BatchSource& data) {
     namespace fs = std::filesystem;
-    fs::create_directories(config_.output_dir);
+    const std::shared_ptr<Distributed>& dist = config_.distributed;
+    const int64_t world = dist ? dist->world_size() : 1;
+    const int64_t rank = dist ? dist->rank() : 0;
+    const bool main_rank = rank == 0;  // the only rank that writes files and prints
+    const bool progress = config_.progress && main_rank;
+    if (main_rank) fs::create_directories(config_.output_dir);
     const std::string checkpoint_path = (fs::path(config_.output_dir) / "checkpoint.pt").string();
     const std::string metrics_path = (fs::path(config_.output_dir) / "metrics.jsonl").string();
+    if (world > 1) {
+        data.shard(rank, world, true);      // the batch size is the global batch
+        broadcast_module(*dist, *model_);   // every rank starts from rank 0's weights (and so does the EMA)
+    }
 
     // Two AdamW groups as DiT5/train.py (only the first is non-empty with ttt parameters); trainable only.
     std::vector<torch::Tensor> fast, rest;
@@ -101,33 +111,71 @@ void DiffusionTrainer::fit(BatchSource& data) {
             while (std::getline(in, line) && static_cast<int64_t>(metric_lines.size()) < state.epoch)
                 metric_lines.push_back(line);
         }
-        std::fprintf(stderr, "resumed from %s at epoch %lld\n", checkpoint_path.c_str(),
-                     static_cast<long long>(state.epoch));
+        if (main_rank) {
+            std::fprintf(stderr, "resumed from %s at epoch %lld", checkpoint_path.c_str(),
+                         static_cast<long long>(state.epoch));
+            if (state.batch > 0) std::fprintf(stderr, ", batch %lld", static_cast<long long>(state.batch));
+            std::fprintf(stderr, "\n");
+        }
     }
+
+    install_interrupt_handler();
+    std::unique_ptr<GradientReducer> reducer;
+    if (world > 1) reducer = std::make_unique<GradientReducer>(*model_, dist);
+    // Label dropout is drawn below with the timesteps and the noise: the official LabelEmbedder.token_drop
+    // with force_drop_ids (facebookresearch/DiT@ed81ce2:models.py), each label dropped independently with
+    // probability class_dropout_prob as in train mode. The label embedder (eval mode) does not draw again.
+    std::vector<std::shared_ptr<torch::nn::Module>> label_embedders;
+    for (const auto& m : model_->named_modules("", false))
+        if (m.key() == "y_embedder" || (m.key().size() > 11 && m.key().substr(m.key().size() - 11) == ".y_embedder"))
+            label_embedders.push_back(m.value());
+    const double label_dropout = model_->config().class_dropout_prob;
+    LINVIS_CHECK(label_dropout <= 0 || !label_embedders.empty(),
+                 "DiffusionTrainer: the model has label dropout but no y_embedder module");
 
     const models::GaussianDiffusion diffusion("", model_->config().learn_sigma);
     const int64_t T = diffusion.num_timesteps();
     for (int64_t epoch = state.epoch; epoch < config_.epochs; ++epoch) {
         model_->train();
-        torch::manual_seed(mix_seed(config_.seed, static_cast<uint64_t>(epoch), 0x646966667573ULL));
+        for (auto& m : label_embedders) m->eval();
         data.start_epoch(epoch);
+        const int64_t first_batch = epoch == state.epoch ? state.batch : 0;
+        if (first_batch > 0) data.skip(first_batch);
+        if (reducer) reducer->reset_wait_seconds();
         const auto start = std::chrono::steady_clock::now();
         double sum_loss = 0, sum_mse = 0, sum_vb = 0;
         int64_t batches = 0, images = 0;
         const int64_t total = data.batches_per_epoch();
         torch::Tensor x, y;
-        while (data.next(x, y)) {
-            const int64_t B = x.size(0);
-            torch::Tensor t = torch::randint(0, T, {B}, torch::kInt64);
-            torch::Tensor noise = torch::randn_like(x);
+        for (int64_t b = first_batch; data.next(x, y); ++b) {
+            const int64_t B = x.size(0), G = B * world;
+            // The global batch's randomness from the step's seed; this rank's rows of it are the rows of
+            // the single-process batch that its shard holds (r, r + W, ...: shard_order).
+            torch::manual_seed(mix_seed(config_.seed, static_cast<uint64_t>(epoch), static_cast<uint64_t>(b) + 1));
+            torch::Tensor t = torch::randint(0, T, {G}, torch::kInt64);
+            std::vector<int64_t> noise_shape = x.sizes().vec();
+            noise_shape[0] = G;
+            torch::Tensor noise = torch::randn(noise_shape, x.options());
+            torch::Tensor drop = torch::rand({G}) < label_dropout;
+            if (world > 1) {
+                const torch::Tensor rows = torch::arange(rank, G, world, torch::kInt64);
+                t = t.index_select(0, rows);
+                noise = noise.index_select(0, rows);
+                drop = drop.index_select(0, rows);
+            }
+            const torch::Tensor labels = label_dropout > 0 ? torch::where(drop, torch::full_like(y, model_->num_classes()), y) : y;
             auto losses = diffusion.training_losses(
-                [&](const torch::Tensor& xt, const torch::Tensor& tt) { return model_->forward(xt, tt, y); }, x, t, noise);
+                [&](const torch::Tensor& xt, const torch::Tensor& tt) { return model_->forward(xt, tt, labels); }, x, t,
+                noise);
             torch::Tensor loss = losses.loss.mean();
             const double value = loss.item<double>();
             LINVIS_CHECK(std::isfinite(value), "diffusion training: the loss became ", value, " at epoch ", epoch,
-                         ", batch ", batches, " (the last checkpoint is ", checkpoint_path, ")");
+                         ", batch ", b, " (the last checkpoint is ", checkpoint_path, ")");
             optimizer.zero_grad();
+            if (reducer) reducer->prepare(true);  // the gradients are averaged over the ranks during backward
             loss.backward();
+            distributed_heartbeat();
+            if (reducer) reducer->finish();
             optimizer.step();
             ema_with_decay.update(*model_);
             ++state.step;
@@ -136,44 +184,73 @@ void DiffusionTrainer::fit(BatchSource& data) {
             if (losses.vb.defined()) sum_vb += losses.vb.mean().item<double>();
             ++batches;
             images += B;
-            if (config_.progress) {
+            if (progress) {
                 std::fprintf(stderr, "\repoch %lld/%lld  batch %lld/%lld  loss %.4f", static_cast<long long>(epoch + 1),
-                             static_cast<long long>(config_.epochs), static_cast<long long>(batches),
+                             static_cast<long long>(config_.epochs), static_cast<long long>(b + 1),
                              static_cast<long long>(total), sum_loss / batches);
                 std::fflush(stderr);
             }
+            // Every rank stops after the same step when any of them was interrupted.
+            std::vector<double> interrupted{interrupt_requested() ? 1.0 : 0.0};
+            sum_over_ranks(dist.get(), interrupted);
+            if (interrupted[0] > 0) {
+                if (progress) std::fprintf(stderr, "\n");
+                state.epoch = epoch;
+                state.batch = b + 1;
+                if (main_rank) {
+                    save_checkpoint(checkpoint_path, state, *model_, optimizer, &ema_with_decay.tensors());
+                    std::fprintf(stderr, "interrupted: saved %s (epoch %lld, batch %lld); continue with --resume\n",
+                                 checkpoint_path.c_str(), static_cast<long long>(epoch + 1),
+                                 static_cast<long long>(b + 1));
+                }
+                if (dist) dist->barrier();  // the checkpoint is complete before any worker exits
+                clear_interrupt();
+                model_->eval();
+                return false;
+            }
         }
-        if (config_.progress) std::fprintf(stderr, "\n");
+        if (progress) std::fprintf(stderr, "\n");
+        // Over the global batches: the mean of the ranks' batch means (equal shard batches), images summed.
+        std::vector<double> sums{sum_loss, sum_mse, sum_vb, static_cast<double>(images)};
+        sum_over_ranks(dist.get(), sums);
         const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         DiffusionEpochRecord r;
         r.epoch = epoch;
-        r.loss = batches ? sum_loss / batches : 0.0;
-        r.mse = batches ? sum_mse / batches : 0.0;
-        r.vb = batches ? sum_vb / batches : 0.0;
+        r.loss = batches ? sums[0] / static_cast<double>(world * batches) : 0.0;
+        r.mse = batches ? sums[1] / static_cast<double>(world * batches) : 0.0;
+        r.vb = batches ? sums[2] / static_cast<double>(world * batches) : 0.0;
         r.seconds = seconds;
-        r.images_per_s = seconds > 0 ? images / seconds : 0.0;
+        r.images_per_s = seconds > 0 ? sums[3] / seconds : 0.0;
         r.steps = state.step;
+        r.world_size = world;
         history_.push_back(r);
-        std::fprintf(stderr, "epoch %lld: loss %.5f (mse %.5f, vb %.5f), %.1f images/s, %lld steps\n",
-                     static_cast<long long>(epoch + 1), r.loss, r.mse, r.vb, r.images_per_s,
-                     static_cast<long long>(r.steps));
-
         state.epoch = epoch + 1;
         state.batch = 0;
-        save_checkpoint(checkpoint_path, state, *model_, optimizer, &ema_with_decay.tensors());
-        io::save_weights(*model_, (fs::path(config_.output_dir) / "last.safetensors").string());
-        std::map<std::string, torch::Tensor> ema_tensors;
-        for (const auto& [k, v] : ema_with_decay.tensors()) ema_tensors[k] = v.contiguous();
-        io::save_safetensors((fs::path(config_.output_dir) / "ema.safetensors").string(), ema_tensors);
-        metric_lines.push_back(nlohmann::json({{"epoch", r.epoch + 1}, {"loss", r.loss}, {"mse", r.mse}, {"vb", r.vb},
-                                               {"seconds", r.seconds}, {"images_per_s", r.images_per_s},
-                                               {"steps", r.steps}})
-                                   .dump());
-        std::string text;
-        for (const auto& line : metric_lines) text += line + "\n";
-        io::write_file_atomically(metrics_path, text);
+        if (main_rank) {
+            std::fprintf(stderr, "epoch %lld: loss %.5f (mse %.5f, vb %.5f), %.1f images/s, %lld steps\n",
+                         static_cast<long long>(epoch + 1), r.loss, r.mse, r.vb, r.images_per_s,
+                         static_cast<long long>(r.steps));
+            save_checkpoint(checkpoint_path, state, *model_, optimizer, &ema_with_decay.tensors());
+            io::save_weights(*model_, (fs::path(config_.output_dir) / "last.safetensors").string());
+            std::map<std::string, torch::Tensor> ema_tensors;
+            for (const auto& [k, v] : ema_with_decay.tensors()) ema_tensors[k] = v.contiguous();
+            io::save_safetensors((fs::path(config_.output_dir) / "ema.safetensors").string(), ema_tensors);
+            nlohmann::json line = {{"epoch", r.epoch + 1}, {"loss", r.loss},     {"mse", r.mse},
+                                   {"vb", r.vb},           {"seconds", r.seconds}, {"images_per_s", r.images_per_s},
+                                   {"steps", r.steps}};
+            if (world > 1) {
+                line["world_size"] = world;
+                line["allreduce_wait_s"] = reducer->wait_seconds();
+            }
+            metric_lines.push_back(line.dump());
+            std::string text;
+            for (const auto& l : metric_lines) text += l + "\n";
+            io::write_file_atomically(metrics_path, text);
+        }
     }
     model_->eval();
+    if (dist) dist->barrier();  // every file is written before any worker reports success
+    return true;
 }
 
 }  // namespace linvis::train

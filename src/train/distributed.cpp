@@ -579,4 +579,11 @@ int launch_local_workers(const std::vector<std::string>& args, int64_t nproc, do
     return sigints_forwarded > 0 ? 130 : 0;
 }
 
+void sum_over_ranks(Distributed* dist, std::vector<double>& values) {
+    if (dist == nullptr || dist->world_size() == 1) return;
+    torch::Tensor t = torch::tensor(values, torch::kFloat64);
+    dist->all_reduce_sum(t);
+    for (size_t i = 0; i < values.size(); ++i) values[i] = t[static_cast<int64_t>(i)].item<double>();
+}
+
 }  // namespace linvis::train

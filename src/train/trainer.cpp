@@ -113,14 +113,6 @@ void append_metrics(const std::string& path, const EpochRecord& r) {
     out << j.dump() << "\n";
 }
 
-// Sums doubles over the ranks (no-op without a process group).
-void sum_over_ranks(Distributed* dist, std::vector<double>& values) {
-    if (dist == nullptr || dist->world_size() == 1) return;
-    torch::Tensor t = torch::tensor(values, torch::kFloat64);
-    dist->all_reduce_sum(t);
-    for (size_t i = 0; i < values.size(); ++i) values[i] = t[static_cast<int64_t>(i)].item<double>();
-}
-
 // Synchronised BatchNorm for the lifetime of the guard.
 class BatchNormSync {
 public:

@@ -8,8 +8,18 @@
 //
 // Writes into output_dir after every epoch: checkpoint.pt (model, optimiser, EMA, epoch; atomically),
 // last.safetensors (the model), ema.safetensors (the EMA weights, what sampling uses) and metrics.jsonl
-// (one line per epoch). resume continues from checkpoint.pt at the next epoch; batch order, timesteps,
-// noise and label dropout are seeded per (seed, epoch), so a resumed run repeats the uninterrupted one.
+// (one line per epoch). resume continues from checkpoint.pt where it stopped (the next epoch, or the next
+// batch after a Ctrl-C); batch order is seeded per (seed, epoch), timesteps, noise and label dropout per
+// (seed, epoch, batch), so a resumed run repeats the uninterrupted one.
+//
+// Data parallel (config.distributed with world size W > 1, as train::Trainer): the data source is
+// sharded (its batch size is the global batch G, each rank takes G / W rows: rows r, r + W, ... of the
+// single-process batch), rank 0's weights are broadcast, gradients are averaged over the ranks during
+// backward (GradientReducer). Every rank draws t, noise and the label-dropout mask for the whole global
+// batch from the per-step seed and keeps its own rows, so W processes compute what one process computes
+// on the same global batch (up to float32 rounding of the sums). Label dropout is therefore drawn here
+// (the official token_drop with force_drop_ids), not by the model. Only rank 0 writes files; the
+// metrics are over the global batch.
 #pragma once
 
 #include <functional>
@@ -20,6 +30,7 @@
 
 #include "linvis/models/dit.h"
 #include "linvis/train/data.h"
+#include "linvis/train/distributed.h"
 
 namespace linvis::train {
 
@@ -35,6 +46,7 @@ struct DiffusionTrainConfig {
     bool resume = false;
     bool progress = true;
     std::string config_json;                  // stored in the checkpoint; resuming another run is refused
+    std::shared_ptr<Distributed> distributed; // data-parallel process group (null or world size 1: alone)
 };
 
 struct DiffusionEpochRecord {
@@ -42,14 +54,16 @@ struct DiffusionEpochRecord {
     double loss = 0.0, mse = 0.0, vb = 0.0;   // means over the epoch's batches
     double seconds = 0.0, images_per_s = 0.0;
     int64_t steps = 0;                        // optimiser steps so far
+    int64_t world_size = 1;
 };
 
 class DiffusionTrainer {
 public:
     DiffusionTrainer(models::DiffusionModelPtr model, DiffusionTrainConfig config);
     // Trains for config.epochs epochs on (images in [-1, 1], labels) batches. Throws linvis::Error when
-    // the loss becomes NaN / Inf (the last checkpoint stays).
-    void fit(BatchSource& data);
+    // the loss becomes NaN / Inf (the last checkpoint stays). Returns false when interrupted by SIGINT
+    // (every rank stops after the same step; rank 0 saved checkpoint.pt first).
+    bool fit(BatchSource& data);
     const std::vector<DiffusionEpochRecord>& history() const { return history_; }
 
 private:

@@ -66,6 +66,10 @@ public:
 // BatchNorm statistics, linvis/nn/batch_norm.h).
 torch::Tensor differentiable_all_reduce_sum(const std::shared_ptr<Distributed>& dist, const torch::Tensor& x);
 
+// Sums doubles over the ranks in place (metrics of the global batch, a stop flag); a no-op without
+// a process group or with one process.
+void sum_over_ranks(Distributed* dist, std::vector<double>& values);
+
 // Copies rank 0's parameters and buffers to every rank.
 void broadcast_module(Distributed& dist, torch::nn::Module& module);
 
