@@ -13,31 +13,14 @@
 #include "support/fixtures.h"
 #include "support/temp_dir.h"
 
+using linvis::testing::dit_fixture_tolerance;
+using linvis::testing::matches_fixture;
+
 namespace {
 
 using linvis::models::create_diffusion_model;
 using linvis::models::DiffusionModelPtr;
 using linvis::models::ModelConfig;
-
-// |a - e| <= 1e-4 * max|e| (the fixtures' tolerance: relative to the largest magnitude).
-// DiT5's tiny fixtures run at a 4x4 token grid, below NATTEN's 5x5 window (NATTEN rejects it; the fixtures
-// used a stand-in). linvis (nat_small_grid: the window covers the whole short axis) reproduces them to ~3e-3
-// relative, not 1e-4. Other readings of the stand-in were tried and are further off (max abs err on the run
-// fixture, scale 1.58): whole axis 4.2e-3; start min(max(i-2,0),G-5) = -1 with Python's negative wrap 1.8e-3,
-// with clamping 7.1e-3; NATTEN's get_window_start with wrap 8.2e-3, with clamping 6.9e-3; zero padding 8.9e-3;
-// replicate padding 1.6e-2; a 3x3 window 1.2e-2. DiT and DiT3 are held to 1e-4.
-double tolerance(const std::string& family) { return family == "dit5" ? 5e-3 : 1e-4; }
-
-::testing::AssertionResult close_to_fixture(const torch::Tensor& actual, const torch::Tensor& expected,
-                                            double rel = 1e-4) {
-    if (actual.sizes() != expected.sizes())
-        return ::testing::AssertionFailure() << "shape " << actual.sizes() << " vs " << expected.sizes();
-    const double scale = expected.abs().max().item<double>();
-    const double err = (actual.to(torch::kFloat64) - expected.to(torch::kFloat64)).abs().max().item<double>();
-    if (!(err <= rel * scale))
-        return ::testing::AssertionFailure() << "max abs err " << err << " > " << rel << " * " << scale;
-    return ::testing::AssertionSuccess() << "max abs err " << err << " (scale " << scale << ")";
-}
 
 // The fixtures' tiny config: DiT(input_size=8, patch_size=2, hidden_size=96, depth=1, num_heads=3, num_classes=10).
 DiffusionModelPtr tiny(const std::string& family) {
@@ -57,7 +40,7 @@ TEST_P(DitFixture, ForwardMatchesOfficial) {
     auto f = linvis::testing::load_fixture("generation/" + GetParam() + "_tiny.run.safetensors");
     auto m = tiny(GetParam());
     torch::NoGradGuard g;
-    EXPECT_TRUE(close_to_fixture(m->forward(f["x"], f["t"], f["y"]), f["out"], tolerance(GetParam())));
+    EXPECT_TRUE(matches_fixture(m->forward(f["x"], f["t"], f["y"]), f["out"], dit_fixture_tolerance(GetParam())));
 }
 
 TEST_P(DitFixture, ForwardWithCfgMatchesOfficial) {
@@ -66,7 +49,7 @@ TEST_P(DitFixture, ForwardWithCfgMatchesOfficial) {
     auto m = tiny(GetParam());
     torch::NoGradGuard g;
     torch::Tensor out = m->forward_with_cfg(f["x"], f["t"], f["y"], 1.5);
-    EXPECT_TRUE(close_to_fixture(out, f["out"], tolerance(GetParam())));
+    EXPECT_TRUE(matches_fixture(out, f["out"], dit_fixture_tolerance(GetParam())));
     // channels 3.. are not guided and the two halves of the guided channels are equal
     EXPECT_TRUE(torch::equal(out.narrow(0, 0, 1).narrow(1, 0, 3), out.narrow(0, 1, 1).narrow(1, 0, 3)));
 }
@@ -267,7 +250,7 @@ TEST(Dit, OfficialCheckpointFormatsLoad) {
         EXPECT_EQ(r.chosen_key, std::string(file) == "train.pt" ? "ema" : "") << file;
         m->eval();
         torch::NoGradGuard g;
-        EXPECT_TRUE(close_to_fixture(m->forward(f["x"], f["t"], f["y"]), f["out"])) << file;
+        EXPECT_TRUE(matches_fixture(m->forward(f["x"], f["t"], f["y"]), f["out"])) << file;
     }
     // an explicit EMA request on a bare state dict is an error
     auto m = create_diffusion_model("dit_s2", c);

@@ -13,22 +13,13 @@
 #include "support/fixtures.h"
 #include "support/temp_dir.h"
 
+using linvis::testing::matches_fixture;
+
 namespace {
 
 using linvis::models::ModelConfig;
 
 const ModelConfig kTiny(std::map<std::string, std::string>{{"block_out_channels", "32,32,64,64"}});
-
-::testing::AssertionResult close_to_fixture(const torch::Tensor& actual, const torch::Tensor& expected,
-                                            double rel = 1e-4) {
-    if (actual.sizes() != expected.sizes())
-        return ::testing::AssertionFailure() << "shape " << actual.sizes() << " vs " << expected.sizes();
-    const double scale = expected.abs().max().item<double>();
-    const double err = (actual.to(torch::kFloat64) - expected.to(torch::kFloat64)).abs().max().item<double>();
-    if (!(err <= rel * scale))
-        return ::testing::AssertionFailure() << "max abs err " << err << " > " << rel << " * " << scale;
-    return ::testing::AssertionSuccess();
-}
 
 torch::Tensor decode_with(const std::string& weights) {
     auto vae = linvis::models::create_vae_decoder("sd_vae_decoder", kTiny);
@@ -42,7 +33,7 @@ torch::Tensor decode_with(const std::string& weights) {
 TEST(Vae, DecodeMatchesDiffusers) {
     LINVIS_REQUIRE_FIXTURES();
     auto f = linvis::testing::load_fixture("generation/vae_tiny.io.safetensors");
-    EXPECT_TRUE(close_to_fixture(decode_with(linvis::testing::fixtures_dir() + "/generation/vae_tiny.weights.safetensors"),
+    EXPECT_TRUE(matches_fixture(decode_with(linvis::testing::fixtures_dir() + "/generation/vae_tiny.weights.safetensors"),
                                  f["image"]));
 }
 
@@ -90,8 +81,8 @@ TEST(Vae, LegacyKeySchemesLoad) {
     const std::string p1 = dir.file("old.safetensors"), p2 = dir.file("ldm.safetensors");
     linvis::io::save_safetensors(p1, old_diffusers);
     linvis::io::save_safetensors(p2, ldm);
-    EXPECT_TRUE(close_to_fixture(decode_with(p1), f["image"]));
-    EXPECT_TRUE(close_to_fixture(decode_with(p2), f["image"]));
+    EXPECT_TRUE(matches_fixture(decode_with(p1), f["image"]));
+    EXPECT_TRUE(matches_fixture(decode_with(p2), f["image"]));
 }
 
 // post_quant_conv + decoder of sd-vae-ft-mse: 49,490,199 parameters (spec §5).
