@@ -112,7 +112,10 @@ void check_bmp_container(const uint8_t* data, size_t size, const std::string& na
         bits = le16(data + 28);
         compression = le32(data + 30);
     }
-    const bool uncompressed = compression == 0 || compression == 3 || compression == 6;  // RGB, BITFIELDS
+    // stb_image reads every compression value but RLE (1, 2) and embedded JPEG/PNG (4, 5) as raw rows,
+    // unknown values included, so the rows must be in the file (a 100-byte file declaring 773x262144 was
+    // decoded into 600 MB of zeros: a fuzz finding).
+    const bool uncompressed = !(compression == 1 || compression == 2 || compression == 4 || compression == 5);
     if (!uncompressed || width <= 0 || height == 0 || bits == 0) return;  // left to stb_image to judge
     const uint64_t row_bytes = (uint64_t(bits) * uint64_t(width) + 31) / 32 * 4;
     const uint64_t needed = pixel_offset + row_bytes * uint64_t(height < 0 ? -height : height);
