@@ -18,6 +18,7 @@
 #include "linvis/models/segmentation.h"
 #include "linvis/plot/plot.h"
 #include "linvis/train/segmentation.h"
+#include "launch.h"
 #include "segmentation.h"
 
 namespace linvis::cli {
@@ -181,42 +182,49 @@ int run_train_segmentation(int argc, const char* const* argv) {
     app.add_flag("--resume", c.resume, "continue from OUTPUT/checkpoint.pt");
     app.add_flag("--no-progress", no_progress, "no per-step progress lines");
     add_seg_data_options(app, d);
+    LaunchOptions launch;
+    add_launch_options(app, launch);
     if (!parse(app, argc, argv)) return 0;
-    runtime::configure_threads(d.threads);
     c.seed = uint64_t(seed);
     c.progress = !no_progress;
     c.eval_limit = d.eval_limit;
     c.augment.scale = d.img_size;
     c.augment.crop = crop > 0 ? crop : d.img_size;
     if (no_augment) c.augment.min_scale = c.augment.max_scale = 1.0, c.augment.flip = false;
-    auto [train_data, eval_data] = make_seg_data(d, c.seed, true);
-    std::cerr << "train: " << train_data->name() << " (" << train_data->size() << "), eval: " << eval_data->name()
-              << " (" << eval_data->size() << ")\n";
-    torch::manual_seed(c.seed);
-    auto model = build_seg_model(m, train_data->num_classes(), backbone_weights);
-    model->train();
-    std::cerr << m.model << " + " << m.head << " (" << m.channels << " channels"
-              << (model->plain_backbone() ? ", plain-backbone pyramid neck" : "") << "): "
-              << with_commas(models::count_parameters(*model)) << " parameters\n";
-    nlohmann::json run_config;
-    // The run's identity for --resume: every option but --resume, --no-progress and --steps (a run may be lengthened).
-    for (int i = 1; i < argc; ++i) {
-        const std::string token = argv[i];
-        if (token == "--steps") { ++i; continue; }
-        if (token.rfind("--steps=", 0) == 0 || token == "--resume" || token == "--no-progress") continue;
-        run_config.push_back(token);
-    }
-    c.config_json = run_config.dump();
-    train::SegmentationTrainer trainer(model, c);
-    const auto meta = metadata_of(m, train_data->num_classes(), train_data->class_names());
-    trainer.save_weights = [&](const std::string& path, const torch::nn::Module& module) {
-        io::save_weights(module, path, meta);
-    };
-    const train::SegEvalResult r = trainer.fit(*train_data, eval_data.get());
-    std::printf("trained %s + %s for %lld steps on %s\n", m.model.c_str(), m.head.c_str(),
-                static_cast<long long>(trainer.step()), d.dataset.c_str());
-    print_result(r, eval_data->class_names());
-    return 0;
+    // The run's identity for --resume: every option but --resume, --no-progress, the launch options and
+    // --steps (a run may be lengthened, and continue with another number of processes).
+    c.config_json = run_identity(argc, argv, "--steps");
+    return run_data_parallel(argc, argv, launch, c.batch_size, d.threads,
+                             [&](const std::shared_ptr<train::Distributed>& dist, bool main_rank) {
+        c.distributed = dist;
+        auto [train_data, eval_data] = make_seg_data(d, c.seed, true);
+        torch::manual_seed(c.seed);
+        auto model = build_seg_model(m, train_data->num_classes(), backbone_weights);
+        model->train();
+        if (main_rank) {
+            std::cerr << "train: " << train_data->name() << " (" << train_data->size() << "), eval: "
+                      << eval_data->name() << " (" << eval_data->size() << ")\n";
+            std::cerr << m.model << " + " << m.head << " (" << m.channels << " channels"
+                      << (model->plain_backbone() ? ", plain-backbone pyramid neck" : "") << "): "
+                      << with_commas(models::count_parameters(*model)) << " parameters";
+            if (dist) std::cerr << "; " << dist->world_size() << " processes, " << c.batch_size / dist->world_size()
+                                << " images per process and step";
+            std::cerr << "\n";
+        }
+        train::SegmentationTrainer trainer(model, c);
+        const auto meta = metadata_of(m, train_data->num_classes(), train_data->class_names());
+        trainer.save_weights = [&](const std::string& path, const torch::nn::Module& module) {
+            io::save_weights(module, path, meta);
+        };
+        const train::SegEvalResult r = trainer.fit(*train_data, eval_data.get());
+        if (trainer.interrupted()) return 130;
+        if (main_rank) {
+            std::printf("trained %s + %s for %lld steps on %s\n", m.model.c_str(), m.head.c_str(),
+                        static_cast<long long>(trainer.step()), d.dataset.c_str());
+            print_result(r, eval_data->class_names());
+        }
+        return 0;
+    });
 }
 
 int run_eval_segmentation(int argc, const char* const* argv) {

@@ -1,11 +1,7 @@
 // linvis train / linvis eval: the papers' training recipe on real images, and evaluation.
-#include <unistd.h>
-
 #include <cstdio>
 #include <filesystem>
-#include <functional>
 #include <iostream>
-#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -25,6 +21,7 @@
 #include "linvis/train/diffusion_trainer.h"
 #include "linvis/train/finetune.h"
 #include "linvis/train/trainer.h"
+#include "launch.h"
 #include "segmentation.h"
 
 namespace linvis::cli {
@@ -91,87 +88,6 @@ void draw_curves(const std::string& path, const std::string& title, const std::v
     rate.title("learning rate (end of epoch)").x_label("epoch").y_label("lr");
     rate.add("lr", epochs, lr);
     figure.save_png(path, 1500, 450);
-}
-
-// How many processes train (data parallel on c10d), shared by both tasks of 'linvis train'.
-struct LaunchOptions {
-    int64_t nproc_per_node = 1;
-    std::string dist_backend = "gloo";
-    double dist_timeout = 300.0;
-};
-
-void add_launch_options(CLI::App& app, LaunchOptions& o) {
-    add_number(app, "--nproc-per-node", o.nproc_per_node,
-               "data-parallel worker processes on this machine (--batch-size is the global batch); under "
-               "torchrun or Slurm the RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT environment is read instead",
-               int64_t{1}, int64_t{1024});
-    add_choice(app, "--dist-backend", o.dist_backend, {"gloo", "nccl"},
-               "c10d process group: gloo (CPU) or nccl (CUDA only)");
-    add_number(app, "--dist-timeout", o.dist_timeout,
-               "seconds a worker waits for the others (rendezvous, each all-reduce) before every worker stops",
-               1e-3);
-}
-
-// Options that choose how many processes train, not what is trained: a run may resume with others.
-bool is_launch_option(const std::string& token) {
-    for (const char* name : {"--nproc-per-node", "--dist-backend", "--dist-timeout"})
-        if (token == name || token.rfind(std::string(name) + "=", 0) == 0) return true;
-    return false;
-}
-
-// The process's part of a data-parallel run: alone (no process group), the launcher of
-// --nproc-per-node workers (re-executing argv), or one worker of a torchrun-style environment. Checks
-// that the global batch splits evenly, configures the threads (workers sharing a machine share its
-// cores) and runs `worker(process group or null, is rank 0)`. A worker's error is reported with its
-// rank and ends the process at once (its peers may be gone, and c10d's destructors would block).
-using DataParallelWorker = std::function<int(const std::shared_ptr<train::Distributed>&, bool main_rank)>;
-
-int run_data_parallel(int argc, const char* const* argv, const LaunchOptions& launch, int64_t global_batch,
-                      int threads, const DataParallelWorker& worker) {
-    const train::DistributedEnv dist_env = train::distributed_env_from_environment();
-    const int64_t world = dist_env.world_size > 1 ? dist_env.world_size : launch.nproc_per_node;
-    LINVIS_CHECK(global_batch % world == 0, "--batch-size ", global_batch,
-                 " (the global batch) must be divisible by the number of processes, ", world);
-    if (dist_env.world_size == 1 && launch.nproc_per_node > 1)
-        return train::launch_local_workers(std::vector<std::string>(argv, argv + argc), launch.nproc_per_node,
-                                           launch.dist_timeout);
-    std::shared_ptr<train::Distributed> dist;
-    if (dist_env.world_size > 1) dist = train::Distributed::create(dist_env, launch.dist_backend, launch.dist_timeout);
-    else LINVIS_CHECK(launch.dist_backend == "gloo" || torch::cuda::is_available(),
-                      "--dist-backend nccl: needs CUDA GPUs, and this LibTorch sees none; use --dist-backend gloo");
-    if (threads <= 0 && dist_env.local_world_size > 1)
-        threads = std::max<int>(1, static_cast<int>(std::thread::hardware_concurrency() /
-                                                    static_cast<unsigned>(dist_env.local_world_size)));
-    runtime::configure_threads(threads);
-    try {
-        return worker(dist, dist_env.rank == 0);
-    } catch (const std::exception& e) {
-        if (!dist) throw;
-        const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-        const std::string message = c10_error ? c10_error->what_without_backtrace() : e.what();
-        const std::string rank = "rank " + std::to_string(dist->rank());
-        std::fprintf(stderr, "linvis train: error: %s%s\n", message.rfind(rank, 0) == 0 ? "" : (rank + ": ").c_str(),
-                     message.c_str());
-        std::fflush(stderr);
-        _exit(1);
-    }
-}
-
-// The run's identity for --resume: the arguments without --resume, --no-progress, the launch options
-// and, when `skip` names it, an option that may change between runs (with its value).
-std::string run_identity(int argc, const char* const* argv, const std::string& skip = "") {
-    nlohmann::json run_config;
-    const std::vector<std::string> tokens(argv + 1, argv + argc);
-    for (size_t i = 0; i < tokens.size(); ++i) {
-        if (tokens[i] == "--resume" || tokens[i] == "--no-progress") continue;
-        const bool skipped = !skip.empty() && (tokens[i] == skip || tokens[i].rfind(skip + "=", 0) == 0);
-        if (skipped || is_launch_option(tokens[i])) {
-            if (tokens[i].find('=') == std::string::npos) ++i;  // its value
-            continue;
-        }
-        run_config.push_back(tokens[i]);
-    }
-    return run_config.dump();
 }
 
 struct TrainOptions {

@@ -7,6 +7,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/models/registry.h"
+#include "linvis/nn/batch_norm.h"
 
 namespace linvis::models {
 namespace {
@@ -21,7 +22,7 @@ struct ConvModuleImpl : torch::nn::Module {
                                                              .bias(false)));
         bn = register_module("bn", torch::nn::BatchNorm2d(out));
     }
-    torch::Tensor forward(const torch::Tensor& x) { return torch::relu(bn->forward(conv->forward(x))); }
+    torch::Tensor forward(const torch::Tensor& x) { return torch::relu(nn::batch_norm(*bn, conv->forward(x))); }
     torch::nn::Conv2d conv{nullptr};
     torch::nn::BatchNorm2d bn{nullptr};
 };
@@ -41,7 +42,7 @@ struct NeckLevelImpl : torch::nn::Module {
         }
     }
     torch::Tensor forward(const torch::Tensor& x) {
-        if (scale == 4) return up2->forward(torch::gelu(bn->forward(up1->forward(x))));
+        if (scale == 4) return up2->forward(torch::gelu(nn::batch_norm(*bn, up1->forward(x))));
         if (scale == 2) return up1->forward(x);
         if (scale == 1) return x;
         return F::max_pool2d(x, F::MaxPool2dFuncOptions(2).stride(2).ceil_mode(true));
@@ -72,6 +73,8 @@ SegmentationModel::SegmentationModel(ModelPtr backbone, const SegmentationConfig
                  "segmentation: head must be upernet or fpn, got ", config_.head);
     LINVIS_CHECK(config_.channels > 0, "segmentation: channels must be > 0, got ", config_.channels);
     LINVIS_CHECK(config_.num_classes > 0, "segmentation: num_classes must be > 0, got ", config_.num_classes);
+    LINVIS_CHECK(config_.dropout >= 0 && config_.dropout < 1, "segmentation: dropout must be in [0, 1), got ",
+                 config_.dropout);
     register_module("backbone", backbone_);
 
     // Probe the backbone once for the channels and strides of its maps.
@@ -119,7 +122,6 @@ SegmentationModel::SegmentationModel(ModelPtr backbone, const SegmentationConfig
             "bottleneck", ConvModule(in_channels_.back() + int64_t(std::size(kPoolScales)) * C, C, 3));
         fpn_bottleneck_ = head->register_module("fpn_bottleneck", ConvModule(levels * C, C, 3));
     }
-    dropout_ = head->register_module("dropout", torch::nn::Dropout(config_.dropout));
     conv_seg_ = head->register_module("conv_seg", torch::nn::Conv2d(torch::nn::Conv2dOptions(C, config_.num_classes, 1)));
 }
 
@@ -160,7 +162,25 @@ torch::Tensor SegmentationModel::decode(const std::vector<torch::Tensor>& maps) 
         fused = outs[0];
         for (size_t i = 1; i < levels; ++i) fused = fused + outs[i];
     }
-    return conv_seg_->forward(dropout_->forward(fused));
+    return conv_seg_->forward(dropout(fused));
+}
+
+void SegmentationModel::set_batch_rows(int64_t rank, int64_t world) {
+    LINVIS_CHECK(world >= 1 && rank >= 0 && rank < world, "segmentation: rank ", rank, " of ", world, " processes");
+    batch_rank_ = rank;
+    batch_world_ = world;
+}
+
+torch::Tensor SegmentationModel::dropout(const torch::Tensor& x) const {
+    const double p = config_.dropout;
+    if (!is_training() || p == 0) return x;
+    // torch's dropout (keep with probability 1 - p, scale by 1 / (1 - p)) with the mask drawn for the
+    // whole global batch, of which this process keeps its rows.
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape[0] *= batch_world_;
+    torch::Tensor keep = torch::empty(shape, x.options()).bernoulli_(1.0 - p);
+    if (batch_world_ > 1) keep = keep.index_select(0, torch::arange(batch_rank_, shape[0], batch_world_, torch::kInt64));
+    return x * keep / (1.0 - p);
 }
 
 torch::Tensor SegmentationModel::forward(const torch::Tensor& images) {

@@ -66,8 +66,7 @@ DiffusionTrainer::DiffusionTrainer(models::DiffusionModelPtr model, DiffusionTra
 bool DiffusionTrainer::fit(BatchSource& data) {
     namespace fs = std::filesystem;
     const std::shared_ptr<Distributed>& dist = config_.distributed;
-    const int64_t world = dist ? dist->world_size() : 1;
-    const int64_t rank = dist ? dist->rank() : 0;
+    const auto [rank, world] = process_place(dist.get());
     const bool main_rank = rank == 0;  // the only rank that writes files and prints
     const bool progress = config_.progress && main_rank;
     if (main_rank) fs::create_directories(config_.output_dir);

@@ -25,6 +25,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "linvis/core/error.h"
+#include "linvis/nn/batch_norm.h"
 
 extern char** environ;
 
@@ -577,6 +578,19 @@ int launch_local_workers(const std::vector<std::string>& args, int64_t nproc, do
         return result;
     }
     return sigints_forwarded > 0 ? 130 : 0;
+}
+
+ProcessPlace process_place(const Distributed* dist) {
+    return dist ? ProcessPlace{dist->rank(), dist->world_size()} : ProcessPlace{};
+}
+
+BatchNormSync::BatchNormSync(const std::shared_ptr<Distributed>& dist) : active_(dist && dist->world_size() > 1) {
+    if (active_)
+        nn::set_batch_norm_sync([dist](const torch::Tensor& x) { return differentiable_all_reduce_sum(dist, x); });
+}
+
+BatchNormSync::~BatchNormSync() {
+    if (active_) nn::set_batch_norm_sync({});
 }
 
 void sum_over_ranks(Distributed* dist, std::vector<double>& values) {

@@ -18,6 +18,7 @@
 #include "linvis/io/image.h"
 #include "linvis/train/checkpoint.h"
 #include "linvis/train/optim.h"
+#include "linvis/train/trainer.h"
 
 namespace linvis::train {
 namespace {
@@ -236,6 +237,13 @@ std::vector<double> SegmentationMetrics::per_class_iou() const {
     return out;
 }
 
+void SegmentationMetrics::sum_over_ranks(Distributed* dist) {
+    if (dist == nullptr || dist->world_size() == 1) return;
+    torch::Tensor counts = confusion_.to(torch::kFloat64);  // exact below 2^53 pixels
+    dist->all_reduce_sum(counts);
+    confusion_ = counts.to(torch::kInt64);
+}
+
 double SegmentationMetrics::mean_iou() const {
     double sum = 0;
     int64_t n = 0;
@@ -253,37 +261,42 @@ double SegmentationMetrics::pixel_accuracy() const {
 // ---------------------------------------------------------------- evaluation
 
 SegEvalResult evaluate_segmentation(models::SegmentationModel& model, const SegmentationDataset& data,
-                                    int64_t batch_size, int64_t limit, bool progress) {
+                                    int64_t batch_size, int64_t limit, bool progress, Distributed* dist) {
     torch::NoGradGuard no_grad;
     const bool was_training = model.is_training();
     model.eval();
+    const auto [rank, world] = process_place(dist);
     SegmentationMetrics metrics(data.num_classes());
     const int64_t n = limit > 0 ? std::min(limit, data.size()) : data.size();
-    double loss_sum = 0;
-    int64_t loss_batches = 0;
-    for (int64_t start = 0; start < n;) {
+    double loss_sum = 0, labelled = 0;
+    for (int64_t next = rank; next < n;) {  // this rank's images: rank, rank + world, ...
         std::vector<torch::Tensor> images, labels;
-        for (int64_t i = start; i < std::min(n, start + batch_size); ++i) {
-            SegSample s = data.get(i);
+        for (; next < n && int64_t(images.size()) < batch_size; next += world) {
+            SegSample s = data.get(next);
             if (!images.empty() && s.label.sizes() != labels[0].sizes()) break;  // batch only equal sizes
             images.push_back(normalize_image(s.image));
             labels.push_back(s.label);
         }
-        start += int64_t(images.size());
         const torch::Tensor target = torch::stack(labels);
         const torch::Tensor logits = model.forward(torch::stack(images));
-        loss_sum += F::cross_entropy(logits, target, F::CrossEntropyFuncOptions().ignore_index(kIgnoreIndex)).item<double>();
-        ++loss_batches;
+        loss_sum += F::cross_entropy(logits, target,
+                                     F::CrossEntropyFuncOptions().ignore_index(kIgnoreIndex).reduction(torch::kSum))
+                        .item<double>();
+        labelled += (target != kIgnoreIndex).sum().item<double>();
         metrics.update(logits.argmax(1), target);
-        if (progress) std::fprintf(stderr, "\reval %lld/%lld", static_cast<long long>(start), static_cast<long long>(n));
+        distributed_heartbeat();
+        if (progress) std::fprintf(stderr, "\reval %lld/%lld", static_cast<long long>(std::min(next, n)), static_cast<long long>(n));
     }
     if (progress) std::fprintf(stderr, "\n");
     model.train(was_training);
+    metrics.sum_over_ranks(dist);
+    std::vector<double> sums{loss_sum, labelled};
+    train::sum_over_ranks(dist, sums);
     SegEvalResult r;
     r.miou = metrics.mean_iou();
     r.pixel_accuracy = metrics.pixel_accuracy();
     r.per_class_iou = metrics.per_class_iou();
-    r.loss = loss_batches ? loss_sum / double(loss_batches) : 0;
+    r.loss = sums[1] > 0 ? sums[0] / sums[1] : 0;
     r.images = n;
     return r;
 }
@@ -305,7 +318,12 @@ double SegmentationTrainer::lr_at(int64_t step) const {
 }
 
 SegEvalResult SegmentationTrainer::fit(const SegmentationDataset& train, const SegmentationDataset* eval) {
-    fs::create_directories(config_.output_dir);
+    Distributed* dist = config_.distributed.get();
+    const auto [rank, world] = process_place(dist);
+    const bool main_rank = rank == 0;  // the only rank that writes files and prints
+    LINVIS_CHECK(config_.batch_size % world == 0, "--batch-size ", config_.batch_size,
+                 " (the global batch) must be divisible by the number of processes, ", world);
+    if (main_rank) fs::create_directories(config_.output_dir);
     const std::string checkpoint = (fs::path(config_.output_dir) / "checkpoint.pt").string();
     const std::string metrics_path = (fs::path(config_.output_dir) / "metrics.jsonl").string();
     // Backbone at lr * backbone_lr_mult, neck and head at lr (optim.h's boosted parameters are the backbone).
@@ -326,13 +344,16 @@ SegEvalResult SegmentationTrainer::fit(const SegmentationDataset& train, const S
         step_ = st.step;
         std::ifstream in(metrics_path);
         history.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-        std::cerr << "resumed from " << checkpoint << " at step " << step_ << "\n";
+        if (main_rank) std::cerr << "resumed from " << checkpoint << " at step " << step_ << "\n";
     }
+    if (world > 1) broadcast_module(*dist, *model_);  // every rank starts from rank 0's weights
     auto log = [&](const nlohmann::json& j) {
+        if (!main_rank) return;
         history += j.dump() + "\n";
         io::write_file_atomically(metrics_path, history);
     };
     auto save = [&] {
+        if (!main_rank) return;
         TrainingState st;
         st.step = step_;
         st.config_json = config_.config_json;
@@ -340,27 +361,49 @@ SegEvalResult SegmentationTrainer::fit(const SegmentationDataset& train, const S
         if (save_weights) save_weights((fs::path(config_.output_dir) / "last.safetensors").string(), *model_);
     };
     auto run_eval = [&](bool final_eval) -> SegEvalResult {
-        SegEvalResult r = evaluate_segmentation(*model_, *eval, 2, config_.eval_limit, config_.progress);
+        SegEvalResult r = evaluate_segmentation(*model_, *eval, 2, config_.eval_limit, config_.progress && main_rank, dist);
         log({{"step", step_}, {"eval_miou", r.miou}, {"eval_pixel_accuracy", r.pixel_accuracy},
              {"eval_loss", r.loss}, {"per_class_iou", r.per_class_iou}, {"final", final_eval}});
-        std::fprintf(stderr, "step %lld: eval mIoU %.2f%%, pixel accuracy %.2f%%, loss %.4f\n",
-                     static_cast<long long>(step_), 100 * r.miou, 100 * r.pixel_accuracy, r.loss);
+        if (main_rank)
+            std::fprintf(stderr, "step %lld: eval mIoU %.2f%%, pixel accuracy %.2f%%, loss %.4f\n",
+                         static_cast<long long>(step_), 100 * r.miou, 100 * r.pixel_accuracy, r.loss);
         return r;
     };
 
+    install_interrupt_handler();
+    std::unique_ptr<GradientReducer> reducer;
+    if (world > 1) reducer = std::make_unique<GradientReducer>(*model_, config_.distributed);
+    const BatchNormSync batch_norm_sync(config_.distributed);
+    model_->set_batch_rows(rank, world);
     model_->train();
     const auto t0 = std::chrono::steady_clock::now();
     double smoothed = 0;
     while (step_ < config_.steps) {
+        // Every rank stops after the same step: on Ctrl-C at any rank, or once rank 0 is over the time budget.
         const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        if (config_.time_budget_s > 0 && elapsed > config_.time_budget_s) {
-            std::fprintf(stderr, "time budget %.0f s reached at step %lld\n", config_.time_budget_s,
-                         static_cast<long long>(step_));
+        std::vector<double> stop{interrupt_requested() ? 1.0 : 0.0,
+                                 main_rank && config_.time_budget_s > 0 && elapsed > config_.time_budget_s ? 1.0 : 0.0};
+        train::sum_over_ranks(dist, stop);
+        if (stop[0] > 0) {
+            save();
+            if (main_rank)
+                std::fprintf(stderr, "interrupted: saved %s at step %lld; continue with --resume\n", checkpoint.c_str(),
+                             static_cast<long long>(step_));
+            if (dist) dist->barrier();  // the checkpoint is complete before any worker exits
+            clear_interrupt();
+            interrupted_ = true;
+            return {};
+        }
+        if (stop[1] > 0) {
+            if (main_rank)
+                std::fprintf(stderr, "time budget %.0f s reached at step %lld\n", config_.time_budget_s,
+                             static_cast<long long>(step_));
             break;
         }
-        // The batch of a step is a pure function of (seed, step): resuming repeats exactly.
+        // The global batch of a step is a pure function of (seed, step), so resuming repeats it exactly;
+        // rank r computes its slots r, r + W, ... (the single-process batch split over the ranks).
         std::vector<torch::Tensor> images, labels;
-        for (int64_t b = 0; b < config_.batch_size; ++b) {
+        for (int64_t b = rank; b < config_.batch_size; b += world) {
             const int64_t slot = step_ * config_.batch_size + b;
             std::mt19937_64 rng(sample_seed(config_.seed, slot / train.size() + 1, slot % train.size()));
             const int64_t index = int64_t(rng() % uint64_t(train.size()));
@@ -371,26 +414,42 @@ SegEvalResult SegmentationTrainer::fit(const SegmentationDataset& train, const S
         const double lr = lr_at(step_);
         apply_learning_rate(*optimizer, groups, lr);
         optimizer->zero_grad();
+        const torch::Tensor target = torch::stack(labels);
+        torch::manual_seed(mix_seed(config_.seed, uint64_t(step_), 1));  // the step's dropout draws, alike on every rank
         const torch::Tensor logits = model_->forward(torch::stack(images));
-        const torch::Tensor loss =
-            F::cross_entropy(logits, torch::stack(labels), F::CrossEntropyFuncOptions().ignore_index(kIgnoreIndex));
-        LINVIS_CHECK(std::isfinite(loss.item<double>()), "segmentation training: loss is not finite at step ", step_);
+        // The mean over the labelled pixels of the global batch: this rank's sum over the global count
+        // (times the world size, which the gradient averaging over the ranks divides out again).
+        const torch::Tensor loss_sum =
+            F::cross_entropy(logits, target, F::CrossEntropyFuncOptions().ignore_index(kIgnoreIndex).reduction(torch::kSum));
+        std::vector<double> totals{(target != kIgnoreIndex).sum().item<double>(), loss_sum.item<double>()};
+        train::sum_over_ranks(dist, totals);
+        const double labelled = std::max(totals[0], 1.0);  // a batch of only ignored pixels trains nothing
+        const double l = totals[1] / labelled;
+        LINVIS_CHECK(std::isfinite(l), "segmentation training: the loss became ", l, " at step ", step_,
+                     " (the last checkpoint is ", checkpoint, ")");
+        const torch::Tensor loss = loss_sum * (double(world) / labelled);
+        if (reducer) reducer->prepare(true);
         loss.backward();
+        distributed_heartbeat();
+        if (reducer) reducer->finish();
         if (config_.clip_grad > 0) clip_gradients(*model_, config_.clip_grad);
         optimizer->step();
         ++step_;
-        const double l = loss.item<double>();
         smoothed = smoothed == 0 ? l : 0.9 * smoothed + 0.1 * l;
         const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        log({{"step", step_}, {"loss", l}, {"lr", lr}, {"seconds", secs}});
-        if (config_.progress)
+        nlohmann::json line = {{"step", step_}, {"loss", l}, {"lr", lr}, {"seconds", secs}};
+        if (world > 1) line["world_size"] = world;
+        log(line);
+        if (config_.progress && main_rank)
             std::fprintf(stderr, "step %lld/%lld  loss %.4f (avg %.4f)  lr %.2e  %.1f s\n", static_cast<long long>(step_),
                          static_cast<long long>(config_.steps), l, smoothed, lr, secs);
         if (step_ % config_.checkpoint_every == 0) save();
         if (eval && config_.eval_every > 0 && step_ % config_.eval_every == 0 && step_ < config_.steps) run_eval(false);
     }
     save();
-    return eval ? run_eval(true) : SegEvalResult{};
+    SegEvalResult result = eval ? run_eval(true) : SegEvalResult{};
+    if (dist) dist->barrier();  // every file is written before any worker reports success
+    return result;
 }
 
 }  // namespace linvis::train

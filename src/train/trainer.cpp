@@ -15,7 +15,6 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/test_hooks.h"
-#include "linvis/nn/batch_norm.h"
 #include "linvis/train/checkpoint.h"
 #include "linvis/train/distributed.h"
 #include "linvis/train/ema.h"
@@ -113,21 +112,6 @@ void append_metrics(const std::string& path, const EpochRecord& r) {
     out << j.dump() << "\n";
 }
 
-// Synchronised BatchNorm for the lifetime of the guard.
-class BatchNormSync {
-public:
-    explicit BatchNormSync(const std::shared_ptr<Distributed>& dist) : active_(dist && dist->world_size() > 1) {
-        if (active_)
-            nn::set_batch_norm_sync([dist](const torch::Tensor& x) { return differentiable_all_reduce_sum(dist, x); });
-    }
-    ~BatchNormSync() {
-        if (active_) nn::set_batch_norm_sync({});
-    }
-
-private:
-    bool active_;
-};
-
 }  // namespace
 
 void install_interrupt_handler() { std::signal(SIGINT, on_sigint); }
@@ -193,8 +177,7 @@ Trainer::Trainer(models::ModelPtr model, TrainConfig config) : model_(std::move(
 bool Trainer::fit(BatchSource& train_data, BatchSource* eval_data) {
     namespace fs = std::filesystem;
     const std::shared_ptr<Distributed>& dist = config_.distributed;
-    const int64_t world = dist ? dist->world_size() : 1;
-    const int64_t rank = dist ? dist->rank() : 0;
+    const auto [rank, world] = process_place(dist.get());
     const bool main_rank = rank == 0;  // the only rank that writes files and prints
     const bool progress = config_.progress && main_rank;
     fs::create_directories(config_.output_dir);

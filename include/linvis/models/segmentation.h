@@ -43,8 +43,15 @@ public:
     VisionModel& backbone() { return *backbone_; }
     bool plain_backbone() const { return plain_; }
 
+    // Data-parallel training: this process holds rows rank, rank + world, ... of the global batch. The
+    // dropout before conv_seg then draws the mask of the whole global batch (from torch's generator,
+    // which the trainer seeds alike on every rank) and keeps those rows, so that N processes drop what
+    // one process drops. Default: rank 0 of 1.
+    void set_batch_rows(int64_t rank, int64_t world);
+
 private:
     torch::Tensor decode(const std::vector<torch::Tensor>& maps);
+    torch::Tensor dropout(const torch::Tensor& x) const;
 
     SegmentationConfig config_;
     ModelPtr backbone_;
@@ -53,8 +60,8 @@ private:
     torch::nn::ModuleList neck_{nullptr};
     torch::nn::ModuleList lateral_convs_{nullptr}, fpn_convs_{nullptr}, psp_modules_{nullptr};
     std::shared_ptr<torch::nn::Module> bottleneck_, fpn_bottleneck_;  // ConvModules
-    torch::nn::Dropout dropout_{nullptr};
     torch::nn::Conv2d conv_seg_{nullptr};
+    int64_t batch_rank_ = 0, batch_world_ = 1;
 };
 
 using SegmentationModelPtr = std::shared_ptr<SegmentationModel>;

@@ -62,6 +62,28 @@ public:
     virtual void barrier() = 0;
 };
 
+// This process's place in a run: rank 0 of 1 without a process group. Rank 0 is the only one that
+// writes files and prints.
+struct ProcessPlace {
+    int64_t rank = 0;
+    int64_t world = 1;
+    bool main() const { return rank == 0; }
+};
+ProcessPlace process_place(const Distributed* dist);
+
+// Synchronised BatchNorm (linvis/nn/batch_norm.h) for the guard's lifetime when the run has more than one
+// process; nothing otherwise.
+class BatchNormSync {
+public:
+    explicit BatchNormSync(const std::shared_ptr<Distributed>& dist);
+    ~BatchNormSync();
+    BatchNormSync(const BatchNormSync&) = delete;
+    BatchNormSync& operator=(const BatchNormSync&) = delete;
+
+private:
+    bool active_;
+};
+
 // Sum over all ranks whose backward sums the incoming gradients over all ranks (for synchronised
 // BatchNorm statistics, linvis/nn/batch_norm.h).
 torch::Tensor differentiable_all_reduce_sum(const std::shared_ptr<Distributed>& dist, const torch::Tensor& x);

@@ -9,7 +9,8 @@
 //  * FashionScenes: deterministic "Fashion-MNIST scenes" generated from (seed, split, index); see
 //    make_fashion_scene.
 // SegmentationTrainer: AdamW, linear warm-up then poly decay (power 1, mmseg), a backbone lr multiplier,
-// cross-entropy with the ignore index, random scale/crop/flip, atomic checkpoints and exact resume.
+// cross-entropy with the ignore index, random scale/crop/flip, atomic checkpoints and exact resume,
+// data-parallel over the processes of a run (linvis/train/distributed.h) with the single-process result.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,7 @@
 
 #include "linvis/models/segmentation.h"
 #include "linvis/train/datasets.h"
+#include "linvis/train/distributed.h"
 
 namespace linvis::train {
 
@@ -105,6 +107,8 @@ class SegmentationMetrics {
 public:
     explicit SegmentationMetrics(int64_t num_classes, int64_t ignore_index = kIgnoreIndex);
     void update(const torch::Tensor& prediction, const torch::Tensor& target);  // int64, same shape
+    // Adds the confusion matrices of all ranks (every rank then holds the total); a no-op with one process.
+    void sum_over_ranks(Distributed* dist);
     std::vector<double> per_class_iou() const;
     double mean_iou() const;        // in [0, 1]
     double pixel_accuracy() const;  // in [0, 1]
@@ -116,18 +120,22 @@ private:
 };
 
 struct SegEvalResult {
-    double miou = 0, pixel_accuracy = 0, loss = 0;
+    double miou = 0, pixel_accuracy = 0;
+    double loss = 0;  // cross-entropy averaged over the labelled pixels of the whole split
     std::vector<double> per_class_iou;
     int64_t images = 0;
 };
-// Whole-image inference (batches of equal-size images), limit > 0: the first `limit` images.
+// Whole-image inference (batches of equal-size images), limit > 0: the first `limit` images. With a
+// process group, rank r evaluates images r, r + W, ... and the counts are summed over the ranks, so
+// every rank gets the result of the whole split.
 SegEvalResult evaluate_segmentation(models::SegmentationModel& model, const SegmentationDataset& data,
-                                    int64_t batch_size = 2, int64_t limit = 0, bool progress = false);
+                                    int64_t batch_size = 2, int64_t limit = 0, bool progress = false,
+                                    Distributed* dist = nullptr);
 
 struct SegTrainConfig {
     std::string output_dir;
     int64_t steps = 1000;
-    int64_t batch_size = 4;
+    int64_t batch_size = 4;        // the global batch: split over the processes of a data-parallel run
     double lr = 1e-3;
     double min_lr = 0;
     double backbone_lr_mult = 1.0;
@@ -144,6 +152,9 @@ struct SegTrainConfig {
     bool progress = true;
     SegAugment augment;
     std::string config_json;       // refused on resume when different
+    // Data-parallel training (null: one process): each rank computes its share of every global batch, the
+    // gradients and BatchNorm statistics are those of the global batch, only rank 0 writes files.
+    std::shared_ptr<Distributed> distributed;
 };
 
 struct SegStepRecord {
@@ -154,16 +165,19 @@ struct SegStepRecord {
 class SegmentationTrainer {
 public:
     SegmentationTrainer(models::SegmentationModelPtr model, SegTrainConfig config);
-    // Trains to config.steps (or the time budget); returns the final evaluation (eval may be null).
+    // Trains to config.steps (or the time budget, or Ctrl-C: every rank stops after the same step and a
+    // checkpoint is saved once); returns the final evaluation (eval may be null; none after Ctrl-C).
     SegEvalResult fit(const SegmentationDataset& train, const SegmentationDataset* eval);
     std::function<void(const std::string& path, const torch::nn::Module&)> save_weights;
     int64_t step() const { return step_; }
+    bool interrupted() const { return interrupted_; }
 
 private:
     double lr_at(int64_t step) const;
     models::SegmentationModelPtr model_;
     SegTrainConfig config_;
     int64_t step_ = 0;
+    bool interrupted_ = false;
 };
 
 }  // namespace linvis::train
