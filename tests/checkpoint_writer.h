@@ -283,4 +283,33 @@ private:
     std::map<std::string, int64_t> numel_;
 };
 
+using StateDictEntries = std::vector<std::pair<std::string, torch::Tensor>>;
+
+// A checkpoint as facebookresearch/DiT's train.py saves it: {"model": model, "ema": ema} (protocol 2),
+// with an empty "opt" dict when `with_optimizer`.
+inline void save_model_and_ema(const std::string& path, const StateDictEntries& model, const StateDictEntries& ema,
+                               bool with_optimizer) {
+    CheckpointWriter w;
+    auto& p = w.p;
+    p.proto(2);
+    p.empty_dict();
+    p.put();
+    p.mark();
+    p.str("model");
+    p.put();
+    w.state_dict(model);
+    p.str("ema");
+    p.put();
+    w.state_dict(ema);
+    if (with_optimizer) {
+        p.str("opt");
+        p.put();
+        p.empty_dict();
+        p.put();
+    }
+    p.setitems();
+    p.stop();
+    w.save(path);
+}
+
 }  // namespace linvis::testing

@@ -80,21 +80,7 @@ TEST(CliGeneration, ConvertCheckpointTakesTheEma) {
         ema.emplace_back(k, v);
         model.emplace_back(k, torch::zeros_like(v));
     }
-    linvis::testing::CheckpointWriter w;
-    auto& p = w.p;
-    p.proto(2);
-    p.empty_dict();
-    p.put();
-    p.mark();
-    p.str("model");
-    p.put();
-    w.state_dict(model);
-    p.str("ema");
-    p.put();
-    w.state_dict(ema);
-    p.setitems();
-    p.stop();
-    w.save(dir.file("ckpt.pt"));
+    linvis::testing::save_model_and_ema(dir.file("ckpt.pt"), model, ema, /*with_optimizer=*/false);
     auto r = run_cli("convert-checkpoint " + dir.file("ckpt.pt") + " " + dir.file("w.safetensors") + " --model dit3_s2 " +
                      tiny_kwargs("dit3"));
     ASSERT_EQ(r.status, 0) << r.output;

@@ -215,27 +215,7 @@ TEST(Dit, OfficialCheckpointFormatsLoad) {
         model.emplace_back(k, v + 0.5);  // the non-EMA weights differ
     }
     linvis::testing::TempDir dir;
-    {
-        linvis::testing::CheckpointWriter w;
-        auto& p = w.p;
-        p.proto(2);
-        p.empty_dict();
-        p.put();
-        p.mark();
-        p.str("model");
-        p.put();
-        w.state_dict(model);
-        p.str("ema");
-        p.put();
-        w.state_dict(ema);
-        p.str("opt");
-        p.put();
-        p.empty_dict();
-        p.put();
-        p.setitems();
-        p.stop();
-        w.save(dir.file("train.pt"));
-    }
+    linvis::testing::save_model_and_ema(dir.file("train.pt"), model, ema, /*with_optimizer=*/true);
     {
         linvis::testing::CheckpointWriter w;
         w.p.proto(2);
