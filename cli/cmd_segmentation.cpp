@@ -177,6 +177,9 @@ int run_train_segmentation(int argc, const char* const* argv) {
     add_number(app, "--eval-every", c.eval_every, "evaluate every N steps (0: at the end only)");
     add_number(app, "--checkpoint-every", c.checkpoint_every, "write checkpoint.pt every N steps", int64_t{1});
     add_number(app, "--time-budget", c.time_budget_s, "stop training after this many seconds (0: no limit)");
+    add_number(app, "--cpu-budget", c.cpu_budget_s,
+               "stop training after this many CPU seconds of the process (0: no limit); a budget that a busy "
+               "machine does not shrink");
     app.add_flag("--no-augment", no_augment, "no random scale/flip (crop only)");
     add_seed_option(app, seed);
     app.add_flag("--resume", c.resume, "continue from OUTPUT/checkpoint.pt");

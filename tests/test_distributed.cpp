@@ -645,4 +645,21 @@ TEST(DistributedSegmentation, ResumesWithADifferentWorldSize) {
               2e-4);
 }
 
+// --cpu-budget counts the process's CPU seconds (a budget a busy machine does not shrink): a tiny one
+// stops the run after its first step, which is checkpointed and evaluated.
+TEST(DistributedSegmentation, CpuBudgetStopsTheRun) {
+    TempDir data("dsegb_data"), out("dsegb_out");
+    write_segmentation_folder(data.path);
+    const std::string args = segmentation_args(data.path);
+    const std::string many = std::string(args).replace(args.find("--steps 4"), 9, "--steps 50");
+    const auto r = run_cli(many + " --cpu-budget 1e-3 --threads 1 --output " + out.path.string());
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("budget reached at step 1:"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("for 1 steps"), std::string::npos) << r.output;
+    const auto lines = metrics(out.path);
+    EXPECT_EQ(step_lines(lines).size(), 1u);
+    EXPECT_GT(step_lines(lines)[0]["cpu_seconds"].get<double>(), 0.0);
+    EXPECT_TRUE(lines.back().contains("eval_miou"));
+}
+
 }  // namespace

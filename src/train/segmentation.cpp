@@ -1,6 +1,8 @@
 // Segmentation data sets, augmentation, metrics and the training loop (include/linvis/train/segmentation.h).
 #include "linvis/train/segmentation.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -303,6 +305,18 @@ SegEvalResult evaluate_segmentation(models::SegmentationModel& model, const Segm
 
 // ---------------------------------------------------------------- training
 
+namespace {
+
+// User + system CPU time of this process (all its threads), in seconds.
+double process_cpu_seconds() {
+    struct rusage usage {};
+    getrusage(RUSAGE_SELF, &usage);
+    return double(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+           1e-6 * double(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
+}
+
+}  // namespace
+
 SegmentationTrainer::SegmentationTrainer(models::SegmentationModelPtr model, SegTrainConfig config)
     : model_(std::move(model)), config_(std::move(config)) {
     LINVIS_CHECK(config_.steps > 0, "--steps must be > 0, got ", config_.steps);
@@ -377,12 +391,15 @@ SegEvalResult SegmentationTrainer::fit(const SegmentationDataset& train, const S
     model_->set_batch_rows(rank, world);
     model_->train();
     const auto t0 = std::chrono::steady_clock::now();
+    const double cpu0 = process_cpu_seconds();
     double smoothed = 0;
     while (step_ < config_.steps) {
-        // Every rank stops after the same step: on Ctrl-C at any rank, or once rank 0 is over the time budget.
+        // Every rank stops after the same step: on Ctrl-C at any rank, or once rank 0 is over a budget.
         const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        std::vector<double> stop{interrupt_requested() ? 1.0 : 0.0,
-                                 main_rank && config_.time_budget_s > 0 && elapsed > config_.time_budget_s ? 1.0 : 0.0};
+        const double cpu = process_cpu_seconds() - cpu0;
+        const bool over_budget = (config_.time_budget_s > 0 && elapsed > config_.time_budget_s) ||
+                                 (config_.cpu_budget_s > 0 && cpu > config_.cpu_budget_s);
+        std::vector<double> stop{interrupt_requested() ? 1.0 : 0.0, main_rank && over_budget ? 1.0 : 0.0};
         train::sum_over_ranks(dist, stop);
         if (stop[0] > 0) {
             save();
@@ -396,8 +413,8 @@ SegEvalResult SegmentationTrainer::fit(const SegmentationDataset& train, const S
         }
         if (stop[1] > 0) {
             if (main_rank)
-                std::fprintf(stderr, "time budget %.0f s reached at step %lld\n", config_.time_budget_s,
-                             static_cast<long long>(step_));
+                std::fprintf(stderr, "budget reached at step %lld: %.0f s, %.0f CPU s of training\n",
+                             static_cast<long long>(step_), elapsed, cpu);
             break;
         }
         // The global batch of a step is a pure function of (seed, step), so resuming repeats it exactly;
@@ -437,7 +454,8 @@ SegEvalResult SegmentationTrainer::fit(const SegmentationDataset& train, const S
         ++step_;
         smoothed = smoothed == 0 ? l : 0.9 * smoothed + 0.1 * l;
         const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        nlohmann::json line = {{"step", step_}, {"loss", l}, {"lr", lr}, {"seconds", secs}};
+        nlohmann::json line = {{"step", step_}, {"loss", l}, {"lr", lr}, {"seconds", secs},
+                               {"cpu_seconds", process_cpu_seconds() - cpu0}};
         if (world > 1) line["world_size"] = world;
         log(line);
         if (config_.progress && main_rank)

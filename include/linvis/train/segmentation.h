@@ -147,6 +147,7 @@ struct SegTrainConfig {
     int64_t checkpoint_every = 50;
     int64_t eval_limit = 0;
     double time_budget_s = 0;      // > 0: stop (checkpointed, then evaluated) once the training time exceeds it
+    double cpu_budget_s = 0;       // > 0: the same for the CPU time of the process (all threads; rank 0's)
     uint64_t seed = 0;
     bool resume = false;
     bool progress = true;
