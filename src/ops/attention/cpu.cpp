@@ -3,8 +3,8 @@
 // them (row maxima, exponentials, sums, rescaling) is plain loops the compiler vectorises, compiled twice:
 // for AVX-512 and portable (LINVIS_FORCE_SCALAR=1 selects the portable one, ops::fused_kernels_use_avx512).
 //
-// Threads: the work is split over (sample*head, query block) in the forward and over sample*head in the
-// backward with at::parallel_for, and every tile product runs on the calling thread: OpenBLAS (pthreads
+// Threads: the work is split over (sample*head, query block) in the forward and over (sample*head, key
+// segment) in the backward with at::parallel_for, and every tile product runs on the calling thread: OpenBLAS (pthreads
 // build) keeps its own pool, and LibTorch 1.13 does not limit it inside at::parallel_for (it only sets
 // MKL's and OpenMP's thread counts), so two OpenMP workers would each start a 2-thread sgemm on 2 cores.
 // BlasThreadsGuard sets OpenBLAS to one thread for the duration of a parallel kernel and restores it.
@@ -194,53 +194,75 @@ void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
     });
 }
 
+// Key segments per (sample, head) in the backward: enough tasks for a few threads when there are few
+// (sample, head) pairs (batch 1, 3 heads), one segment otherwise. It depends on the shapes only, never on
+// the thread count, so the sums - and the gradients - are the same on any number of threads.
+constexpr int64_t kBackwardMinTasks = 8;
+
 // Gradients of forward: dq, dk, dv (outputs, same shapes as q, k, v) from dout (BH, N, dv), the forward's
-// out and lse.
+// out and lse. One task per (sample*head, key segment): it owns dK and dV of its keys, and adds its part of
+// dQ into its own (N, d) buffer (dq itself when there is one segment); the parts are summed in segment
+// order afterwards.
 template <typename T>
 void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
               const torch::Tensor& lse, const torch::Tensor& dout, double scale, const torch::Tensor& dq,
               const torch::Tensor& dk, const torch::Tensor& dv) {
     const int64_t BH = q.size(0), N = q.size(1), M = k.size(1);
+    const int64_t key_blocks = ceil_div(M, kBackwardKeys);
+    const int64_t segments = std::min(key_blocks, std::max<int64_t>(1, ceil_div(kBackwardMinTasks, BH)));
     const bool avx512 = fused_kernels_use_avx512();
     const auto opts = q.options();
     const torch::Tensor D = (dout * out).sum(-1);  // (BH, N)
-    dq.zero_();
+    // dQ parts (BH, segments, N, d), or dq itself.
+    const torch::Tensor dq_parts = segments > 1 ? torch::zeros({BH, segments, N, q.size(2)}, opts) : dq.unsqueeze(1);
+    if (segments == 1) dq.zero_();
     dk.zero_();
     dv.zero_();
-    BlasThreadsGuard blas_guard;
-    at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
-        at::NoGradGuard no_grad;
-        torch::Tensor s_tile = torch::empty({kBackwardQueries, kBackwardKeys}, opts);
-        torch::Tensor dp_tile = torch::empty({kBackwardQueries, kBackwardKeys}, opts);
-        for (int64_t bh = begin; bh < end; ++bh) {
-            const torch::Tensor qb = q[bh], kb = k[bh], vb = v[bh], gb = dout[bh];
-            const torch::Tensor dqb = dq[bh], dkb = dk[bh], dvb = dv[bh];
-            const T* lse_b = lse.data_ptr<T>() + bh * N;
-            const T* D_b = D.data_ptr<T>() + bh * N;
-            for (int64_t j0 = 0; j0 < M; j0 += kBackwardKeys) {
-                const int64_t cols = std::min(kBackwardKeys, M - j0);
-                const torch::Tensor kj = kb.narrow(0, j0, cols), vj = vb.narrow(0, j0, cols);
-                torch::Tensor dkj = dkb.narrow(0, j0, cols), dvj = dvb.narrow(0, j0, cols);
-                for (int64_t i0 = 0; i0 < N; i0 += kBackwardQueries) {
-                    const int64_t rows = std::min(kBackwardQueries, N - i0);
-                    const torch::Tensor qi = qb.narrow(0, i0, rows), gi = gb.narrow(0, i0, rows);
-                    torch::Tensor s = s_tile.narrow(0, 0, rows).narrow(1, 0, cols);
-                    torch::Tensor dp = dp_tile.narrow(0, 0, rows).narrow(1, 0, cols);
-                    s.addmm_(qi, kj.t(), /*beta=*/0, /*alpha=*/scale);
-                    dp.addmm_(gi, vj.t(), /*beta=*/0, /*alpha=*/1);
-                    if (avx512)
-                        backward_rows_avx512<T>(s_tile.data_ptr<T>(), dp_tile.data_ptr<T>(), rows, cols,
-                                                kBackwardKeys, lse_b + i0, D_b + i0);
-                    else
-                        backward_rows_portable<T>(s_tile.data_ptr<T>(), dp_tile.data_ptr<T>(), rows, cols,
-                                                  kBackwardKeys, lse_b + i0, D_b + i0);
-                    dvj.addmm_(s.t(), gi);                                      // dV += P^T dO
-                    dkj.addmm_(dp.t(), qi, /*beta=*/1, /*alpha=*/scale);        // dK += scale dS^T Q
-                    dqb.narrow(0, i0, rows).addmm_(dp, kj, /*beta=*/1, /*alpha=*/scale);  // dQ += scale dS K
+    {
+        BlasThreadsGuard blas_guard;
+        at::parallel_for(0, BH * segments, 1, [&](int64_t begin, int64_t end) {
+            at::NoGradGuard no_grad;
+            torch::Tensor s_tile = torch::empty({kBackwardQueries, kBackwardKeys}, opts);
+            torch::Tensor dp_tile = torch::empty({kBackwardQueries, kBackwardKeys}, opts);
+            for (int64_t task = begin; task < end; ++task) {
+                const int64_t bh = task / segments, segment = task % segments;
+                const int64_t first_block = segment * key_blocks / segments;
+                const int64_t last_block = (segment + 1) * key_blocks / segments;
+                const torch::Tensor qb = q[bh], kb = k[bh], vb = v[bh], gb = dout[bh];
+                const torch::Tensor dqb = dq_parts[bh][segment], dkb = dk[bh], dvb = dv[bh];
+                const T* lse_b = lse.data_ptr<T>() + bh * N;
+                const T* D_b = D.data_ptr<T>() + bh * N;
+                for (int64_t j0 = first_block * kBackwardKeys; j0 < std::min(M, last_block * kBackwardKeys);
+                     j0 += kBackwardKeys) {
+                    const int64_t cols = std::min(kBackwardKeys, M - j0);
+                    const torch::Tensor kj = kb.narrow(0, j0, cols), vj = vb.narrow(0, j0, cols);
+                    torch::Tensor dkj = dkb.narrow(0, j0, cols), dvj = dvb.narrow(0, j0, cols);
+                    for (int64_t i0 = 0; i0 < N; i0 += kBackwardQueries) {
+                        const int64_t rows = std::min(kBackwardQueries, N - i0);
+                        const torch::Tensor qi = qb.narrow(0, i0, rows), gi = gb.narrow(0, i0, rows);
+                        torch::Tensor s = s_tile.narrow(0, 0, rows).narrow(1, 0, cols);
+                        torch::Tensor dp = dp_tile.narrow(0, 0, rows).narrow(1, 0, cols);
+                        s.addmm_(qi, kj.t(), /*beta=*/0, /*alpha=*/scale);
+                        dp.addmm_(gi, vj.t(), /*beta=*/0, /*alpha=*/1);
+                        if (avx512)
+                            backward_rows_avx512<T>(s_tile.data_ptr<T>(), dp_tile.data_ptr<T>(), rows, cols,
+                                                    kBackwardKeys, lse_b + i0, D_b + i0);
+                        else
+                            backward_rows_portable<T>(s_tile.data_ptr<T>(), dp_tile.data_ptr<T>(), rows, cols,
+                                                      kBackwardKeys, lse_b + i0, D_b + i0);
+                        dvj.addmm_(s.t(), gi);                                // dV += P^T dO
+                        dkj.addmm_(dp.t(), qi, /*beta=*/1, /*alpha=*/scale);  // dK += scale dS^T Q
+                        dqb.narrow(0, i0, rows).addmm_(dp, kj, /*beta=*/1, /*alpha=*/scale);  // dQ += scale dS K
+                    }
                 }
             }
-        }
-    });
+        });
+    }
+    if (segments > 1) {
+        at::NoGradGuard no_grad;
+        dq.copy_(dq_parts.select(1, 0));
+        for (int64_t segment = 1; segment < segments; ++segment) dq.add_(dq_parts.select(1, segment));
+    }
 }
 
 class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttentionFunction> {
