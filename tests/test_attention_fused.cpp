@@ -20,6 +20,8 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "linvis/models/dit.h"
+#include "linvis/models/registry.h"
 #include "linvis/ops/attention.h"
 #include "support/testing.h"
 
@@ -176,6 +178,34 @@ TEST(AttentionFused, CountsTheSameFlops) {
         softmax_attention(q, k, v, 0.5, {}, impl);
         EXPECT_EQ(counter.macs(), 2 * 3 * 10 * 12 * (4 + 5)) << linvis::ops::impl_name(impl);
     }
+}
+
+
+// DiT's softmax mixer takes the model's `impl` (DeiT's did already): impl=reference and impl=fused give the
+// same output up to float32 rounding, and not the same bits (so the two runs took different paths).
+TEST(AttentionFused, DitFollowsTheModelImpl) {
+    using linvis::models::ModelConfig;
+    auto make = [](const std::string& impl) {
+        return linvis::models::create_diffusion_model(
+            "dit_s4", ModelConfig({{"input_size", "16"}, {"depth", "1"}, {"impl", impl}}));
+    };
+    auto reference = make("reference"), fused = make("fused");
+    torch::manual_seed(7);
+    {
+        torch::NoGradGuard no_grad;
+        auto src = reference->named_parameters(true);
+        // Random weights: the adaLN-zero initialisation would make every output exactly 0.
+        for (auto& item : src) item.value().copy_(0.05 * torch::randn_like(item.value()));
+        for (auto& item : fused->named_parameters(true)) item.value().copy_(src[item.key()]);
+    }
+    reference->eval();
+    fused->eval();
+    torch::NoGradGuard no_grad;
+    const torch::Tensor x = torch::randn({2, 4, 16, 16}), t = torch::tensor({0, 999}), y = torch::tensor({3, 1000});
+    const torch::Tensor a = reference->forward(x, t, y), b = fused->forward(x, t, y);
+    EXPECT_GT(a.abs().max().item<double>(), 1e-3);
+    EXPECT_TRUE(all_close(b, a, 1e-4, 1e-5 * a.abs().max().item<double>()));
+    EXPECT_FALSE(torch::equal(a, b));
 }
 
 }  // namespace
