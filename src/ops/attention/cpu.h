@@ -20,7 +20,8 @@ namespace linvis::ops::cpu {
 // block, S and P = exp(S - logsumexp) are recomputed and dV += P^T dO, dS = P * (dO V^T - D),
 // dK += scale dS^T Q, dQ += scale dS K. Tasks are (sample*head, key segment), the segment count set by the
 // shapes (at least 8 tasks when there are enough key blocks); each segment's dQ part has its own (N, d)
-// buffer and the parts are summed in order, so the gradients do not depend on the thread count. The tile products are LibTorch matrix products (OpenBLAS).
+// buffer and the parts are summed in order, so the gradients do not depend on the thread count.
+// The tile products are LibTorch matrix products (OpenBLAS).
 torch::Tensor softmax_attention_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                       double scale);
 
