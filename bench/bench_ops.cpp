@@ -6,6 +6,8 @@
 //   OMP_WAIT_POLICY=PASSIVE build/bench_ops vit3_t5 [--threads 2] [--iters 5] [--side 64]
 //   OMP_WAIT_POLICY=PASSIVE build/bench_ops mlstm [--threads 2] [--reps 5] [--model-reps 3] [--tokens 4096]
 //                                                 [--skip-model]
+//   OMP_WAIT_POLICY=PASSIVE build/bench_ops attention [--threads 2] [--tokens 4097] [--heads 3] [--head-dim 64]
+//                                                     [--reps 5]
 //
 // ttt_linear: the TTT-Linear scan of vittt_tiny (3 heads of d = 64, mini-batches of 16).
 // vit3_t5: the ViT³ TTT mixer (vit3_ttt_mix, both branches; C = 192, 6 heads of d = 32) and the T⁵ TTT
@@ -14,6 +16,8 @@
 //   parallel and chunkwise forms; its head-wise q/k/v projection (S x 384, 96 blocks of 4 x 4: fused
 //   kernel vs the official einsum); and, unless --skip-model, the whole vil_tiny at 1024x1024 (fused
 //   chunkwise vs the official parallel form).
+// attention: deit_tiny's softmax attention (3 heads of d = 64), the flash-style kernel against the
+//   reference that materialises the T x T weights.
 //
 // Each op is first checked on the benchmark inputs: the fused output and every input gradient
 // against a float64 truth, next to the float32 reference's own error. An op that fails prints no
@@ -44,6 +48,7 @@
 #include "linvis/core/error.h"
 #include "linvis/core/runtime.h"
 #include "linvis/models/registry.h"
+#include "linvis/ops/attention.h"
 #include "linvis/ops/linear_headwise.h"
 #include "linvis/ops/mlstm.h"
 #include "linvis/ops/t5_ttt.h"
@@ -275,6 +280,67 @@ int run_ttt_linear(const TttLinearOptions& o, Harness& h) {
                 gf_train);
     std::printf("speedup forward %.2fx, fwd+bwd %.2fx; peak memory ratio (reference/fused) forward %.1fx, "
                 "fwd+bwd %.1fx; fused inner products at %.0f%% (forward) / %.0f%% (fwd+bwd) of SGEMM\n",
+                ref_fwd->ms / fused_fwd->ms, ref_train->ms / fused_train->ms,
+                ref_fwd->peak_mib / std::max(fused_fwd->peak_mib, 1e-3),
+                ref_train->peak_mib / std::max(fused_train->peak_mib, 1e-3), 100 * gf_fwd / sgemm,
+                100 * gf_train / sgemm);
+    return 0;
+}
+
+// ================================================================ attention
+
+struct AttentionOptions {
+    int64_t tokens = 4097, heads = 3, head_dim = 64;  // deit_tiny at 1024x1024: 64^2 patches + the class token
+    int reps = 5;
+};
+
+OpFn attention_op(Impl impl, double scale) {
+    return [impl, scale](const std::vector<Tensor>& x) {
+        return ops::softmax_attention(x[0], x[1], x[2], scale, {}, impl);
+    };
+}
+
+int run_attention(const AttentionOptions& o, Harness& h) {
+    torch::manual_seed(0);
+    const std::vector<Tensor> inputs = {torch::randn({1, o.heads, o.tokens, o.head_dim}),
+                                        torch::randn({1, o.heads, o.tokens, o.head_dim}),
+                                        torch::randn({1, o.heads, o.tokens, o.head_dim})};
+    const Tensor probe = torch::randn({1, o.heads, o.tokens, o.head_dim});
+    const double scale = 1.0 / std::sqrt(static_cast<double>(o.head_dim));
+    if (!h.child.empty()) {  // <reference|fused>_<fwd|train>
+        const auto parts = split_case(h.child);
+        if (parts.size() != 2) unknown_case(h.child);
+        const OpFn op = attention_op(ops::parse_impl(parts[0]), scale);
+        return print_answer(measure_passes(op_pass(op, inputs, probe, parts[1] == "train"), 1, o.reps));
+    }
+    std::printf("softmax attention, B=1 T=%lld h=%lld d=%lld, %d thread(s), SIMD %s (kernels: %s), "
+                "OMP_WAIT_POLICY=%s\n",
+                static_cast<long long>(o.tokens), static_cast<long long>(o.heads), static_cast<long long>(o.head_dim),
+                h.threads, runtime::simd_name(runtime::detect_simd()), ops::fused_kernel_isa(),
+                runtime::openmp_is_passive() ? "PASSIVE" : "(not passive)");
+    const OpFn reference = attention_op(Impl::Reference, scale);
+    if (!passes({{"output", "dq", "dk", "dv"}, inputs, probe, reference, reference, attention_op(Impl::Fused, scale),
+                 1e-4},
+                "softmax attention"))
+        return 1;
+    // Forward: q k^T and P v, T^2 d each per head. The fused backward recomputes q k^T and does four more
+    // products (dV, dP, dK, dQ): 5 T^2 d per head.
+    const double t2d = static_cast<double>(o.tokens) * o.tokens * o.head_dim * o.heads;
+    const double fwd_macs = 2 * t2d, bwd_macs = 5 * t2d;
+    const double sgemm = tools::measure_sgemm_gflops(1024, 5);
+    std::printf("SGEMM (1024^2, %d thread(s)): %.1f GFLOP/s\n", h.threads, sgemm);
+    const auto ref_fwd = h.measure("reference_fwd"), ref_train = h.measure("reference_train");
+    const auto fused_fwd = h.measure("fused_fwd"), fused_train = h.measure("fused_train");
+    if (!ref_fwd || !ref_train || !fused_fwd || !fused_train) return 1;
+    const double gf_fwd = 2 * fwd_macs / fused_fwd->ms * 1e-6;
+    const double gf_train = 2 * (fwd_macs + bwd_macs) / fused_train->ms * 1e-6;
+    std::printf("%-10s %-14s %10s %12s\n", "impl", "case", "median ms", "peak MiB");
+    std::printf("%-10s %-14s %10.2f %12.1f\n", "reference", "forward", ref_fwd->ms, ref_fwd->peak_mib);
+    std::printf("%-10s %-14s %10.2f %12.1f\n", "reference", "fwd+bwd", ref_train->ms, ref_train->peak_mib);
+    std::printf("%-10s %-14s %10.2f %12.1f\n", "fused", "forward", fused_fwd->ms, fused_fwd->peak_mib);
+    std::printf("%-10s %-14s %10.2f %12.1f\n", "fused", "fwd+bwd", fused_train->ms, fused_train->peak_mib);
+    std::printf("speedup forward %.2fx, fwd+bwd %.2fx; peak memory ratio (reference/fused) forward %.1fx, "
+                "fwd+bwd %.1fx; fused products at %.0f%% (forward) / %.0f%% (fwd+bwd) of SGEMM\n",
                 ref_fwd->ms / fused_fwd->ms, ref_train->ms / fused_train->ms,
                 ref_fwd->peak_mib / std::max(fused_fwd->peak_mib, 1e-3),
                 ref_train->peak_mib / std::max(fused_train->peak_mib, 1e-3), 100 * gf_fwd / sgemm,
@@ -640,7 +706,16 @@ int main(int argc, char** argv) {
     mlstm_command->add_option("--tokens", mlstm.tokens, "sequence length S (4096 = 1024x1024 image, patch 16)");
     mlstm_command->add_flag("--skip-model", mlstm.skip_model, "skip the vil_tiny model cases");
 
-    for (CLI::App* command : {ttt_command, vit3_t5_command, mlstm_command}) add_harness_options(*command, harness);
+    AttentionOptions attention;
+    CLI::App* attention_command =
+        app.add_subcommand("attention", "fused (flash-style) vs reference softmax attention of deit_tiny");
+    attention_command->add_option("--tokens", attention.tokens, "tokens (4097 = 1024x1024 image, patch 16, + class)");
+    attention_command->add_option("--heads", attention.heads, "heads (deit_tiny: 3)");
+    attention_command->add_option("--head-dim", attention.head_dim, "head dim");
+    attention_command->add_option("--reps", attention.reps, "timed repetitions (median)")->check(CLI::PositiveNumber);
+
+    for (CLI::App* command : {ttt_command, vit3_t5_command, mlstm_command, attention_command})
+        add_harness_options(*command, harness);
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
@@ -652,6 +727,7 @@ int main(int argc, char** argv) {
         if (ttt_command->parsed()) status = run_ttt_linear(ttt, harness);
         if (vit3_t5_command->parsed()) status = run_vit3_t5(vit3_t5, harness);
         if (mlstm_command->parsed()) status = run_mlstm(mlstm, harness);
+        if (attention_command->parsed()) status = run_attention(attention, harness);
         return status;
     } catch (const c10::Error& e) {
         std::fprintf(stderr, "bench_ops: %s\n", e.what_without_backtrace());

@@ -93,6 +93,11 @@ bool set_blas_threads(int threads) {
     return true;
 }
 
+int blas_threads() {
+    auto getter = find_symbol<openblas_get_threads_fn>("openblas_get_num_threads");
+    return getter != nullptr ? getter() : -1;
+}
+
 bool openmp_is_passive() {
     const char* policy = std::getenv("OMP_WAIT_POLICY");
     return policy != nullptr && strcasecmp(policy, "passive") == 0;
@@ -110,9 +115,7 @@ Info query() {
     info.torch_version = TORCH_VERSION;
     info.blas = describe_blas(info.blas_is_optimized);
     info.torch_threads = at::get_num_threads();
-    if (auto getter = find_symbol<openblas_get_threads_fn>("openblas_get_num_threads")) {
-        info.blas_threads = getter();
-    }
+    info.blas_threads = blas_threads();
     info.simd = detect_simd();
     info.cuda_available = torch::cuda::is_available();
     info.cuda_devices = info.cuda_available ? static_cast<int>(torch::cuda::device_count()) : 0;

@@ -60,14 +60,14 @@ public:
 // timm Attention(qkv_bias=True): rows of qkv [q | k | v], head i = channels i*d...
 class SoftmaxMixer : public DitMixer {
 public:
-    SoftmaxMixer(int64_t dim, int64_t heads) : heads_(heads) {
+    SoftmaxMixer(int64_t dim, int64_t heads, ops::Impl impl) : heads_(heads), impl_(impl) {
         qkv = register_module("qkv", torch::nn::Linear(dim, 3 * dim));
         proj = register_module("proj", torch::nn::Linear(dim, dim));
     }
     torch::Tensor forward(const torch::Tensor& u, int64_t) override {
         const int64_t B = u.size(0), N = u.size(1), C = u.size(2), d = C / heads_;
         torch::Tensor p = linear(qkv, u).reshape({B, N, 3, heads_, d}).permute({2, 0, 3, 1, 4});
-        torch::Tensor o = ops::softmax_attention(p[0], p[1], p[2], std::pow(static_cast<double>(d), -0.5));
+        torch::Tensor o = ops::softmax_attention(p[0], p[1], p[2], std::pow(static_cast<double>(d), -0.5), {}, impl_);
         return linear(proj, o.transpose(1, 2).reshape({B, N, C}));
     }
     void init_linears() override {
@@ -78,6 +78,7 @@ public:
 
 private:
     int64_t heads_;
+    ops::Impl impl_;
 };
 
 // DiTTT: the ViT3 TTT module, called as TTT.forward(u, G, G) without RoPE (s = 1/3 both branches).
@@ -158,7 +159,7 @@ public:
         const int64_t C = c.hidden_size;
         if (dit3_) cpe = register_module("cpe", depthwise3x3(C));
         if (c.family == "dit")
-            attn = register_module("attn", std::make_shared<SoftmaxMixer>(C, c.num_heads));
+            attn = register_module("attn", std::make_shared<SoftmaxMixer>(C, c.num_heads, c.impl));
         else if (c.family == "dit3")
             attn = register_module("attn", std::make_shared<Dit3Mixer>(C, c.num_heads, c.impl));
         else

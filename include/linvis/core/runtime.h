@@ -48,5 +48,7 @@ std::string openblas_coretype_override();
 
 // Sets OpenBLAS's thread count, when the loaded BLAS is OpenBLAS. Returns false otherwise.
 bool set_blas_threads(int threads);
+// OpenBLAS's thread count, or -1 when the loaded BLAS is not OpenBLAS.
+int blas_threads();
 
 }  // namespace linvis::runtime

@@ -32,7 +32,7 @@ struct DitConfig {
     double class_dropout_prob = 0.1;
     int64_t num_classes = 1000;
     bool learn_sigma = true;
-    ops::Impl impl = ops::Impl::Auto;  // passed to the TTT / neighbourhood-attention ops
+    ops::Impl impl = ops::Impl::Auto;  // passed to the softmax-attention, TTT and neighbourhood-attention ops
     // DiT5 on a token grid smaller than the 5x5 window: NATTEN (and so the official model) rejects it, and so
     // does forward unless this is set; then the window covers the whole short axis (the limit of clamping, as
     // ops::neighborhood_attention_2d defines it). The official outputs in ../shared/fixtures/generation were

@@ -1,8 +1,10 @@
 // Global sequence mixers: softmax attention (the DeiT baseline) and linear attention.
 //
 // Layout: heads first, q (B, h, N, d), k (B, h, M, d), v (B, h, M, dv); outputs (B, h, N, dv).
-// Plain LibTorch ops with autograd (the reference implementation); float64, float32 and
-// bfloat16 on CPU. Matrix products go through linvis::flops so they are counted.
+// Reference implementations: plain LibTorch ops with autograd; float64, float32 and bfloat16.
+// softmax_attention also has a fused flash-style CPU kernel (src/ops/attention/cpu.h: online softmax
+// over key tiles, O((N + M) d) memory, FlashAttention-2 backward). Matrix products are counted by
+// linvis::flops.
 #pragma once
 
 #include <torch/torch.h>
@@ -14,7 +16,10 @@ namespace linvis::ops {
 // softmax((q k^T) * scale [masked]) @ v, per (batch, head), exactly as timm's DeiT Attention:
 // the logits are q @ k^T first and then multiplied by `scale` (head_dim ** -0.5 in DeiT).
 // `allowed` (optional) is a bool tensor broadcastable to (B, h, N, M); false entries get -inf
-// before the softmax. Every query must keep at least one allowed key (checked).
+// before the softmax. Every query must keep at least one allowed key (checked). The fused kernel
+// takes no mask: Impl::Auto then runs the reference, Impl::Fused is an error.
+// Impl::Auto runs the fused kernel for CPU floating-point inputs without a mask (docs/ops.md);
+// float64 stays float64, bfloat16 / float16 are computed in float32 and rounded once.
 // FLOPs: B*h*N*M*(d + dv) multiply-adds.
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 double scale, const torch::Tensor& allowed = {},

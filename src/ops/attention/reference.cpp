@@ -1,4 +1,5 @@
-// Reference softmax and linear attention (see include/linvis/ops/attention.h).
+// Reference softmax attention (public entry with the dispatch: attention.cpp) and linear attention, which
+// has no fused kernel, so its public entry is here (see include/linvis/ops/attention.h).
 #include "linvis/ops/attention.h"
 
 #include <limits>
@@ -6,23 +7,11 @@
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/core/precision.h"
+#include "ops/attention/checks.h"
+#include "ops/attention/reference.h"
 
 namespace linvis::ops {
 namespace {
-
-void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-    LINVIS_CHECK(q.defined() && k.defined() && v.defined(), op, ": q, k and v must be defined");
-    LINVIS_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": expected q, k, v of rank 4 (B, h, N, d), got ",
-                 shape_string(q.sizes()), ", ", shape_string(k.sizes()), ", ", shape_string(v.sizes()));
-    LINVIS_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3), op,
-                 ": k: expected shape [", q.size(0), ", ", q.size(1), ", M, ", q.size(3), "], got ",
-                 shape_string(k.sizes()));
-    LINVIS_CHECK(v.size(0) == k.size(0) && v.size(1) == k.size(1) && v.size(2) == k.size(2), op,
-                 ": v: expected shape [", k.size(0), ", ", k.size(1), ", ", k.size(2), ", dv], got ",
-                 shape_string(v.sizes()));
-    LINVIS_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op,
-                 ": q, k, v must share one dtype");
-}
 
 // Sum over chunks before each chunk: out[:, :, c] = sum_{c' < c} x[:, :, c'] along dim 2.
 torch::Tensor exclusive_cumsum_dim2(const torch::Tensor& x) {
@@ -33,14 +22,12 @@ torch::Tensor exclusive_cumsum_dim2(const torch::Tensor& x) {
 
 }  // namespace
 
-torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                double scale, const torch::Tensor& allowed, Impl impl) {
-    use_fused(impl, "softmax_attention", "this op has no fused kernel", false);
-    check_qkv("softmax_attention", q, k, v);
+torch::Tensor reference::softmax_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                           double scale, const torch::Tensor& allowed) {
     // bf16 / f16: scores, softmax and the weighted sum in float32, one rounding at the end.
     const auto acc = precision::accumulation_dtype(q);
     if (acc != q.scalar_type())
-        return softmax_attention(q.to(acc), k.to(acc), v.to(acc), scale, allowed, impl).to(q.scalar_type());
+        return reference::softmax_attention(q.to(acc), k.to(acc), v.to(acc), scale, allowed).to(q.scalar_type());
     // timm DeiT order: (q @ k^T) * scale, then softmax over keys.
     torch::Tensor attn = flops::matmul(q, k.transpose(-2, -1)) * scale;
     if (allowed.defined()) {

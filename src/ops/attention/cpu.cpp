@@ -1,0 +1,316 @@
+// Fused CPU softmax attention, flash style (src/ops/attention/cpu.h): tile products are LibTorch matrix
+// products (OpenBLAS sgemm / dgemm on views of the inputs and of per-thread tiles); the row work between
+// them (row maxima, exponentials, sums, rescaling) is plain loops the compiler vectorises, compiled twice:
+// for AVX-512 and portable (LINVIS_FORCE_SCALAR=1 selects the portable one, ops::fused_kernels_use_avx512).
+//
+// Threads: the work is split over (sample*head, query block) in the forward and over (sample*head, key
+// segment) in the backward with at::parallel_for, and every tile product runs on the calling thread:
+// OpenBLAS (pthreads build) keeps its own pool, and LibTorch 1.13 does not limit it inside at::parallel_for (ATen's
+// ParallelOpenMP.cpp set_num_threads sets OpenMP's and, with MKL, MKL's thread counts only), so two OpenMP
+// workers would each start a 2-thread sgemm on 2 cores. BlasThreadsGuard sets OpenBLAS to one thread for
+// the duration of a parallel kernel and restores it: without it the forward at 4097 tokens took 3740 ms
+// instead of 767 ms (bench_ops attention, 2 threads, 64x256 tiles).
+#include "ops/attention/cpu.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "linvis/core/error.h"
+#include "linvis/core/runtime.h"
+#include "linvis/ops/impl.h"
+
+#define LINVIS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define LINVIS_INLINE inline __attribute__((always_inline))
+
+namespace linvis::ops::cpu {
+namespace {
+
+// Tile sizes (rows = queries, columns = keys); any size is correct. Measured with `bench_ops attention`
+// (T = 4097, 3 heads of 64, 2 threads, AVX-512 Xeon): forward 64x256 367 ms, 128x256 341, 128x512 337,
+// 256x512 308 (but 256-row blocks leave 2 threads 3 tasks at 224 px); forward+backward with backward
+// tiles 64x128 1259 ms, 128x128 1181, 128x256 1088. Noisy machine (load 6-7), so differences under 10 %
+// are not significant.
+constexpr int64_t kForwardQueries = 128;
+constexpr int64_t kForwardKeys = 512;
+constexpr int64_t kBackwardQueries = 128;
+constexpr int64_t kBackwardKeys = 256;
+
+// exp for float: Cody-Waite reduction x = n ln2 + r (n rounded to nearest with the 1.5 * 2^23 trick), a
+// degree-6 polynomial for exp(r) (the Cephes expf coefficients) and 2^n through the exponent bits; relative
+// error about 2 ulp on [-87, 88]. Branch-free, so the loops that call it vectorise (with -fno-trapping-math,
+// set for this file in CMakeLists.txt, also the portable SSE2 build). Arguments below -87 (including -inf)
+// give exp(-87) = 1.6e-38, which is 0 next to the 1 every softmax row holds.
+LINVIS_INLINE float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
+    const float fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = (x - fn * 0.693359375f) + fn * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * (r * r) + r + 1.0f;
+    const int bits = (static_cast<int>(fn) + 127) << 23;
+    return y * __builtin_bit_cast(float, bits);
+}
+LINVIS_INLINE double exp_approx(double x) { return std::exp(x); }
+
+// One row of a forward tile: s (n scaled logits) becomes exp(s - m_new), the row maximum m and normaliser
+// l are updated, and the accumulated output row o (dv) is rescaled by exp(m_old - m_new).
+template <typename T>
+LINVIS_INLINE void online_softmax_row(T* s, int64_t n, T& m, T& l, T* o, int64_t dv) {
+    T mx = -std::numeric_limits<T>::infinity();
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
+    const T m_new = std::max(m, mx);
+    const T alpha = m == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(m - m_new);
+    T sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+        const T e = exp_approx(s[j] - m_new);
+        s[j] = e;
+        sum += e;
+    }
+    l = l * alpha + sum;
+    m = m_new;
+    if (alpha != T(1)) {
+#pragma omp simd
+        for (int64_t c = 0; c < dv; ++c) o[c] *= alpha;
+    }
+}
+
+// Rows of a forward tile (rows x n, row stride lds).
+template <typename T>
+LINVIS_INLINE void online_softmax_rows(T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o, int64_t dv) {
+    for (int64_t r = 0; r < rows; ++r) online_softmax_row(s + r * lds, n, m[r], l[r], o + r * dv, dv);
+}
+
+// Rows of a backward tile: p = exp(s - lse) in place in s, then ds = p * (dp - D) in place in dp.
+template <typename T>
+LINVIS_INLINE void backward_rows(T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse, const T* D) {
+    for (int64_t r = 0; r < rows; ++r) {
+        T* sr = s + r * ld;
+        T* dr = dp + r * ld;
+        const T lr = lse[r], Dr = D[r];
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) {
+            const T p = exp_approx(sr[j] - lr);
+            sr[j] = p;
+            dr[j] = p * (dr[j] - Dr);
+        }
+    }
+}
+
+template <typename T>
+void forward_rows_portable(T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o, int64_t dv) {
+    online_softmax_rows(s, rows, n, lds, m, l, o, dv);
+}
+template <typename T>
+LINVIS_AVX512 void forward_rows_avx512(T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o, int64_t dv) {
+    online_softmax_rows(s, rows, n, lds, m, l, o, dv);
+}
+template <typename T>
+void backward_rows_portable(T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse, const T* D) {
+    backward_rows(s, dp, rows, n, ld, lse, D);
+}
+template <typename T>
+LINVIS_AVX512 void backward_rows_avx512(T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse, const T* D) {
+    backward_rows(s, dp, rows, n, ld, lse, D);
+}
+
+// OpenBLAS at one thread while a parallel kernel runs (see the file comment); a no-op when LibTorch runs
+// one thread, inside an outer parallel region, or when the BLAS is not OpenBLAS.
+class BlasThreadsGuard {
+public:
+    BlasThreadsGuard() {
+        if (at::get_num_threads() > 1 && !at::in_parallel_region()) {
+            saved_ = runtime::blas_threads();
+            if (saved_ > 1) runtime::set_blas_threads(1);
+        }
+    }
+    ~BlasThreadsGuard() {
+        if (saved_ > 1) runtime::set_blas_threads(saved_);
+    }
+    BlasThreadsGuard(const BlasThreadsGuard&) = delete;
+    BlasThreadsGuard& operator=(const BlasThreadsGuard&) = delete;
+
+private:
+    int saved_ = -1;
+};
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// q (BH, N, d), k (BH, M, d), v (BH, M, dv), contiguous, one floating type T. Returns out (BH, N, dv) and
+// the row logsumexp lse (BH, N).
+template <typename T>
+void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
+             const torch::Tensor& out, const torch::Tensor& lse) {
+    const int64_t BH = q.size(0), N = q.size(1), M = k.size(1), dv = v.size(2);
+    const int64_t blocks = ceil_div(N, kForwardQueries);
+    const bool avx512 = fused_kernels_use_avx512();
+    const auto opts = q.options();
+    BlasThreadsGuard blas_guard;
+    at::parallel_for(0, BH * blocks, 1, [&](int64_t begin, int64_t end) {
+        at::NoGradGuard no_grad;
+        torch::Tensor tile = torch::empty({kForwardQueries, kForwardKeys}, opts);
+        torch::Tensor acc = torch::empty({kForwardQueries, dv}, opts);
+        std::vector<T> m(kForwardQueries), l(kForwardQueries);
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bh = task / blocks, i0 = (task % blocks) * kForwardQueries;
+            const int64_t rows = std::min(kForwardQueries, N - i0);
+            const torch::Tensor qi = q[bh].narrow(0, i0, rows);
+            const torch::Tensor kb = k[bh], vb = v[bh];
+            torch::Tensor o = acc.narrow(0, 0, rows);
+            o.zero_();
+            std::fill(m.begin(), m.end(), -std::numeric_limits<T>::infinity());
+            std::fill(l.begin(), l.end(), T(0));
+            for (int64_t j0 = 0; j0 < M; j0 += kForwardKeys) {
+                const int64_t cols = std::min(kForwardKeys, M - j0);
+                torch::Tensor s = tile.narrow(0, 0, rows).narrow(1, 0, cols);
+                // (q k^T) * scale as the reference: the product, then the scale (BLAS's alpha).
+                s.addmm_(qi, kb.narrow(0, j0, cols).t(), /*beta=*/0, /*alpha=*/scale);
+                T* sp = tile.data_ptr<T>();
+                T* op = acc.data_ptr<T>();
+                if (avx512)
+                    forward_rows_avx512<T>(sp, rows, cols, kForwardKeys, m.data(), l.data(), op, dv);
+                else
+                    forward_rows_portable<T>(sp, rows, cols, kForwardKeys, m.data(), l.data(), op, dv);
+                o.addmm_(s, vb.narrow(0, j0, cols));
+            }
+            T* dst = out.data_ptr<T>() + (bh * N + i0) * dv;
+            T* lse_dst = lse.data_ptr<T>() + bh * N + i0;
+            const T* src = acc.data_ptr<T>();
+            for (int64_t r = 0; r < rows; ++r) {
+                const T inv = T(1) / l[r];
+                for (int64_t c = 0; c < dv; ++c) dst[r * dv + c] = src[r * dv + c] * inv;
+                lse_dst[r] = m[r] + std::log(l[r]);
+            }
+        }
+    });
+}
+
+// Key segments per (sample, head) in the backward: enough tasks for a few threads when there are few
+// (sample, head) pairs (batch 1, 3 heads), one segment otherwise. It depends on the shapes only, never on
+// the thread count, so the sums - and the gradients - are the same on any number of threads.
+constexpr int64_t kBackwardMinTasks = 8;
+
+// Gradients of forward: dq, dk, dv (outputs, same shapes as q, k, v) from dout (BH, N, dv), the forward's
+// out and lse. One task per (sample*head, key segment): it owns dK and dV of its keys, and adds its part of
+// dQ into its own (N, d) buffer (dq itself when there is one segment); the parts are summed in segment
+// order afterwards.
+template <typename T>
+void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+              const torch::Tensor& lse, const torch::Tensor& dout, double scale, const torch::Tensor& dq,
+              const torch::Tensor& dk, const torch::Tensor& dv) {
+    const int64_t BH = q.size(0), N = q.size(1), M = k.size(1);
+    const int64_t key_blocks = ceil_div(M, kBackwardKeys);
+    const int64_t segments = std::min(key_blocks, std::max<int64_t>(1, ceil_div(kBackwardMinTasks, BH)));
+    const bool avx512 = fused_kernels_use_avx512();
+    const auto opts = q.options();
+    const torch::Tensor D = (dout * out).sum(-1);  // (BH, N)
+    // dQ parts (BH, segments, N, d), or dq itself.
+    const torch::Tensor dq_parts = segments > 1 ? torch::zeros({BH, segments, N, q.size(2)}, opts) : dq.unsqueeze(1);
+    if (segments == 1) dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    {
+        BlasThreadsGuard blas_guard;
+        at::parallel_for(0, BH * segments, 1, [&](int64_t begin, int64_t end) {
+            at::NoGradGuard no_grad;
+            torch::Tensor s_tile = torch::empty({kBackwardQueries, kBackwardKeys}, opts);
+            torch::Tensor dp_tile = torch::empty({kBackwardQueries, kBackwardKeys}, opts);
+            for (int64_t task = begin; task < end; ++task) {
+                const int64_t bh = task / segments, segment = task % segments;
+                const int64_t first_block = segment * key_blocks / segments;
+                const int64_t last_block = (segment + 1) * key_blocks / segments;
+                const torch::Tensor qb = q[bh], kb = k[bh], vb = v[bh], gb = dout[bh];
+                const torch::Tensor dqb = dq_parts[bh][segment], dkb = dk[bh], dvb = dv[bh];
+                const T* lse_b = lse.data_ptr<T>() + bh * N;
+                const T* D_b = D.data_ptr<T>() + bh * N;
+                for (int64_t j0 = first_block * kBackwardKeys; j0 < std::min(M, last_block * kBackwardKeys);
+                     j0 += kBackwardKeys) {
+                    const int64_t cols = std::min(kBackwardKeys, M - j0);
+                    const torch::Tensor kj = kb.narrow(0, j0, cols), vj = vb.narrow(0, j0, cols);
+                    torch::Tensor dkj = dkb.narrow(0, j0, cols), dvj = dvb.narrow(0, j0, cols);
+                    for (int64_t i0 = 0; i0 < N; i0 += kBackwardQueries) {
+                        const int64_t rows = std::min(kBackwardQueries, N - i0);
+                        const torch::Tensor qi = qb.narrow(0, i0, rows), gi = gb.narrow(0, i0, rows);
+                        torch::Tensor s = s_tile.narrow(0, 0, rows).narrow(1, 0, cols);
+                        torch::Tensor dp = dp_tile.narrow(0, 0, rows).narrow(1, 0, cols);
+                        s.addmm_(qi, kj.t(), /*beta=*/0, /*alpha=*/scale);
+                        dp.addmm_(gi, vj.t(), /*beta=*/0, /*alpha=*/1);
+                        if (avx512)
+                            backward_rows_avx512<T>(s_tile.data_ptr<T>(), dp_tile.data_ptr<T>(), rows, cols,
+                                                    kBackwardKeys, lse_b + i0, D_b + i0);
+                        else
+                            backward_rows_portable<T>(s_tile.data_ptr<T>(), dp_tile.data_ptr<T>(), rows, cols,
+                                                      kBackwardKeys, lse_b + i0, D_b + i0);
+                        dvj.addmm_(s.t(), gi);                                // dV += P^T dO
+                        dkj.addmm_(dp.t(), qi, /*beta=*/1, /*alpha=*/scale);  // dK += scale dS^T Q
+                        dqb.narrow(0, i0, rows).addmm_(dp, kj, /*beta=*/1, /*alpha=*/scale);  // dQ += scale dS K
+                    }
+                }
+            }
+        });
+    }
+    if (segments > 1) {
+        at::NoGradGuard no_grad;
+        dq.copy_(dq_parts.select(1, 0));
+        for (int64_t segment = 1; segment < segments; ++segment) dq.add_(dq_parts.select(1, segment));
+    }
+}
+
+class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttentionFunction> {
+public:
+    // q, k, v: (BH, N, d), (BH, M, d), (BH, M, dv), contiguous, float32 or float64.
+    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v, double scale) {
+        torch::Tensor out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+        torch::Tensor lse = torch::empty({q.size(0), q.size(1)}, q.options());
+        if (q.scalar_type() == torch::kFloat64)
+            cpu::forward<double>(q, k, v, scale, out, lse);
+        else
+            cpu::forward<float>(q, k, v, scale, out, lse);
+        ctx->save_for_backward({q, k, v, out, lse});
+        ctx->saved_data["scale"] = scale;
+        return out;
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grad_outputs) {
+        const auto saved = ctx->get_saved_variables();
+        const torch::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+        const double scale = ctx->saved_data["scale"].toDouble();
+        torch::Tensor dout = grad_outputs[0].to(q.scalar_type()).contiguous();
+        torch::Tensor dq = torch::empty_like(q), dk = torch::empty_like(k), dv = torch::empty_like(v);
+        if (q.scalar_type() == torch::kFloat64)
+            cpu::backward<double>(q, k, v, out, lse, dout, scale, dq, dk, dv);
+        else
+            cpu::backward<float>(q, k, v, out, lse, dout, scale, dq, dk, dv);
+        return {dq, dk, dv, torch::Tensor()};
+    }
+};
+
+}  // namespace
+
+torch::Tensor softmax_attention_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                      double scale) {
+    LINVIS_CHECK(k.size(2) >= 1, "softmax_attention: the fused kernel needs at least one key, got k ",
+                 shape_string(k.sizes()));
+    const torch::ScalarType type = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+    const int64_t B = q.size(0), H = q.size(1), N = q.size(2), M = k.size(2);
+    auto flat = [&](const torch::Tensor& t, int64_t tokens) {
+        return t.to(type).reshape({B * H, tokens, t.size(3)}).contiguous();
+    };
+    torch::Tensor out = SoftmaxAttentionFunction::apply(flat(q, N), flat(k, M), flat(v, M), scale);
+    return out.view({B, H, N, v.size(3)}).to(q.scalar_type());
+}
+
+}  // namespace linvis::ops::cpu

@@ -1,0 +1,211 @@
+// The fused flash-style softmax attention (src/ops/attention/cpu.cpp) against the reference
+// (src/ops/attention/reference.cpp: q k^T, softmax, @ v with autograd): outputs and the gradients of q, k
+// and v in float64, float32 and bfloat16; N != M, token counts that are not multiples of the tiles (64 / 256
+// queries x keys forward, 64 x 128 backward): 1, 65, 197, 257, 300, 513; head dims 32, 64, 72 and dv != d;
+// several samples and heads; large logits (the online softmax's rescaling); with LINVIS_FORCE_SCALAR=1 (the
+// portable row loops) and without (AVX-512 ones where the CPU has them); the same bits on 1 and 2 threads.
+//
+// Not checked here: that the fused forward keeps no (N, M) tensor for the backward. LibTorch's C++ API does
+// not expose a custom Function's saved variables, so the check would need a private hook; the forward saves
+// q, k, v, out and the (B*h, N) logsumexp (src/ops/attention/cpu.cpp), and the memory is measured by
+// `linvis bench` (docs/ops.md).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include <ATen/Parallel.h>
+
+#include "linvis/core/error.h"
+#include "linvis/core/flops.h"
+#include "linvis/models/dit.h"
+#include "linvis/models/registry.h"
+#include "linvis/ops/attention.h"
+#include "support/testing.h"
+
+namespace {
+
+using linvis::ops::Impl;
+using linvis::ops::softmax_attention;
+using linvis::testing::all_close;
+
+struct Shape {
+    int64_t B, h, N, M, d, dv;
+};
+
+std::string name(const Shape& s, torch::ScalarType type) {
+    return "B" + std::to_string(s.B) + " h" + std::to_string(s.h) + " N" + std::to_string(s.N) + " M" +
+           std::to_string(s.M) + " d" + std::to_string(s.d) + " dv" + std::to_string(s.dv) + " " +
+           std::string(c10::toString(type));
+}
+
+// Output and gradients (q, k, v) of sum(out * probe) for one implementation.
+std::vector<torch::Tensor> run(const torch::Tensor& q0, const torch::Tensor& k0, const torch::Tensor& v0,
+                               const torch::Tensor& probe, double scale, Impl impl) {
+    torch::Tensor q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(), v = v0.clone().requires_grad_();
+    torch::Tensor out = softmax_attention(q, k, v, scale, {}, impl);
+    (out * probe).sum().backward();
+    return {out.detach(), q.grad(), k.grad(), v.grad()};
+}
+
+struct Inputs {
+    torch::Tensor q, k, v, probe;
+};
+
+Inputs make_inputs(const Shape& s, torch::ScalarType type, double magnitude = 1.0) {
+    torch::manual_seed(s.N * 1000 + s.M + s.d);
+    auto o = torch::TensorOptions().dtype(type);
+    return {(torch::randn({s.B, s.h, s.N, s.d}) * magnitude).to(type),
+            (torch::randn({s.B, s.h, s.M, s.d}) * magnitude).to(type), torch::randn({s.B, s.h, s.M, s.dv}, o),
+            torch::randn({s.B, s.h, s.N, s.dv}, o)};
+}
+
+const char* kNames[] = {"out", "dq", "dk", "dv"};
+
+// Elementwise |fused - reference| <= atol + rtol |reference|, the atol relative to the largest |reference|.
+void compare(const Shape& s, torch::ScalarType type, double rtol, double atol_rel, double magnitude = 1.0) {
+    const Inputs in = make_inputs(s, type, magnitude);
+    const double scale = std::pow(static_cast<double>(s.d), -0.5);
+    const auto ref = run(in.q, in.k, in.v, in.probe, scale, Impl::Reference);
+    const auto fused = run(in.q, in.k, in.v, in.probe, scale, Impl::Fused);
+    for (int i = 0; i < 4; ++i) {
+        EXPECT_EQ(fused[i].scalar_type(), type) << kNames[i] << " " << name(s, type);
+        const double atol = atol_rel * ref[i].abs().max().item<double>();
+        EXPECT_TRUE(all_close(fused[i], ref[i], rtol, atol)) << kNames[i] << " " << name(s, type);
+    }
+}
+
+const Shape kShapes[] = {
+    {1, 3, 197, 197, 64, 64},  // deit_tiny at 224 px
+    {2, 2, 1, 5, 32, 32},      // one query
+    {1, 2, 513, 300, 72, 72},  // N != M, neither a multiple of a tile, head dim 72
+    {2, 3, 65, 257, 32, 48},   // dv != d, one query past a tile, one key past a tile
+    {1, 1, 300, 513, 64, 64},  // more keys than queries
+    {3, 2, 64, 128, 64, 64},   // exact tiles
+};
+
+void all_shapes_f32() {
+    // float32: the fused kernel and the reference round differently (tile-wise sums, a 2-ulp exp): a few
+    // float32 unit roundoffs (6e-8) times the number of terms of a sum, far below 1e-4.
+    for (const Shape& s : kShapes) compare(s, torch::kFloat32, 1e-4, 1e-5);
+}
+
+TEST(AttentionFused, MatchesReferenceFloat64) {
+    // float64 runs std::exp and dgemm: the two paths differ only in the order of the sums.
+    for (const Shape& s : kShapes) compare(s, torch::kFloat64, 1e-10, 1e-12);
+}
+
+TEST(AttentionFused, MatchesReferenceFloat32) { all_shapes_f32(); }
+
+TEST(AttentionFused, MatchesReferenceFloat32ForcedScalar) {
+    const char* old = std::getenv("LINVIS_FORCE_SCALAR");
+    const std::string saved = old ? old : "";
+    setenv("LINVIS_FORCE_SCALAR", "1", 1);
+    all_shapes_f32();
+    compare({1, 2, 197, 197, 64, 64}, torch::kFloat64, 1e-10, 1e-12);
+    if (old) setenv("LINVIS_FORCE_SCALAR", saved.c_str(), 1);
+    else unsetenv("LINVIS_FORCE_SCALAR");
+}
+
+// Logits up to a few hundred: every row's maximum moves between key tiles, so the accumulator is rescaled
+// many times; exp of large negative differences must give 0, not NaN.
+TEST(AttentionFused, LargeLogitsStable) {
+    compare({1, 2, 197, 600, 64, 64}, torch::kFloat32, 1e-4, 1e-5, /*magnitude=*/6.0);
+    compare({1, 2, 197, 600, 64, 64}, torch::kFloat64, 1e-10, 1e-12, /*magnitude=*/6.0);
+}
+
+// bfloat16: both paths compute in float32 from the same bf16 inputs and round once to bf16 at the end (the
+// output; each gradient is rounded once when it leaves the float32 kernel). Two float32 values that differ
+// by a few float32 roundoffs round to the same or to adjacent bf16 numbers, and adjacent bf16 numbers are
+// at most 2^-7 apart relative to either (8 significant bits). So |fused - ref| <= 2^-7 |ref|, plus, for
+// elements that are sums with cancellation, the float32 difference itself: 1e-4 of the largest |ref|.
+TEST(AttentionFused, MatchesReferenceBfloat16) {
+    for (const Shape& s : {Shape{1, 3, 197, 197, 64, 64}, Shape{2, 2, 65, 257, 32, 48}, Shape{1, 2, 513, 300, 72, 72}})
+        compare(s, torch::kBFloat16, 1.0 / 128, 1e-4);
+}
+
+// The fused path in float64 against finite differences (independent of the reference).
+TEST(AttentionFused, Gradcheck) {
+    torch::manual_seed(3);
+    const auto o = torch::TensorOptions().dtype(torch::kFloat64);
+    auto q = torch::randn({1, 2, 5, 3}, o).requires_grad_(), k = torch::randn({1, 2, 7, 3}, o).requires_grad_(),
+         v = torch::randn({1, 2, 7, 2}, o).requires_grad_();
+    EXPECT_TRUE(linvis::testing::gradcheck(
+        [](const std::vector<torch::Tensor>& in) { return softmax_attention(in[0], in[1], in[2], 0.7, {}, Impl::Fused); },
+        {q, k, v}));
+}
+
+// Forward and backward give the same bits on one thread and on two (tasks own their rows and their
+// (sample, head)).
+TEST(AttentionFused, SameBitsOnOneAndTwoThreads) {
+    const Shape s{2, 3, 197, 300, 64, 64};
+    const Inputs in = make_inputs(s, torch::kFloat32);
+    const int threads = at::get_num_threads();
+    at::set_num_threads(1);
+    const auto one = run(in.q, in.k, in.v, in.probe, 0.125, Impl::Fused);
+    at::set_num_threads(2);
+    const auto two = run(in.q, in.k, in.v, in.probe, 0.125, Impl::Fused);
+    at::set_num_threads(threads);
+    for (int i = 0; i < 4; ++i) EXPECT_TRUE(torch::equal(one[i], two[i])) << kNames[i];
+}
+
+// The mask is not supported by the fused kernel: Impl::Fused names the reason, Impl::Auto runs the reference.
+TEST(AttentionFused, MaskRunsTheReferenceUnderAuto) {
+    torch::manual_seed(5);
+    auto q = torch::randn({1, 2, 9, 8}), k = torch::randn({1, 2, 11, 8}), v = torch::randn({1, 2, 11, 8});
+    auto mask = torch::rand({9, 11}) > 0.5;
+    mask.select(1, 0).fill_(true);
+    try {
+        softmax_attention(q, k, v, 0.3, mask, Impl::Fused);
+        ADD_FAILURE() << "Impl::Fused with a mask did not throw";
+    } catch (const linvis::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("mask"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(torch::equal(softmax_attention(q, k, v, 0.3, mask), softmax_attention(q, k, v, 0.3, mask, Impl::Reference)));
+    // The mask matters (so the line above compares masked attention, not plain).
+    EXPECT_GT((softmax_attention(q, k, v, 0.3, mask) - softmax_attention(q, k, v, 0.3, {}, Impl::Fused)).abs().max().item<double>(),
+              1e-3);
+    EXPECT_THROW(softmax_attention(q.to(torch::kInt32), k.to(torch::kInt32), v.to(torch::kInt32), 0.3, {}, Impl::Fused),
+                 linvis::Error);
+}
+
+TEST(AttentionFused, CountsTheSameFlops) {
+    auto q = torch::randn({2, 3, 10, 4}), k = torch::randn({2, 3, 12, 4}), v = torch::randn({2, 3, 12, 5});
+    for (const Impl impl : {Impl::Reference, Impl::Fused}) {
+        linvis::flops::Counter counter;
+        softmax_attention(q, k, v, 0.5, {}, impl);
+        EXPECT_EQ(counter.macs(), 2 * 3 * 10 * 12 * (4 + 5)) << linvis::ops::impl_name(impl);
+    }
+}
+
+
+// DiT's softmax mixer takes the model's `impl` (DeiT's did already): impl=reference and impl=fused give the
+// same output up to float32 rounding, and not the same bits (so the two runs took different paths).
+TEST(AttentionFused, DitFollowsTheModelImpl) {
+    using linvis::models::ModelConfig;
+    auto make = [](const std::string& impl) {
+        return linvis::models::create_diffusion_model(
+            "dit_s4", ModelConfig({{"input_size", "16"}, {"depth", "1"}, {"impl", impl}}));
+    };
+    auto reference = make("reference"), fused = make("fused");
+    torch::manual_seed(7);
+    {
+        torch::NoGradGuard no_grad;
+        auto src = reference->named_parameters(true);
+        // Random weights: the adaLN-zero initialisation would make every output exactly 0.
+        for (auto& item : src) item.value().copy_(0.05 * torch::randn_like(item.value()));
+        for (auto& item : fused->named_parameters(true)) item.value().copy_(src[item.key()]);
+    }
+    reference->eval();
+    fused->eval();
+    torch::NoGradGuard no_grad;
+    const torch::Tensor x = torch::randn({2, 4, 16, 16}), t = torch::tensor({0, 999}), y = torch::tensor({3, 1000});
+    const torch::Tensor a = reference->forward(x, t, y), b = fused->forward(x, t, y);
+    EXPECT_GT(a.abs().max().item<double>(), 1e-3);
+    EXPECT_TRUE(all_close(b, a, 1e-4, 1e-5 * a.abs().max().item<double>()));
+    EXPECT_FALSE(torch::equal(a, b));
+}
+
+}  // namespace
