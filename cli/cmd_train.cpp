@@ -21,6 +21,7 @@
 #include "linvis/train/diffusion_trainer.h"
 #include "linvis/train/finetune.h"
 #include "linvis/train/trainer.h"
+#include "generation.h"
 #include "launch.h"
 #include "segmentation.h"
 
@@ -371,6 +372,7 @@ struct EvalOptions {
 
 int run_eval(int argc, const char* const* argv) {
     if (task_is(argc, argv, "segmentation")) return run_eval_segmentation(argc, argv);
+    if (task_is(argc, argv, "diffusion")) return run_eval_diffusion(argc, argv);
     EvalOptions o;
     CommandApp app("eval", "Top-1/top-5 accuracy and cross-entropy of a model on a data set's evaluation split. With "
                            "--format json the last line is a JSON object with top1, top5, loss and images.");

@@ -386,6 +386,40 @@ torch::Tensor DiffusionModel::forward_with_cfg(const torch::Tensor& x, const tor
     return torch::cat({torch::cat({g, g}, 0), rest}, 1);
 }
 
+torch::Tensor sample_class_conditional(DiffusionModel& model, const torch::Tensor& noise,
+                                       const std::vector<int64_t>& labels, const SamplerConfig& config,
+                                       const GaussianDiffusion::Progress& progress) {
+    const int64_t n = static_cast<int64_t>(labels.size()), C = model.in_channels(), L = model.input_size(),
+                  K = model.num_classes();
+    LINVIS_CHECK(config.sampler == "ddpm" || config.sampler == "ddim", "sampler: expected ddpm or ddim, got '",
+                 config.sampler, "'");
+    LINVIS_CHECK(n >= 1, "sampling: no labels");
+    for (const int64_t l : labels)
+        LINVIS_CHECK(l >= 0 && l < K, "sampling: label ", l, " out of range [0, ", K - 1, "]");
+    LINVIS_CHECK(noise.defined() && noise.dim() == 4 && noise.size(0) == n && noise.size(1) == C && noise.size(2) == L &&
+                     noise.size(3) == L,
+                 "sampling: expected noise of shape (", n, ", ", C, ", ", L, ", ", L, "), got ",
+                 noise.defined() ? noise.sizes() : c10::IntArrayRef{});
+    const bool guided = config.cfg_scale != 1.0;
+    LINVIS_CHECK(!guided || model.has_null_label(), "cfg_scale ", config.cfg_scale,
+                 ": the model has no null-label row (class_dropout_prob 0); use cfg_scale 1");
+    torch::Tensor z = noise.to(torch::kFloat32);
+    torch::Tensor y = torch::tensor(labels, torch::kInt64);
+    if (guided) {
+        z = torch::cat({z, z}, 0);
+        y = torch::cat({y, torch::full({n}, K, torch::kInt64)}, 0);
+    }
+    const GaussianDiffusion diffusion(config.respacing_spec(), model.config().learn_sigma);
+    const DenoiseFn fn = [&](const torch::Tensor& x, const torch::Tensor& t) {
+        return guided ? model.forward_with_cfg(x, t, y, config.cfg_scale) : model.forward(x, t, y);
+    };
+    torch::NoGradGuard no_grad;
+    torch::Tensor samples = config.sampler == "ddim" ? diffusion.ddim_sample_loop(fn, z, config.eta, false, progress)
+                                                     : diffusion.p_sample_loop(fn, z, false, progress);
+    if (guided) samples = samples.narrow(0, 0, n);
+    return samples.contiguous();
+}
+
 void DiffusionModel::check_inputs(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) const {
     const DitConfig& c = config();
     LINVIS_CHECK(x.defined() && x.dim() == 4 && x.size(1) == c.in_channels && x.size(2) == c.input_size &&

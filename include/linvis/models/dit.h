@@ -15,6 +15,7 @@
 
 #include <torch/torch.h>
 
+#include "linvis/models/diffusion.h"
 #include "linvis/models/model.h"
 #include "linvis/ops/impl.h"
 
@@ -91,5 +92,26 @@ torch::Tensor dit_timestep_embedding(const torch::Tensor& t, int64_t dim = 256);
 // Keys of a DiT5 model that a softmax DiT does not provide (DiT5/train.py inheritance; per block
 // attn.w1, attn.w2, attn.qk_scale_ttt, attn.qk_offset_ttt, attn.{q,k}_conv2d.{weight,bias}).
 bool is_dit5_new_parameter(const std::string& key);
+
+// Class-conditional sampling as the official sample.py (spec §3.7): from the noise z (n, C, L, L) and labels
+// (n,), with guidance (cfg_scale != 1) the batch is doubled with the null label and the model runs
+// forward_with_cfg, else plain forward; the DDPM sampler (p_sample_loop, respacing "<steps>") or DDIM
+// (ddim_sample_loop with eta, respacing "ddim<steps>"), clip_denoised=False; the first n rows (what the
+// sampler returns: all output channels of x_0, (n, C, L, L)). The per-step noise comes from the default
+// generator. Throws a one-line error for a label out of range, noise of the wrong shape, or guidance
+// without a null-label row.
+struct SamplerConfig {
+    std::string sampler = "ddpm";  // ddpm | ddim
+    int64_t steps = 250;
+    std::string respacing;         // explicit respacing; overrides sampler/steps when set
+    double eta = 0.0;              // DDIM eta
+    double cfg_scale = 4.0;        // 1: no guidance
+    std::string respacing_spec() const {  // what GaussianDiffusion is built with
+        return !respacing.empty() ? respacing : (sampler == "ddim" ? "ddim" : "") + std::to_string(steps);
+    }
+};
+torch::Tensor sample_class_conditional(DiffusionModel& model, const torch::Tensor& noise,
+                                       const std::vector<int64_t>& labels, const SamplerConfig& config,
+                                       const GaussianDiffusion::Progress& progress = {});
 
 }  // namespace linvis::models
