@@ -83,6 +83,11 @@ std::string openblas_coretype_override() {
     const char* core = corename();
     if (core == nullptr || strcasecmp(core, "prescott") != 0) return "";
     __builtin_cpu_init();
+    // The widest kernels the CPU runs: AVX-512 (F, BW, VL, DQ: SkylakeX; with BF16: Cooperlake, which
+    // adds the bf16 GEMM), else AVX2 + FMA (Haswell).
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (avx512) return __builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX";
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? "Haswell" : "";
 }
 

@@ -39,10 +39,11 @@ bool openmp_is_passive();
 
 // The OPENBLAS_CORETYPE a process should be started with, or "" when none is needed. A DYNAMIC_ARCH
 // OpenBLAS older than the CPU does not recognise it and falls back to its generic "Prescott" (SSE3)
-// kernels: Debian 12's OpenBLAS 0.3.21 does so on recent Intel Xeons, where a 2048^3 SGEMM then
-// runs at 19.5 GFLOP/s on one thread instead of 79 with the Haswell kernels. Returns "Haswell" (AVX2
-// + FMA kernels, correct on every CPU that has those) when the loaded OpenBLAS runs Prescott kernels
-// on a CPU with AVX2 and FMA. OpenBLAS reads the variable when it loads, so the CLI sets it when it
+// kernels: Debian 12's OpenBLAS 0.3.21 does so on recent Intel Xeons (Sapphire Rapids), where a 2048^3
+// SGEMM then runs at 19.5 GFLOP/s on one thread instead of 79 with the Haswell kernels, and on two
+// threads at 190 GFLOP/s with Haswell's against 345-352 with the AVX-512 ones. When the loaded OpenBLAS
+// runs Prescott kernels, returns the widest kernels the CPU can run: "Cooperlake" (AVX-512 with BF16),
+// "SkylakeX" (AVX-512 F/BW/VL/DQ) or "Haswell" (AVX2 + FMA); "" otherwise. OpenBLAS reads the variable when it loads, so the CLI sets it when it
 // restarts itself (see ensure_passive_openmp in cli/main.cpp).
 std::string openblas_coretype_override();
 
