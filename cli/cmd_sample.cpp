@@ -29,11 +29,7 @@ namespace {
 
 struct SampleOptions {
     ModelOptions model;
-    std::string sampler = "ddpm";
-    int64_t steps = 250;
-    std::string respacing;
-    double eta = 0.0;
-    double cfg_scale = 4.0;
+    models::SamplerConfig sampling;  // --sampler, --steps, --respacing, --eta, --cfg-scale
     std::vector<int64_t> labels;
     int64_t seed = 0;
     std::string noise;
@@ -45,6 +41,17 @@ struct SampleOptions {
     bool no_progress = false;
     int threads = 0;
 };
+
+// The sampler options of sample and eval --task diffusion, written into the library's SamplerConfig.
+void add_sampling_options(CLI::App& app, models::SamplerConfig& o) {
+    add_choice(app, "--sampler", o.sampler, {"ddpm", "ddim"}, "ddpm: ancestral p_sample_loop; ddim: eta --eta");
+    add_number(app, "--steps", o.steps, "sampling steps (respacing '<N>' for ddpm, 'ddim<N>' for ddim)", int64_t{1},
+               int64_t{1000});
+    app.add_option("--respacing", o.respacing, "explicit timestep respacing (e.g. '250', 'ddim25', '10,15,20'); "
+                                               "overrides --steps");
+    add_number(app, "--eta", o.eta, "DDIM eta", 0.0, 1.0);
+    add_number(app, "--cfg-scale", o.cfg_scale, "classifier-free guidance scale (1: no guidance, plain forward)", 0.0);
+}
 
 bool ends_with(const std::string& s, const std::string& suffix) {
     return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -103,13 +110,7 @@ int run_sample(int argc, const char* const* argv) {
                              "sample.py does, and write them as safetensors ('samples', 'labels') or a labelled PNG "
                              "grid.");
     add_model_options(app, o.model, true);
-    add_choice(app, "--sampler", o.sampler, {"ddpm", "ddim"}, "ddpm: ancestral p_sample_loop; ddim: eta --eta");
-    add_number(app, "--steps", o.steps, "sampling steps (respacing '<N>' for ddpm, 'ddim<N>' for ddim)", int64_t{1},
-               int64_t{1000});
-    app.add_option("--respacing", o.respacing, "explicit timestep respacing (e.g. '250', 'ddim25', '10,15,20'); "
-                                               "overrides --steps");
-    add_number(app, "--eta", o.eta, "DDIM eta", 0.0, 1.0);
-    add_number(app, "--cfg-scale", o.cfg_scale, "classifier-free guidance scale (1: no guidance, plain forward)", 0.0);
+    add_sampling_options(app, o.sampling);
     add_list(app, "--labels", o.labels, "class labels, one sample each (default: the 'label' tensor of --noise, the "
                                         "official 8 ImageNet labels for 1000 classes, else one per class)");
     add_seed_option(app, o.seed);
@@ -165,13 +166,8 @@ int run_sample(int argc, const char* const* argv) {
     } else {
         z = torch::randn({n, C, L, L});
     }
-    models::SamplerConfig sampler;
-    sampler.sampler = o.sampler;
-    sampler.steps = o.steps;
-    sampler.respacing = o.respacing;
-    sampler.eta = o.eta;
-    sampler.cfg_scale = o.cfg_scale;
-    LINVIS_CHECK(o.cfg_scale == 1.0 || model->has_null_label(), "--cfg-scale ", o.cfg_scale, ": ", o.model.model,
+    const models::SamplerConfig& sampler = o.sampling;
+    LINVIS_CHECK(sampler.cfg_scale == 1.0 || model->has_null_label(), "--cfg-scale ", sampler.cfg_scale, ": ", o.model.model,
                  " has no null-label row (class_dropout_prob 0); use --cfg-scale 1");
     const std::string respacing = sampler.respacing_spec();
     const torch::Tensor samples = models::sample_class_conditional(*model, z, labels, sampler,
@@ -181,8 +177,8 @@ int run_sample(int argc, const char* const* argv) {
 
     if (!to_png) {
         io::save_safetensors(o.output, {{"samples", samples}, {"labels", label_tensor}},
-                             {{"model", o.model.model}, {"sampler", o.sampler}, {"respacing", respacing},
-                              {"cfg_scale", std::to_string(o.cfg_scale)}, {"seed", std::to_string(o.seed)}});
+                             {{"model", o.model.model}, {"sampler", o.sampling.sampler}, {"respacing", respacing},
+                              {"cfg_scale", std::to_string(o.sampling.cfg_scale)}, {"seed", std::to_string(o.seed)}});
         std::cout << "wrote " << o.output << ": samples " << shape_string(samples.sizes()) << "\n";
         return 0;
     }
@@ -217,11 +213,7 @@ struct EvalDiffusionOptions {
     std::string task = "diffusion";
     ModelOptions model;
     std::string classifier = std::string(LINVIS_ASSETS_DIR) + "/fmnist_vittt_tiny.safetensors";
-    std::string sampler = "ddpm";
-    int64_t steps = 250;
-    std::string respacing;
-    double eta = 0.0;
-    double cfg_scale = 4.0;
+    models::SamplerConfig sampling;  // --sampler, --steps, --respacing, --eta, --cfg-scale
     int64_t samples_per_class = 100;
     int64_t batch_size = 100;
     int64_t seed = 0;
@@ -263,12 +255,7 @@ int run_eval_diffusion(int argc, const char* const* argv) {
     app.add_option("--classifier", o.classifier, "classifier weights written by 'linvis train' (their metadata names "
                                                  "the model, its normalisation and resolution)")
         ->type_name("FILE");
-    add_choice(app, "--sampler", o.sampler, {"ddpm", "ddim"}, "ddpm: ancestral p_sample_loop; ddim: eta --eta");
-    add_number(app, "--steps", o.steps, "sampling steps (respacing '<N>' for ddpm, 'ddim<N>' for ddim)", int64_t{1},
-               int64_t{1000});
-    app.add_option("--respacing", o.respacing, "explicit timestep respacing; overrides --steps");
-    add_number(app, "--eta", o.eta, "DDIM eta", 0.0, 1.0);
-    add_number(app, "--cfg-scale", o.cfg_scale, "classifier-free guidance scale (1: no guidance)", 0.0);
+    add_sampling_options(app, o.sampling);
     add_number(app, "--samples-per-class", o.samples_per_class, "samples of each class (and K x classes real images)",
                int64_t{1});
     add_number(app, "--batch-size", o.batch_size, "samples drawn at once", int64_t{1});
@@ -308,7 +295,8 @@ int run_eval_diffusion(int argc, const char* const* argv) {
                  " classes (as ", o.model.model, "), got ", classifier->num_classes());
     LINVIS_CHECK(described.mean.size() == 1 || static_cast<int64_t>(described.mean.size()) == C, "--classifier ",
                  o.classifier, ": normalises ", described.mean.size(), " channels, the diffusion model draws ", C);
-    LINVIS_CHECK(o.cfg_scale == 1.0 || model->has_null_label(), "--cfg-scale ", o.cfg_scale, ": ", o.model.model,
+    LINVIS_CHECK(o.sampling.cfg_scale == 1.0 || model->has_null_label(), "--cfg-scale ", o.sampling.cfg_scale, ": ",
+                 o.model.model,
                  " has no null-label row (class_dropout_prob 0); use --cfg-scale 1");
 
     // The real images, through the pipeline diffusion training used (28 -> L, [-1, 1]): the first N test
@@ -334,12 +322,7 @@ int run_eval_diffusion(int argc, const char* const* argv) {
     whole_source(*sources.train, real_train, train_labels);
 
     // The samples: K per class, classes in order, noise from --seed.
-    models::SamplerConfig sampler;
-    sampler.sampler = o.sampler;
-    sampler.steps = o.steps;
-    sampler.respacing = o.respacing;
-    sampler.eta = o.eta;
-    sampler.cfg_scale = o.cfg_scale;
+    const models::SamplerConfig& sampler = o.sampling;
     std::vector<int64_t> labels;
     for (int64_t k = 0; k < K; ++k)
         for (int64_t i = 0; i < o.samples_per_class; ++i) labels.push_back(k);
@@ -378,9 +361,9 @@ int run_eval_diffusion(int argc, const char* const* argv) {
                              {"classifier", o.classifier},
                              {"classifier_model", classifier_options.model},
                              {"feature_dim", on_samples.features.size(1)},
-                             {"sampler", o.sampler},
+                             {"sampler", o.sampling.sampler},
                              {"respacing", sampler.respacing_spec()},
-                             {"cfg_scale", o.cfg_scale},
+                             {"cfg_scale", o.sampling.cfg_scale},
                              {"seed", o.seed},
                              {"samples_per_class", o.samples_per_class},
                              {"samples", N},
@@ -392,7 +375,7 @@ int run_eval_diffusion(int argc, const char* const* argv) {
                              {"classifier_accuracy_real_test", real_accuracy},
                              {"sampling_seconds", sampling_seconds}};
     std::printf("%s (%s): %lld samples (%s, respacing %s, cfg %.2f)\n", o.model.model.c_str(), o.model.weights.c_str(),
-                static_cast<long long>(N), o.sampler.c_str(), sampler.respacing_spec().c_str(), o.cfg_scale);
+                static_cast<long long>(N), o.sampling.sampler.c_str(), sampler.respacing_spec().c_str(), o.sampling.cfg_scale);
     std::printf("  Frechet distance on linvis-classifier features (%s, %lld-d; not Inception FID):\n",
                 classifier_options.model.c_str(), static_cast<long long>(on_samples.features.size(1)));
     std::printf("    samples vs real test        %10.4f\n", fd);

@@ -228,6 +228,9 @@ bool noise_driven(const std::string& name) {
 }
 
 // Largest |a - b| over every tensor (both files hold the same names).
+// The tensor of the last max_abs_difference's largest difference (for failure messages).
+std::string worst_name;
+
 double max_abs_difference(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {
     EXPECT_EQ(a.size(), b.size());
     double worst = 0.0;
@@ -238,12 +241,19 @@ double max_abs_difference(const std::map<std::string, torch::Tensor>& a, const s
             continue;
         }
         if (noise_driven(name)) continue;
-        worst = std::max(worst, (it->second.to(torch::kFloat64) - tensor.to(torch::kFloat64)).abs().max().item<double>());
+        const double d = (it->second.to(torch::kFloat64) - tensor.to(torch::kFloat64)).abs().max().item<double>();
+        if (d > worst) worst = d, worst_name = name;
     }
     return worst;
 }
 
-void expect_two_processes_match_one(const std::string& model, const std::string& extra, int64_t steps_per_epoch) {
+// `tolerance`: the largest weight difference allowed after the run. AdamW normalises every step to about
+// lr, so where a gradient is small its float32 rounding noise is amplified to a fraction of lr per step:
+// 2e-4 after 8 steps of lr 1e-3 for DeiT; 5e-4 for H-ViT3, whose patch-merging convs are scale-invariant
+// under the BatchNorm that follows them (their gradients have no radial part), and whose noise spreads
+// from there (3.4e-4 seen after a change of BLAS kernels). Half the global batch differs by over 1e-3.
+void expect_two_processes_match_one(const std::string& model, const std::string& extra, int64_t steps_per_epoch,
+                                    double tolerance) {
     TempDir one("dist_one"), two("dist_two"), half("dist_half");
     const auto single = run_cli(common_args(model) + extra + " --threads 1 --output " + one.path.string());
     ASSERT_EQ(single.status, 0) << single.output;
@@ -252,9 +262,8 @@ void expect_two_processes_match_one(const std::string& model, const std::string&
     // Only rank 0 wrote, and it wrote everything.
     for (const char* file : {"last.safetensors", "best.safetensors", "checkpoint.pt", "metrics.jsonl", "curves.png"})
         EXPECT_TRUE(fs::exists(two.path / file)) << file;
-    // At most 8 AdamW steps of lr 1e-3: float32 rounding of the sums moves a weight by a small fraction of a step.
     const double diff = max_abs_difference(weights(two.path / "last.safetensors"), weights(one.path / "last.safetensors"));
-    EXPECT_LT(diff, 2e-4) << model;
+    EXPECT_LT(diff, tolerance) << model << ": " << worst_name;
     // Metrics are of the global batch and the whole evaluation split.
     const auto m1 = metrics(one.path), m2 = metrics(two.path);
     ASSERT_EQ(m1.size(), 2u);
@@ -275,14 +284,15 @@ void expect_two_processes_match_one(const std::string& model, const std::string&
 
 TEST(DistributedTraining, TwoProcessesMatchOneOnTheSameGlobalBatchDeit) {
     // Gradient accumulation: 4 batches of 16 per epoch, an optimiser step every 2.
-    expect_two_processes_match_one("deit_tiny", " --model-kwargs depth=2 embed_dim=32 num_heads=2 --accum-steps 2", 2);
+    expect_two_processes_match_one("deit_tiny", " --model-kwargs depth=2 embed_dim=32 num_heads=2 --accum-steps 2", 2,
+                                   2e-4);
 }
 
 // H-ViT3 has BatchNorm: its statistics must be those of the global batch.
 TEST(DistributedTraining, TwoProcessesMatchOneWithSynchronisedBatchNorm) {
     expect_two_processes_match_one("hvit3_tiny",
                                    " --img-size 32 --model-kwargs embed_dims=16,16,32,32 depths=1,1,1,1 num_heads=1,1,2,2",
-                                   4);
+                                   4, 5e-4);
 }
 
 // ---------------------------------------------------------------- launch errors
@@ -641,8 +651,19 @@ TEST(DistributedSegmentation, ResumesWithADifferentWorldSize) {
     TempDir reference("dsegr_ref");
     const auto whole = run_cli(args + " --threads 1 --output " + reference.path.string());
     ASSERT_EQ(whole.status, 0) << whole.output;
+    // The resumed run differs from the uninterrupted one by rounding only (2 processes sum in another
+    // order), which AdamW amplifies where H-ViT3's scale-invariant patch-merging convs have small
+    // gradients (3.6e-4 seen); what the network computes is compared through the losses.
     EXPECT_LT(max_abs_difference(weights(out.path / "last.safetensors"), weights(reference.path / "last.safetensors")),
-              2e-4);
+              5e-4)
+        << worst_name;
+    const auto resumed_steps = step_lines(metrics(out.path)), whole_steps = step_lines(metrics(reference.path));
+    ASSERT_EQ(resumed_steps.size(), 4u);
+    ASSERT_EQ(whole_steps.size(), 4u);
+    for (size_t i = 0; i < 4; ++i)
+        EXPECT_NEAR(resumed_steps[i]["loss"].get<double>(), whole_steps[i]["loss"].get<double>(), 1e-4) << "step " << i + 1;
+    EXPECT_NEAR(metrics(out.path).back()["eval_loss"].get<double>(), metrics(reference.path).back()["eval_loss"].get<double>(),
+                1e-4);
 }
 
 // --cpu-budget counts the process's CPU seconds (a budget a busy machine does not shrink): a tiny one
