@@ -435,13 +435,11 @@ TEST(DistributedFaults, HungWorkerIsNamedAfterTheTimeout) {
     EXPECT_NE(log.find("rank 0 of 2: all-reduce failed"), std::string::npos) << log;
 }
 
-// Ctrl-C on the launcher: every worker stops at the same step, rank 0 saves once; the run then
-// continues on one process and ends where an uninterrupted one-process run ends.
-TEST(DistributedFaults, InterruptSavesOnceAndResumesWithADifferentWorldSize) {
-    TempDir dir("dist_int");
-    const fs::path out = dir.path / "run", reference = dir.path / "reference";
+// Starts a 2-process run of `args` writing to `out`, lets it write a checkpoint, sends SIGINT to the
+// launcher and checks that the run stops with status 130 after rank 0 saved exactly once.
+void interrupt_pair_once(const fs::path& out, const std::string& args) {
     std::vector<pid_t> workers;
-    Background launcher = start_pair(out, 60.0, workers);
+    Background launcher = start_pair(out, 60.0, workers, args);
     ASSERT_TRUE(fs::exists(out / "checkpoint.pt")) << read_file(launcher.log);
     ASSERT_EQ(kill(launcher.pid, SIGINT), 0);
     const int status = wait_for(launcher.pid, 60.0);
@@ -451,6 +449,14 @@ TEST(DistributedFaults, InterruptSavesOnceAndResumesWithADifferentWorldSize) {
     for (size_t at = log.find("interrupted: saved"); at != std::string::npos; at = log.find("interrupted: saved", at + 1))
         ++saves;
     EXPECT_EQ(saves, 1u) << log;
+}
+
+// Ctrl-C on the launcher: every worker stops at the same step, rank 0 saves once; the run then
+// continues on one process and ends where an uninterrupted one-process run ends.
+TEST(DistributedFaults, InterruptSavesOnceAndResumesWithADifferentWorldSize) {
+    TempDir dir("dist_int");
+    const fs::path out = dir.path / "run", reference = dir.path / "reference";
+    ASSERT_NO_FATAL_FAILURE(interrupt_pair_once(out, kFaultArgs));
     const auto resumed = run_cli(kFaultArgs + "--threads 1 --resume --output " + out.string());
     ASSERT_EQ(resumed.status, 0) << resumed.output;
     EXPECT_EQ(resumed.output.find("epoch 1:"), std::string::npos) << resumed.output;  // continued, not restarted
@@ -534,17 +540,7 @@ TEST(DistributedDiffusion, InterruptSavesOnceAndResumesWithADifferentWorldSize) 
         GTEST_SKIP() << "no Fashion-MNIST in /usr/share/datasets/fashion-mnist";
     TempDir dir("ddiff_int");
     const fs::path out = dir.path / "run", reference = dir.path / "reference";
-    std::vector<pid_t> workers;
-    Background launcher = start_pair(out, 60.0, workers, kDiffusionFaultArgs);
-    ASSERT_TRUE(fs::exists(out / "checkpoint.pt")) << read_file(launcher.log);
-    ASSERT_EQ(kill(launcher.pid, SIGINT), 0);
-    const int status = wait_for(launcher.pid, 60.0);
-    const std::string log = read_file(launcher.log);
-    ASSERT_EQ(status, 130) << log;
-    size_t saves = 0;
-    for (size_t at = log.find("interrupted: saved"); at != std::string::npos; at = log.find("interrupted: saved", at + 1))
-        ++saves;
-    EXPECT_EQ(saves, 1u) << log;
+    ASSERT_NO_FATAL_FAILURE(interrupt_pair_once(out, kDiffusionFaultArgs));
     const auto resumed = run_cli(kDiffusionFaultArgs + "--threads 1 --resume --output " + out.string());
     ASSERT_EQ(resumed.status, 0) << resumed.output;
     EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;

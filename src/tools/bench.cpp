@@ -47,6 +47,16 @@ models::ModelPtr build_model(const BenchCase& c, const std::string& impl, int64_
     return model;
 }
 
+// A case's speed from its timed passes (median and spread, per image) and the process's peak memory.
+void record_timings(BenchResult& result, const std::vector<double>& times, int64_t batch) {
+    result.iterations = static_cast<int>(times.size());
+    result.latency_ms = median(times) * 1e3;
+    result.images_per_s = static_cast<double>(batch) / median(times);
+    result.images_per_s_min = static_cast<double>(batch) / *std::max_element(times.begin(), times.end());
+    result.images_per_s_max = static_cast<double>(batch) / *std::min_element(times.begin(), times.end());
+    result.peak_mem_bytes = peak_rss_bytes();
+}
+
 // One timed unit of work: an inference pass, or a training step's forward and backward.
 void run_pass(models::VisionModel& model, const torch::Tensor& images, const torch::Tensor& labels, bool train) {
     if (!train) {
@@ -110,12 +120,7 @@ BenchResult measure_dense_case(const BenchCase& c) {
         result.gflops = counter.gflops() / static_cast<double>(c.batch);
     }
     const std::vector<double> times = time_passes(pass, std::max(1, c.warmup) - 1, c.iters, c.max_seconds);
-    result.iterations = static_cast<int>(times.size());
-    result.latency_ms = median(times) * 1e3;
-    result.images_per_s = c.batch / median(times);
-    result.images_per_s_min = c.batch / *std::max_element(times.begin(), times.end());
-    result.images_per_s_max = c.batch / *std::min_element(times.begin(), times.end());
-    result.peak_mem_bytes = peak_rss_bytes();
+    record_timings(result, times, c.batch);
     return result;
 }
 
@@ -359,12 +364,7 @@ BenchResult measure_case(const BenchCase& c) {
         }
         const std::vector<double> times = time_passes([&] { run_pass(*model, images, labels, c.train); },
                                                       std::max(1, c.warmup) - 1, c.iters, c.max_seconds);
-        result.iterations = static_cast<int>(times.size());
-        result.latency_ms = median(times) * 1e3;
-        result.images_per_s = c.batch / median(times);
-        result.images_per_s_min = c.batch / *std::max_element(times.begin(), times.end());
-        result.images_per_s_max = c.batch / *std::min_element(times.begin(), times.end());
-        result.peak_mem_bytes = peak_rss_bytes();
+        record_timings(result, times, c.batch);
     } catch (const std::exception& e) {
         result.status = "error";
         result.message = e.what();
