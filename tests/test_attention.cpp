@@ -65,6 +65,21 @@ TEST(NeighborhoodAttention, BorderClamp) {
                 EXPECT_EQ(idx[c.y * 7 + c.x][a * c.k + b].item<int64_t>(), (c.first_y + a) * 7 + c.first_x + b)
                     << "query (" << c.y << "," << c.x << ") k=" << c.k << " neighbour " << a * c.k + b;
     }
+    // Below the kernel: WholeAxis keeps the whole short axis; FlatWrap takes the clamp formula literally
+    // (start G - 5 = -1 on a 4x4 grid for every query) and wraps negative flat indices like PyTorch: the
+    // first neighbour (-1)*4 + (-1) = -5 -> 11, neighbour 5 (row 0, column -1) = -1 -> 15, the last 3*4+3 = 15.
+    EXPECT_EQ(neighborhood_indices(4, 4, 5).sizes(), torch::IntArrayRef({16, 16}));
+    auto wrap = neighborhood_indices(4, 4, 5, NatSmallGrid::FlatWrap);
+    ASSERT_EQ(wrap.sizes(), torch::IntArrayRef({16, 25}));
+    for (int64_t n = 0; n < 16; ++n) {
+        EXPECT_EQ(wrap[n][0].item<int64_t>(), 11);
+        EXPECT_EQ(wrap[n][5].item<int64_t>(), 15);
+        EXPECT_EQ(wrap[n][6].item<int64_t>(), 0);
+        EXPECT_EQ(wrap[n][24].item<int64_t>(), 15);
+    }
+    EXPECT_EQ(natten_window_start(0, 4, 5, NatSmallGrid::FlatWrap), -1);
+    EXPECT_TRUE(neighborhood_indices(7, 7, 5, NatSmallGrid::FlatWrap).equal(neighborhood_indices(7, 7, 5)));
+    EXPECT_THROW(neighborhood_indices(2, 2, 5, NatSmallGrid::FlatWrap), linvis::Error);  // index -9 < -4
     // Output equals brute-force masked softmax attention with the clamped-window mask.
     torch::manual_seed(1);
     for (int64_t k : {3, 5}) {

@@ -12,7 +12,7 @@
 #include "linvis/models/pretrained.h"
 #include "support/fixtures.h"
 
-using linvis::testing::dit_fixture_tolerance;
+using linvis::testing::kGenerationFixtureTolerance;
 using linvis::testing::matches_fixture;
 
 namespace {
@@ -75,7 +75,7 @@ TEST(Diffusion, SpacedScheduleMatchesSpecValues) {
 std::shared_ptr<linvis::models::DiffusionModel> tiny(const std::string& family) {
     linvis::models::ModelConfig c(
         {{"input_size", "8"}, {"hidden_size", "96"}, {"depth", "1"}, {"num_heads", "3"}, {"num_classes", "10"}});
-    if (family == "dit5") c.set("nat_small_grid", std::string("true"));  // G = 4: the fixtures' window
+    if (family == "dit5") c.set("nat_small_grid", std::string("wrap"));  // G = 4: the fixtures' window
     auto m = linvis::models::create_diffusion_model(family + "_s2", c);
     linvis::models::load_model_weights(*m, linvis::testing::fixtures_dir() + "/generation/" + family +
                                                "_tiny.weights.safetensors");
@@ -94,7 +94,7 @@ TEST_P(DiffusionFixture, TrainingLossesAtT0T1T999) {
     torch::Tensor y = f["y"];
     auto L = d.training_losses([&](const torch::Tensor& x, const torch::Tensor& t) { return m->forward(x, t, y); },
                                f["x0"], f["t"], f["noise"]);
-    const double tol = dit_fixture_tolerance(GetParam());
+    const double tol = kGenerationFixtureTolerance;
     EXPECT_TRUE(matches_fixture(L.mse, f["mse"], tol)) << "mse";
     EXPECT_TRUE(matches_fixture(L.vb, f["vb"], tol)) << "vb";
     EXPECT_TRUE(matches_fixture(L.loss, f["loss"], tol)) << "loss";
@@ -114,7 +114,7 @@ TEST_P(DiffusionFixture, Ddim8WithCfgMatchesOfficial) {
     torch::Tensor y = torch::cat({f["label"], torch::full({1}, 10, torch::kInt64)}, 0);
     torch::Tensor samples = d.ddim_sample_loop(
         [&](const torch::Tensor& x, const torch::Tensor& t) { return m->forward_with_cfg(x, t, y, 1.5); }, z, 0.0);
-    EXPECT_TRUE(matches_fixture(samples.narrow(0, 0, 1), f["samples"], dit_fixture_tolerance(GetParam())));
+    EXPECT_TRUE(matches_fixture(samples.narrow(0, 0, 1), f["samples"], kGenerationFixtureTolerance));
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, DiffusionFixture, ::testing::Values("dit", "dit3", "dit5"));

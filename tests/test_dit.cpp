@@ -13,7 +13,7 @@
 #include "support/fixtures.h"
 #include "support/temp_dir.h"
 
-using linvis::testing::dit_fixture_tolerance;
+using linvis::testing::kGenerationFixtureTolerance;
 using linvis::testing::matches_fixture;
 
 namespace {
@@ -25,7 +25,7 @@ using linvis::models::ModelConfig;
 // The fixtures' tiny config: DiT(input_size=8, patch_size=2, hidden_size=96, depth=1, num_heads=3, num_classes=10).
 DiffusionModelPtr tiny(const std::string& family) {
     ModelConfig c({{"input_size", "8"}, {"hidden_size", "96"}, {"depth", "1"}, {"num_heads", "3"}, {"num_classes", "10"}});
-    if (family == "dit5") c.set("nat_small_grid", std::string("true"));  // G = 4: the fixtures' window
+    if (family == "dit5") c.set("nat_small_grid", std::string("wrap"));  // G = 4: the fixtures' window
     DiffusionModelPtr m = create_diffusion_model(family + "_s2", c);
     linvis::models::load_model_weights(*m, linvis::testing::fixtures_dir() + "/generation/" + family +
                                                "_tiny.weights.safetensors");
@@ -40,7 +40,7 @@ TEST_P(DitFixture, ForwardMatchesOfficial) {
     auto f = linvis::testing::load_fixture("generation/" + GetParam() + "_tiny.run.safetensors");
     auto m = tiny(GetParam());
     torch::NoGradGuard g;
-    EXPECT_TRUE(matches_fixture(m->forward(f["x"], f["t"], f["y"]), f["out"], dit_fixture_tolerance(GetParam())));
+    EXPECT_TRUE(matches_fixture(m->forward(f["x"], f["t"], f["y"]), f["out"], kGenerationFixtureTolerance));
 }
 
 TEST_P(DitFixture, ForwardWithCfgMatchesOfficial) {
@@ -49,7 +49,7 @@ TEST_P(DitFixture, ForwardWithCfgMatchesOfficial) {
     auto m = tiny(GetParam());
     torch::NoGradGuard g;
     torch::Tensor out = m->forward_with_cfg(f["x"], f["t"], f["y"], 1.5);
-    EXPECT_TRUE(matches_fixture(out, f["out"], dit_fixture_tolerance(GetParam())));
+    EXPECT_TRUE(matches_fixture(out, f["out"], kGenerationFixtureTolerance));
     // channels 3.. are not guided and the two halves of the guided channels are equal
     EXPECT_TRUE(torch::equal(out.narrow(0, 0, 1).narrow(1, 0, 3), out.narrow(0, 1, 1).narrow(1, 0, 3)));
 }

@@ -14,6 +14,7 @@
 namespace {
 
 using linvis::ops::Impl;
+using linvis::ops::NatSmallGrid;
 using linvis::ops::neighborhood_attention_2d;
 using linvis::testing::all_close;
 
@@ -31,7 +32,7 @@ void compare(const Case& c, torch::ScalarType type, double rtol, double atol) {
     std::vector<torch::Tensor> outs, grads;
     for (const Impl impl : {Impl::Reference, Impl::Fused}) {
         torch::Tensor q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(), v = v0.clone().requires_grad_();
-        torch::Tensor o = neighborhood_attention_2d(q, k, v, c.K, scale, impl);
+        torch::Tensor o = neighborhood_attention_2d(q, k, v, c.K, scale, NatSmallGrid::WholeAxis, impl);
         (o * probe).sum().backward();
         outs.push_back(o.detach());
         grads.push_back(q.grad());
@@ -77,10 +78,10 @@ TEST(NeighborhoodAttentionFused, Bfloat16ComputedInFloat32) {
     auto opts = torch::TensorOptions().dtype(torch::kBFloat16);
     torch::Tensor q = torch::randn({1, 2, 8, 8, 16}, opts), k = torch::randn({1, 2, 8, 8, 16}, opts),
                   v = torch::randn({1, 2, 8, 8, 16}, opts);
-    torch::Tensor fused = neighborhood_attention_2d(q, k, v, 5, 0.25, Impl::Fused);
+    torch::Tensor fused = neighborhood_attention_2d(q, k, v, 5, 0.25, NatSmallGrid::WholeAxis, Impl::Fused);
     EXPECT_EQ(fused.scalar_type(), torch::kBFloat16);
     torch::Tensor ref = neighborhood_attention_2d(q.to(torch::kFloat32), k.to(torch::kFloat32), v.to(torch::kFloat32), 5,
-                                                  0.25, Impl::Reference);
+                                                  0.25, NatSmallGrid::WholeAxis, Impl::Reference);
     EXPECT_TRUE(all_close(fused.to(torch::kFloat32), ref, 2e-2, 2e-2));
 }
 
@@ -90,7 +91,7 @@ TEST(NeighborhoodAttentionFused, ClampedWindowsCoverTheNattenNeighbours) {
     const int64_t G = 7, N = G * G;
     torch::Tensor q = torch::zeros({1, 1, G, G, 2}, torch::kFloat64), k = torch::randn({1, 1, G, G, 2}, torch::kFloat64);
     torch::Tensor v = torch::eye(N, torch::kFloat64).view({1, 1, G, G, N});
-    torch::Tensor out = neighborhood_attention_2d(q, k, v, 5, 1.0, Impl::Fused).view({N, N});
+    torch::Tensor out = neighborhood_attention_2d(q, k, v, 5, 1.0, NatSmallGrid::WholeAxis, Impl::Fused).view({N, N});
     for (int64_t y = 0; y < G; ++y)
         for (int64_t x = 0; x < G; ++x) {
             const int64_t sy = std::min(std::max<int64_t>(y - 2, 0), G - 5), sx = std::min(std::max<int64_t>(x - 2, 0), G - 5);
@@ -104,11 +105,18 @@ TEST(NeighborhoodAttentionFused, ClampedWindowsCoverTheNattenNeighbours) {
 
 TEST(NeighborhoodAttentionFused, BadInput) {
     torch::Tensor q = torch::randn({1, 1, 6, 6, 4});
-    EXPECT_THROW(neighborhood_attention_2d(q, torch::randn({1, 1, 6, 5, 4}), q, 5, 1.0, Impl::Fused), linvis::Error);
-    EXPECT_THROW(neighborhood_attention_2d(q, q, q, 4, 1.0, Impl::Fused), linvis::Error);
-    EXPECT_THROW(neighborhood_attention_2d(q.to(torch::kInt64), q.to(torch::kInt64), q.to(torch::kInt64), 5, 1.0,
-                                           Impl::Fused),
+    const NatSmallGrid whole = NatSmallGrid::WholeAxis;
+    EXPECT_THROW(neighborhood_attention_2d(q, torch::randn({1, 1, 6, 5, 4}), q, 5, 1.0, whole, Impl::Fused),
                  linvis::Error);
+    EXPECT_THROW(neighborhood_attention_2d(q, q, q, 4, 1.0, whole, Impl::Fused), linvis::Error);
+    EXPECT_THROW(neighborhood_attention_2d(q.to(torch::kInt64), q.to(torch::kInt64), q.to(torch::kInt64), 5, 1.0,
+                                           whole, Impl::Fused),
+                 linvis::Error);
+    // Flat-wrap windows below the kernel have no fused kernel: Fused says so, Auto takes the reference.
+    torch::Tensor small = torch::randn({1, 1, 4, 4, 4});
+    EXPECT_THROW(neighborhood_attention_2d(small, small, small, 5, 1.0, NatSmallGrid::FlatWrap, Impl::Fused),
+                 linvis::Error);
+    EXPECT_NO_THROW(neighborhood_attention_2d(small, small, small, 5, 1.0, NatSmallGrid::FlatWrap));
 }
 
 }  // namespace

@@ -102,8 +102,8 @@ public:
 // DiT5 MixedAttention: out = proj(0.5 NA(q, k, v) + 0.5 TTT-MLP(q, k, v)).
 class Dit5Mixer : public DitMixer {
 public:
-    Dit5Mixer(int64_t dim, int64_t heads, ops::Impl impl, bool allow_small_grid)
-        : heads_(heads), impl_(impl), allow_small_grid_(allow_small_grid) {
+    Dit5Mixer(int64_t dim, int64_t heads, ops::Impl impl, std::optional<ops::NatSmallGrid> small_grid)
+        : heads_(heads), impl_(impl), small_grid_(small_grid) {
         const int64_t d = dim / heads;
         w1 = register_parameter("w1", torch::empty({1, heads, d, d}));
         w2 = register_parameter("w2", torch::empty({1, heads, d, d}));
@@ -117,14 +117,15 @@ public:
         k_conv2d = register_module("k_conv2d", depthwise3x3(dim));
     }
     torch::Tensor forward(const torch::Tensor& u, int64_t grid) override {
-        LINVIS_CHECK(grid >= kNatKernel || allow_small_grid_, "dit5: the token grid ", grid, "x", grid,
+        LINVIS_CHECK(grid >= kNatKernel || small_grid_, "dit5: the token grid ", grid, "x", grid,
                      " (input_size / patch_size) is smaller than the 5x5 neighbourhood-attention window, which NATTEN "
-                     "rejects (model option nat_small_grid=true: the window covers the whole axis instead)");
+                     "rejects (model option nat_small_grid=whole: the window covers the whole axis instead)");
         std::vector<torch::Tensor> c = linear(qkv, u).chunk(3, -1);
         const ops::Dit5TttParams params{w1, w2, qk_scale_ttt, qk_offset_ttt, q_conv2d->weight, q_conv2d->bias,
                                         k_conv2d->weight, k_conv2d->bias};
         torch::Tensor q = c[0].contiguous(), k = c[1].contiguous(), v = c[2].contiguous();
-        torch::Tensor mixed = ops::dit5_mixed_attention(q, k, v, params, heads_, grid, grid, kNatKernel, impl_);
+        torch::Tensor mixed = ops::dit5_mixed_attention(q, k, v, params, heads_, grid, grid, kNatKernel,
+                                                        small_grid_.value_or(ops::NatSmallGrid::WholeAxis), impl_);
         return linear(proj, mixed);
     }
     void init_linears() override {
@@ -138,7 +139,7 @@ public:
 private:
     int64_t heads_;
     ops::Impl impl_;
-    bool allow_small_grid_;
+    std::optional<ops::NatSmallGrid> small_grid_;
 };
 
 // ---------------------------------------------------------------- skeleton
@@ -326,6 +327,15 @@ struct DitSize {
 };
 constexpr DitSize kSizes[] = {{"s", 12, 384, 6}, {"b", 12, 768, 12}, {"l", 24, 1024, 16}, {"xl", 28, 1152, 16}};
 
+// Model option nat_small_grid: false/no/0 (NATTEN's rejection), true/yes/1/whole, wrap.
+std::optional<ops::NatSmallGrid> parse_nat_small_grid(const std::string& value) {
+    if (value == "false" || value == "no" || value == "0") return std::nullopt;
+    if (value == "true" || value == "yes" || value == "1" || value == "whole") return ops::NatSmallGrid::WholeAxis;
+    if (value == "wrap") return ops::NatSmallGrid::FlatWrap;
+    LINVIS_CHECK(false, "model option nat_small_grid: expected false, whole or wrap, got '", value, "'");
+    return std::nullopt;
+}
+
 DiffusionModelPtr make_registered(const ModelConfig& cfg, const std::string& family, const DitSize& size,
                                   int64_t patch) {
     DitConfig c;
@@ -341,7 +351,7 @@ DiffusionModelPtr make_registered(const ModelConfig& cfg, const std::string& fam
     c.class_dropout_prob = cfg.get_double("class_dropout_prob", 0.1);
     c.mlp_ratio = cfg.get_double("mlp_ratio", 4.0);
     c.impl = ops::parse_impl(cfg.get_string("impl", "auto"));
-    if (family == "dit5") c.nat_small_grid = cfg.get_bool("nat_small_grid", false);
+    if (family == "dit5") c.nat_small_grid = parse_nat_small_grid(cfg.get_string("nat_small_grid", "false"));
     return make_dit(c);
 }
 

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <torch/torch.h>
@@ -18,6 +19,7 @@
 #include "linvis/models/diffusion.h"
 #include "linvis/models/model.h"
 #include "linvis/ops/impl.h"
+#include "linvis/ops/neighborhood_attention.h"
 
 namespace linvis::models {
 
@@ -35,11 +37,10 @@ struct DitConfig {
     bool learn_sigma = true;
     ops::Impl impl = ops::Impl::Auto;  // passed to the softmax-attention, TTT and neighbourhood-attention ops
     // DiT5 on a token grid smaller than the 5x5 window: NATTEN (and so the official model) rejects it, and so
-    // does forward unless this is set; then the window covers the whole short axis (the limit of clamping, as
-    // ops::neighborhood_attention_2d defines it). The official outputs in ../shared/fixtures/generation were
-    // computed at G = 4 with a NATTEN stand-in whose behaviour there is not specified; linvis reproduces them
-    // to about 3e-3 relative only (tests/test_dit.cpp says which variants were ruled out).
-    bool nat_small_grid = false;
+    // does forward unless this is set (model option nat_small_grid=whole|wrap; true means whole):
+    // WholeAxis makes the window cover the whole short axis; FlatWrap computes what the NATTEN stand-in behind
+    // ../shared/fixtures/generation computes there (ops::NatSmallGrid), which reproduces those fixtures.
+    std::optional<ops::NatSmallGrid> nat_small_grid;
 };
 
 // The interface of a class-conditional diffusion network as the samplers and the CLI see it.
