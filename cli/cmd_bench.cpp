@@ -148,6 +148,8 @@ struct BenchOptions {
     std::string impl = "auto";
     bool train = false;
     std::string task = "classify";
+    std::string head = "upernet";
+    int64_t sampler_steps = 10;
     int warmup = 2;
     int iters = 5;
     double max_seconds = 60;
@@ -171,9 +173,13 @@ int run_bench(int argc, const char* const* argv) {
     add_dtype_option(app, o.dtype, {"f32", "bf16"});
     add_impl_option(app, o.impl);
     app.add_flag("--train", o.train, "time forward + backward instead of inference");
-    add_choice(app, "--task", o.task, {"classify", "features", "segment"},
+    add_choice(app, "--task", o.task, {"classify", "features", "segment", "denoise", "sample"},
                "classify: the classifier | features: features_only backbone maps (dense) | segment: backbone + "
-               "UperNet (with --train: a segmentation training step)");
+               "--head (with --train: a segmentation training step) | denoise: one guided denoising step of a "
+               "diffusion model (with --train: a training step) | sample: a whole DDIM sampler; for denoise and "
+               "sample --res is the latent side");
+    add_choice(app, "--head", o.head, {"upernet", "fpn"}, "segmentation head for --task segment");
+    add_number(app, "--sampler-steps", o.sampler_steps, "DDIM steps of --task sample");
     add_number(app, "--warmup", o.warmup, "warm-up passes per case");
     add_number(app, "--iters", o.iters, "timed passes per case (at least 3 are kept)");
     add_number(app, "--max-seconds", o.max_seconds, "stop timing a case after S seconds (once 3 passes are done)");
@@ -194,7 +200,12 @@ int run_bench(int argc, const char* const* argv) {
         const auto at = token.find('@');
         const std::string name = token.substr(0, at);
         const std::string model_impl = at == std::string::npos ? impl : token.substr(at + 1);
-        LINVIS_CHECK(models::has_model(name), "--models: unknown model '", name, "' (see 'linvis models')");
+        const bool diffusion_task = o.task == "denoise" || o.task == "sample";
+        LINVIS_CHECK(diffusion_task ? models::has_generative_model(name) &&
+                                          models::generative_model_kind(name) == "diffusion"
+                                    : models::has_model(name),
+                     "--models: '", name, "' is not a ", diffusion_task ? "diffusion model" : "vision model",
+                     " (--task ", o.task, "; see 'linvis models')");
         LINVIS_CHECK(std::find(kImplChoices.begin(), kImplChoices.end(), model_impl) != kImplChoices.end(),
                      "--models: '", token, "': the implementation after '@' must be ", choice_list(kImplChoices));
         model_impls.push_back({name, model_impl});
@@ -225,6 +236,8 @@ int run_bench(int argc, const char* const* argv) {
             c.impl = model_impl;
             c.train = o.train;
             c.task = o.task;
+            c.head = o.head;
+            c.sampler_steps = o.sampler_steps;
             c.warmup = o.warmup;
             c.iters = o.iters;
             c.max_seconds = o.max_seconds;

@@ -166,3 +166,53 @@ TEST(Cli, BenchJsonHasTheRequiredFieldsPerCase) {
     EXPECT_EQ(lines, 2);
     EXPECT_EQ(header.rfind("model,res,batch,impl", 0), 0u) << header;
 }
+
+namespace {
+// The JSON rows of a `linvis bench --format json` run (each case must have succeeded).
+nlohmann::json bench_rows(const std::string& args) {
+    auto result = run_cli("bench " + args + " --warmup 1 --iters 1 --threads 1 --no-gemm --format json");
+    EXPECT_EQ(result.status, 0) << result.output;
+    auto rows = nlohmann::json::parse(result.output.substr(result.output.find('[')));
+    for (const auto& row : rows) EXPECT_EQ(row["status"], "ok") << row.dump();
+    return rows;
+}
+}  // namespace
+
+TEST(Cli, BenchDiffusionStepSamplerAndTrainingStep) {
+    const std::string tiny = " --model-kwargs depth=1 hidden_size=96 num_heads=3 num_classes=10 --res 10";
+    auto step = bench_rows("--task denoise --models dit_s2,dit3_s2,dit5_s2" + tiny);
+    auto sampler = bench_rows("--task sample --sampler-steps 3 --models dit_s2,dit5_s2" + tiny);
+    auto train = bench_rows("--task denoise --train --models dit3_s2" + tiny);
+    ASSERT_EQ(step.size(), 3u);
+    ASSERT_EQ(sampler.size(), 2u);
+    ASSERT_EQ(train.size(), 1u);
+    // A guided step runs the model on the doubled batch; the sampler runs it once per step.
+    for (int i : {0, 2}) {
+        const double per_step = step[i]["gflops"].get<double>();
+        EXPECT_GT(per_step, 0.0);
+        EXPECT_NEAR(sampler[i / 2]["gflops"].get<double>(), 3 * per_step, 1e-6 * per_step) << step[i]["model"];
+    }
+    // A training step runs the model on the undoubled batch: at least the products of one plain forward.
+    EXPECT_GE(train[0]["gflops"].get<double>(), 0.5 * step[1]["gflops"].get<double>() * (1 - 1e-9));
+    // A latent grid below DiT5's 5x5 window is refused with the model's one-line error, and a vision model is not
+    // a diffusion model.
+    auto small = run_cli("bench --task denoise --models dit5_s2 --model-kwargs depth=1 --res 8 --iters 1 --warmup 1 "
+                         "--no-gemm --format json");
+    EXPECT_NE(small.output.find("smaller than the 5x5"), std::string::npos) << small.output;
+    auto wrong = run_cli("bench --task denoise --models deit_tiny --res 8 --no-gemm");
+    EXPECT_NE(wrong.status, 0);
+    EXPECT_NE(wrong.output.find("is not a diffusion model"), std::string::npos) << wrong.output;
+}
+
+TEST(Cli, BenchSegmentationHeads) {
+    const std::string backbone = "--task segment --models hvit3_tiny --model-kwargs embed_dims=16,16,32,32 "
+                                 "depths=1,1,1,1 num_heads=1,1,2,2 --res 64 --batch 2";
+    auto upernet = bench_rows(backbone + " --head upernet");
+    auto fpn = bench_rows(backbone + " --head fpn --train");
+    ASSERT_EQ(upernet.size(), 1u);
+    ASSERT_EQ(fpn.size(), 1u);
+    EXPECT_EQ(upernet[0]["head"], "upernet");
+    EXPECT_EQ(fpn[0]["head"], "fpn");
+    // Same backbone, different heads: UperNet's PPM and fusion convs are larger than the FPN head.
+    EXPECT_GT(upernet[0]["params"].get<int64_t>(), fpn[0]["params"].get<int64_t>());
+}

@@ -20,6 +20,7 @@
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/core/runtime.h"
+#include "linvis/models/dit.h"
 #include "linvis/models/registry.h"
 #include "linvis/models/segmentation.h"
 
@@ -77,8 +78,7 @@ BenchResult measure_dense_case(const BenchCase& c) {
     LINVIS_CHECK(c.task == "features" || c.task == "segment", "bench: task must be classify, features or segment, got ",
                  c.task);
     LINVIS_CHECK(!(c.task == "segment" && c.train && c.batch < 2),
-                 "bench: --task segment --train needs --batch >= 2 (BatchNorm in UperNet's pooling branch), got ",
-                 c.batch);
+                 "bench: --task segment --train needs --batch >= 2 (BatchNorm in the head's ConvModules), got ", c.batch);
     torch::manual_seed(0);
     models::ModelConfig config(c.model_kwargs);
     config.set("impl", c.impl == "reference" ? std::string("reference") : c.impl);
@@ -87,7 +87,9 @@ BenchResult measure_dense_case(const BenchCase& c) {
     models::SegmentationModelPtr seg;
     torch::nn::Module* module = backbone.get();
     if (c.task == "segment") {
-        seg = std::make_shared<models::SegmentationModel>(backbone, models::SegmentationConfig{});
+        models::SegmentationConfig head;
+        head.head = c.head;
+        seg = std::make_shared<models::SegmentationModel>(backbone, head);
         module = seg.get();
     }
     module->to(parse_dtype(c.dtype));
@@ -121,6 +123,62 @@ BenchResult measure_dense_case(const BenchCase& c) {
     }
     const std::vector<double> times = time_passes(pass, std::max(1, c.warmup) - 1, c.iters, c.max_seconds);
     record_timings(result, times, c.batch);
+    return result;
+}
+
+// Diffusion cases (BenchCase::task denoise / sample): a DiT, DiT3 or DiT5 at latent side res.
+BenchResult measure_diffusion_case(const BenchCase& c) {
+    BenchResult result;
+    result.config = c;
+    LINVIS_CHECK(c.sampler_steps >= 1, "bench: --sampler-steps must be >= 1, got ", c.sampler_steps);
+    LINVIS_CHECK(!(c.task == "sample" && c.train), "bench: --task sample measures inference; --train goes with "
+                                                   "--task denoise (a training step)");
+    torch::manual_seed(0);
+    models::ModelConfig config(c.model_kwargs);
+    config.set("input_size", c.res);
+    config.set("impl", c.impl == "reference" ? std::string("reference") : c.impl);
+    models::DiffusionModelPtr model = models::create_diffusion_model(c.model, config);
+    const torch::ScalarType dtype = parse_dtype(c.dtype);
+    model->to(dtype);
+    model->train(c.train);
+    result.params = models::count_parameters(*model);
+    const int64_t B = c.batch, C = model->in_channels(), L = c.res;
+    constexpr double kGuidance = 4.0;
+    const torch::Tensor labels = torch::randint(0, model->num_classes(), {B}, torch::kLong);
+    const torch::Tensor noise = torch::randn({B, C, L, L}).to(dtype);
+    const models::GaussianDiffusion diffusion("");
+    std::vector<int64_t> label_list(labels.data_ptr<int64_t>(), labels.data_ptr<int64_t>() + B);
+    auto pass = [&] {
+        if (c.task == "sample") {
+            torch::NoGradGuard no_grad;
+            models::SamplerConfig sampler;
+            sampler.sampler = "ddim";
+            sampler.steps = c.sampler_steps;
+            sampler.cfg_scale = kGuidance;
+            models::sample_class_conditional(*model, noise, label_list, sampler);
+        } else if (!c.train) {
+            torch::NoGradGuard no_grad;
+            const torch::Tensor x = torch::cat({noise, noise});
+            const torch::Tensor t = torch::full({2 * B}, 500, torch::kLong);
+            const torch::Tensor y = torch::cat({labels, torch::full({B}, model->num_classes(), torch::kLong)});
+            model->forward_with_cfg(x, t, y, kGuidance);
+        } else {
+            const torch::Tensor t = torch::randint(0, 1000, {B}, torch::kLong);
+            auto losses = diffusion.training_losses(
+                [&](const torch::Tensor& x, const torch::Tensor& tt) { return model->forward(x, tt, labels); },
+                noise.to(torch::kFloat32), t, torch::randn_like(noise).to(torch::kFloat32));
+            losses.loss.mean().backward();
+            for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
+        }
+    };
+    result.base_mem_bytes = current_rss_bytes();
+    {
+        flops::Counter counter;
+        pass();
+        result.gflops = counter.gflops() / static_cast<double>(B);
+    }
+    const std::vector<double> times = time_passes(pass, std::max(1, c.warmup) - 1, c.iters, c.max_seconds);
+    record_timings(result, times, B);
     return result;
 }
 
@@ -338,6 +396,7 @@ BenchResult measure_case(const BenchCase& c) {
     result.config = c;
     try {
         runtime::configure_threads(c.threads);
+        if (c.task == "denoise" || c.task == "sample") return measure_diffusion_case(c);
         if (c.task != "classify") return measure_dense_case(c);
         if (c.impl != "reference") {
             result.check_rel_err = check_fused_against_reference(c);
@@ -378,7 +437,8 @@ BenchResult measure_case(const BenchCase& c) {
 nlohmann::json to_json(const BenchCase& c) {
     return {{"model", c.model}, {"model_kwargs", c.model_kwargs}, {"res", c.res}, {"batch", c.batch},
             {"threads", c.threads}, {"dtype", c.dtype}, {"impl", c.impl}, {"train", c.train},
-            {"task", c.task}, {"warmup", c.warmup}, {"iters", c.iters}, {"max_seconds", c.max_seconds}};
+            {"task", c.task}, {"head", c.head}, {"sampler_steps", c.sampler_steps}, {"warmup", c.warmup},
+            {"iters", c.iters}, {"max_seconds", c.max_seconds}};
 }
 
 BenchCase bench_case_from_json(const nlohmann::json& j) {
@@ -392,6 +452,8 @@ BenchCase bench_case_from_json(const nlohmann::json& j) {
     c.impl = j.value("impl", std::string("reference"));
     c.train = j.value("train", false);
     c.task = j.value("task", std::string("classify"));
+    c.head = j.value("head", std::string("upernet"));
+    c.sampler_steps = j.value("sampler_steps", int64_t{10});
     c.warmup = j.value("warmup", 2);
     c.iters = j.value("iters", 5);
     c.max_seconds = j.value("max_seconds", 60.0);

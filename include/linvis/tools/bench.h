@@ -28,9 +28,16 @@ struct BenchCase {
     std::string impl = "reference";  // auto | reference | fused: the model option impl (auto: the model's default)
     bool train = false;            // forward + backward instead of inference
     // classify: the classifier | features: the features_only backbone's forward_feature_maps (dense feature
-    // extraction) | segment: the backbone + UperNet head (models/segmentation.h, 128 channels, 11 classes),
-    // with train: a segmentation training step (per-pixel cross-entropy, backward).
+    // extraction) | segment: the backbone + the `head` (models/segmentation.h, 128 channels, 11 classes),
+    // with train: a segmentation training step (per-pixel cross-entropy, backward) | denoise: a diffusion
+    // model's (DiT, DiT3, DiT5) denoising step as the samplers run it, forward_with_cfg on the batch doubled
+    // with the null label (guidance 4), with train: a training step (training_losses at random t, backward) |
+    // sample: the whole DDIM sampler of `sampler_steps` steps with guidance 4 (models::sample_class_conditional).
+    // For denoise and sample `res` is the latent side L (input_size; 8L pixels through the VAE) and
+    // images/s counts the undoubled batch.
     std::string task = "classify";
+    std::string head = "upernet";  // segment: upernet | fpn
+    int64_t sampler_steps = 10;    // sample: DDIM steps
     int warmup = 2;
     int iters = 5;                 // at most this many timed iterations ...
     double max_seconds = 60.0;     // ... stopping early (after at least 3) once this much time is spent
