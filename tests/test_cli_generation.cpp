@@ -236,9 +236,9 @@ TEST(CliGeneration, RunVaeEncoder) {
     EXPECT_TRUE(close_to_fixture(read(dir.file("o.safetensors"), "mean"), read(reference, "mean")));
     EXPECT_TRUE(close_to_fixture(read(dir.file("o.safetensors"), "logvar"), read(reference, "logvar")));
     EXPECT_TRUE(close_to_fixture(read(dir.file("o.safetensors"), "latent"), read(reference, "mean") * 0.18215));
-    // the decoder's input is 'latent', the encoder's 'image'
+    // the encoder reads 'image' (a DiT's input file has none)
     r = run_cli("run --model sd_vae_encoder --model-kwargs block_out_channels=32,32,64,64 --weights " +
-                fixture("vae_tiny.weights.safetensors") + " --input " + fixture("vae_tiny.io.safetensors") + " --output " +
+                fixture("vae_tiny.weights.safetensors") + " --input " + fixture("dit_tiny.run.safetensors") + " --output " +
                 dir.file("o2.safetensors"));
     EXPECT_NE(r.status, 0);
     EXPECT_NE(last_line(r.output).find("no tensor named 'image'"), std::string::npos) << r.output;
