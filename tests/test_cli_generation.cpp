@@ -298,12 +298,22 @@ TEST(CliGeneration, TrainLatentDiffusionThroughVae) {
     ASSERT_EQ(r.status, 0) << r.output;
     EXPECT_GT(std::filesystem::file_size(dir.file("grid.png")), 500u);
 
-    // Resuming with another VAE (same path, other encoder weights) is refused.
+    // The latents are posterior samples, not the mean: the same VAE with logvar -30 (std ~ 3e-7; quant_conv's
+    // logvar half of the bias) trains to other weights; the mean is unchanged, so training on the mean would not.
     {
         auto tensors = read_all(vae);
-        tensors["quant_conv.bias"] = tensors["quant_conv.bias"] + 0.5;
+        tensors["quant_conv.bias"] = tensors["quant_conv.bias"].clone();
+        tensors["quant_conv.bias"].slice(0, 4, 8).fill_(-30.0);
+        tensors["quant_conv.weight"] = tensors["quant_conv.weight"].clone();
+        tensors["quant_conv.weight"].slice(0, 4, 8).zero_();
         linvis::io::save_safetensors(vae, tensors);
     }
+    const std::string narrow = dir.file("narrow");
+    r = run_cli(base + common + " --epochs 2 --output " + narrow);
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_GT(max_weight_difference(narrow + "/last.safetensors", whole + "/last.safetensors"), 1e-4);
+
+    // Resuming with another VAE (the same path, now with other encoder weights) is refused.
     r = run_cli(base + common + " --epochs 3 --resume --output " + parts);
     EXPECT_NE(r.status, 0);
     EXPECT_NE(last_line(r.output).find("belongs to a run with other options"), std::string::npos) << r.output;
