@@ -37,22 +37,35 @@ torch::Tensor require_tensor(const io::SafetensorsFile& file, const std::string&
     return file.tensor(name);
 }
 
-// A generative model: a diffusion network (x, t, y -> out, or forward_with_cfg with --cfg-scale) or
-// the VAE decoder (latent -> image = decode(latent / 0.18215)).
+// A generative model: a diffusion network (x, t, y -> out, or forward_with_cfg with --cfg-scale), the VAE
+// decoder (latent -> image = decode(latent / 0.18215)) or the VAE encoder (image -> mean, logvar and
+// latent = mean * 0.18215).
 int run_generative(const RunOptions& o, bool cfg_given, torch::ScalarType dtype) {
     io::SafetensorsFile input_file = io::SafetensorsFile::open(o.input);
     const std::string kind = models::generative_model_kind(o.model.model);
     std::map<std::string, torch::Tensor> out;
     torch::manual_seed(static_cast<uint64_t>(o.seed));
     if (kind == "vae") {
-        LINVIS_CHECK(!cfg_given, "--cfg-scale applies to diffusion models, not to the VAE decoder ", o.model.model);
-        torch::Tensor latent = require_tensor(input_file, o.input, "latent");
-        LINVIS_CHECK(latent.dim() == 4, o.input, ": tensor 'latent': expected (B, C, h, w), got ",
-                     shape_string(latent.sizes()));
-        auto vae = std::dynamic_pointer_cast<models::VaeDecoder>(build_generative_model(o.model));
+        LINVIS_CHECK(!cfg_given, "--cfg-scale applies to diffusion models, not to the VAE ", o.model.model);
+        std::shared_ptr<models::Model> vae = build_generative_model(o.model);
         vae->to(dtype);
         torch::NoGradGuard no_grad;
-        out["image"] = vae->decode(latent.to(dtype) / models::kSdVaeScale).contiguous();
+        if (auto decoder = std::dynamic_pointer_cast<models::VaeDecoder>(vae)) {
+            torch::Tensor latent = require_tensor(input_file, o.input, "latent");
+            LINVIS_CHECK(latent.dim() == 4, o.input, ": tensor 'latent': expected (B, C, h, w), got ",
+                         shape_string(latent.sizes()));
+            out["image"] = decoder->decode(latent.to(dtype) / models::kSdVaeScale).contiguous();
+        } else {
+            auto encoder = std::dynamic_pointer_cast<models::VaeEncoder>(vae);
+            LINVIS_CHECK(encoder != nullptr, o.model.model, " is neither a VAE encoder nor a VAE decoder");
+            torch::Tensor image = require_tensor(input_file, o.input, "image");
+            LINVIS_CHECK(image.dim() == 4, o.input, ": tensor 'image': expected (B, C, H, W), got ",
+                         shape_string(image.sizes()));
+            const models::LatentDistribution dist = encoder->encode(image.to(dtype));
+            out["mean"] = dist.mean.contiguous();
+            out["logvar"] = dist.logvar.contiguous();
+            out["latent"] = (dist.mean * models::kSdVaeScale).contiguous();
+        }
     } else {
         torch::Tensor x = require_tensor(input_file, o.input, "x");
         torch::Tensor t = require_tensor(input_file, o.input, "t");
@@ -79,9 +92,10 @@ int run_run(int argc, const char* const* argv) {
                           "--model-kwargs features_only=true [out_indices=i,j,...] writes its feature maps "
                           "'features.0', 'features.1', ... (NCHW) instead, for an input of any size. A diffusion "
                           "model reads 'x' (B, C, H, W), 't' (B,) and 'y' (B,) and writes 'out'; the VAE decoder "
-                          "reads 'latent' and writes 'image' = decode(latent / 0.18215).");
+                          "reads 'latent' and writes 'image' = decode(latent / 0.18215); the VAE encoder reads "
+                          "'image' in [-1, 1] and writes 'mean', 'logvar' and 'latent' = mean * 0.18215.");
     add_model_options(app, o.model, false);
-    app.add_option("--input", o.input, "safetensors file with a tensor named 'input' (diffusion: x, t, y; VAE: latent)")->type_name("FILE")->required();
+    app.add_option("--input", o.input, "safetensors file with a tensor named 'input' (diffusion: x, t, y; VAE decoder: latent; VAE encoder: image)")->type_name("FILE")->required();
     app.add_option("--output", o.output, "safetensors file to write")->type_name("FILE")->required();
     app.add_flag("--features", o.features, "also write 'features'");
     add_dtype_option(app, o.dtype, {"f32", "f64", "bf16"});

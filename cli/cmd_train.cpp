@@ -16,6 +16,7 @@
 #include "linvis/plot/plot.h"
 #include "linvis/io/torch_checkpoint.h"
 #include "linvis/models/dit.h"
+#include "linvis/models/vae.h"
 #include "linvis/train/data_sources.h"
 #include "linvis/train/distributed.h"
 #include "linvis/train/diffusion_trainer.h"
@@ -110,7 +111,8 @@ struct TrainOptions {
 int train_worker(TrainOptions& o, int argc, const char* const* argv, const std::shared_ptr<train::Distributed>& dist,
                  bool main_rank);
 
-// linvis train --task diffusion: the official DiT recipe (models/dit.h, train/diffusion_trainer.h) in pixel space.
+// linvis train --task diffusion: the official DiT recipe (models/dit.h, train/diffusion_trainer.h) in pixel space,
+// or in the latent space of a VAE encoder (--vae, models/vae.h sd_vae_encoder).
 struct DiffusionTrainOptions {
     std::string task = "diffusion";
     std::string model;
@@ -120,6 +122,7 @@ struct DiffusionTrainOptions {
     std::string init_from;
     double ttt_lr_scale = 2.0;
     std::string vae;
+    std::map<std::string, std::string> vae_kwargs;
     bool no_progress = false;
     LaunchOptions launch;
     DataOptions data;
@@ -127,6 +130,25 @@ struct DiffusionTrainOptions {
 
 int train_diffusion_worker(DiffusionTrainOptions& o, int argc, const char* const* argv,
                            const std::shared_ptr<train::Distributed>& dist, bool main_rank);
+
+// FNV-1a (64 bit, hex) over the names and float32 bytes of a module's parameters and buffers, in order.
+std::string weights_digest(const torch::nn::Module& module) {
+    uint64_t h = 1469598103934665603ULL;
+    auto feed = [&](const void* data, size_t n) {
+        const auto* p = static_cast<const unsigned char*>(data);
+        for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ULL;
+    };
+    auto feed_tensor = [&](const std::string& name, const torch::Tensor& t) {
+        const torch::Tensor c = t.detach().to(torch::kFloat32).contiguous();
+        feed(name.data(), name.size());
+        feed(c.data_ptr(), static_cast<size_t>(c.numel()) * sizeof(float));
+    };
+    for (const auto& p : module.named_parameters(true)) feed_tensor(p.key(), p.value());
+    for (const auto& b : module.named_buffers(true)) feed_tensor(b.key(), b.value());
+    char text[17];
+    std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(h));
+    return text;
+}
 
 int run_train_diffusion(int argc, const char* const* argv) {
     DiffusionTrainOptions o;
@@ -136,7 +158,8 @@ int run_train_diffusion(int argc, const char* const* argv) {
     CommandApp app("train", "Train a class-conditional diffusion model (DiT, DiT3, DiT5) with the official DiT recipe: "
                             "images in [-1, 1] with horizontal flips, uniform timesteps, mse + vb loss, AdamW (weight "
                             "decay 0, constant lr), label dropout 0.1, EMA 0.9999. Writes checkpoint.pt, last.safetensors, "
-                            "ema.safetensors and metrics.jsonl into --output after every epoch.");
+                            "ema.safetensors and metrics.jsonl into --output after every epoch. With --vae the model trains "
+                            "on the VAE latents of 8 x input_size px images (latent space, as DiT train.py).");
     add_choice(app, "--task", o.task, {"classification", "diffusion"}, "what to train");
     add_model_option(app, o.model)->required();
     add_model_kwargs_option(app, o.kwargs);
@@ -153,13 +176,17 @@ int run_train_diffusion(int argc, const char* const* argv) {
         ->type_name("FILE");
     add_number(app, "--ttt-lr-scale", o.ttt_lr_scale, "with --init-from: lr multiplier of attn.w1 / attn.w2 (official 2.0)",
                0.0);
-    app.add_option("--vae", o.vae, "latent-space training (needs the VAE encoder)")->type_name("FILE");
+    app.add_option("--vae", o.vae, "latent-space training as DiT train.py: the AutoencoderKL weights (sd_vae_encoder: "
+                                   "the encoder and quant_conv of a full autoencoder file); images of 8 x input_size px "
+                                   "become vae.encode(x).latent_dist.sample() * 0.18215")
+        ->type_name("FILE");
+    add_model_kwargs_option(app, o.vae_kwargs, "--vae-kwargs")
+        ->description("options of the VAE (as for sample --vae-kwargs), e.g. block_out_channels=32,32,64,64");
     app.add_flag("--no-progress", o.no_progress, "no progress bar");
     add_launch_options(app, o.launch);
     add_data_options(app, o.data);
     if (!parse(app, argc, argv)) return 0;
-    LINVIS_CHECK(o.vae.empty(), "--vae: latent-space diffusion training needs the VAE encoder, which linvis does not "
-                                "have yet; train in pixel space (without --vae)");
+    LINVIS_CHECK(!o.vae.empty() || o.vae_kwargs.empty(), "--vae-kwargs needs --vae FILE");
     return run_data_parallel(argc, argv, o.launch, o.data.config.batch_size, o.data.threads,
                              [&](const std::shared_ptr<train::Distributed>& dist, bool main_rank) {
                                  return train_diffusion_worker(o, argc, argv, dist, main_rank);
@@ -172,16 +199,50 @@ int train_diffusion_worker(DiffusionTrainOptions& o, int argc, const char* const
     train::DataConfig& data_config = o.data.config;
     data_config.seed = static_cast<uint64_t>(o.seed);
     data_config.minus_one_to_one = true;
+    // Latent space: the frozen VAE encoder; the images are 8 x input_size px (input_size from --model-kwargs
+    // when --img-size is not given), the model reads latent_channels.
+    models::VaeEncoderPtr vae;
+    if (!o.vae.empty()) {
+        ModelOptions vae_options;
+        vae_options.model = "sd_vae_encoder";
+        vae_options.kwargs = o.vae_kwargs;
+        vae_options.weights = o.vae;
+        vae = std::dynamic_pointer_cast<models::VaeEncoder>(build_generative_model(vae_options));
+        const auto given = o.kwargs.find("input_size");
+        if (data_config.img_size == 0 && given != o.kwargs.end())
+            data_config.img_size = models::ModelConfig(std::map<std::string, std::string>{*given}).get_int("input_size", 0) *
+                                   vae->downsampling_factor();
+    }
     if (data_config.img_size == 0 && data_config.dataset == "fashion-mnist") data_config.img_size = 32;  // 28 -> 32
     train::DataSources data = train::make_data_sources(data_config);
     if (main_rank) std::cerr << data.description << "\n";
 
     auto kwargs = o.kwargs;
     kwargs.emplace("num_classes", std::to_string(data.num_classes));
-    kwargs.emplace("in_channels", std::to_string(data.in_chans));
-    kwargs.emplace("input_size", std::to_string(data.img_size));
+    if (vae) {
+        const models::VaeConfig& v = vae->config();
+        const int64_t f = vae->downsampling_factor();
+        LINVIS_CHECK(data.in_chans == v.in_channels || data.in_chans == 1, "--vae ", o.vae, ": the VAE reads ", v.in_channels,
+                     "-channel images, the data set has ", data.in_chans, " channels");
+        LINVIS_CHECK(data.img_size % f == 0, "--vae ", o.vae, ": the image size ", data.img_size,
+                     " is not a multiple of the VAE's downsampling factor ", f, " (give --img-size ", f, " x input_size)");
+        kwargs.emplace("in_channels", std::to_string(v.latent_channels));
+        kwargs.emplace("input_size", std::to_string(data.img_size / f));
+    } else {
+        kwargs.emplace("in_channels", std::to_string(data.in_chans));
+        kwargs.emplace("input_size", std::to_string(data.img_size));
+    }
     torch::manual_seed(data_config.seed);
     models::DiffusionModelPtr model = models::create_diffusion_model(o.model, models::ModelConfig(kwargs));
+    if (vae) {
+        const int64_t f = vae->downsampling_factor();
+        LINVIS_CHECK(model->in_channels() == vae->config().latent_channels, "--model-kwargs in_channels=",
+                     model->in_channels(), ": latent-space training with --vae ", o.vae, " needs the VAE's latent_channels ",
+                     vae->config().latent_channels);
+        LINVIS_CHECK(model->input_size() * f == data.img_size, "--model-kwargs input_size=", model->input_size(),
+                     ": latent-space training with --vae needs images of ", f, " x input_size = ",
+                     model->input_size() * f, " px, got ", data.img_size, " (--img-size)");
+    }
     if (main_rank) {
         std::cerr << o.model << ": " << with_commas(models::count_parameters(*model)) << " parameters";
         for (const auto& [key, value] : kwargs) std::cerr << " " << key << "=" << value;
@@ -218,6 +279,13 @@ int train_diffusion_worker(DiffusionTrainOptions& o, int argc, const char* const
     // The run's identity for --resume: a run may be extended by more --epochs, and continued with
     // another number of processes.
     config.config_json = run_identity(argc, argv, "--epochs");
+    if (vae) {
+        // The VAE belongs to the run: its path is in the command line, its encoder weights' digest here.
+        nlohmann::json identity = nlohmann::json::parse(config.config_json);
+        identity.push_back("vae_encoder_fnv1a=" + weights_digest(*vae));
+        config.config_json = identity.dump();
+        config.vae = vae;
+    }
     train::DiffusionTrainer trainer(model, config);
     if (!trainer.fit(*data.train)) return 130;
     if (!main_rank) return 0;

@@ -29,7 +29,7 @@ void add_model_options(CLI::App& app, ModelOptions& options, bool weights_requir
 // are given, loads them (reporting what was mapped on stderr).
 models::ModelPtr build_model(const ModelOptions& options, const std::map<std::string, std::string>& defaults = {});
 
-// The same for a generative model (models/dit.h diffusion models, models/vae.h decoders): built from the
+// The same for a generative model (models/dit.h diffusion models, models/vae.h decoders and encoders): built from the
 // generative registry, weights loaded and reported the same way (a diffusion training checkpoint gives its
 // EMA weights unless it has none, as the official find_model), eval mode.
 std::shared_ptr<models::Model> build_generative_model(const ModelOptions& options,

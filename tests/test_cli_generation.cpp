@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
 #include "checkpoint_writer.h"
 #include "linvis/io/safetensors.h"
 #include "support/cli.h"
@@ -203,10 +205,141 @@ TEST(CliGeneration, TrainDiffusionResumeInheritAndSample) {
                 dir.file("grid.png"));
     ASSERT_EQ(r.status, 0) << r.output;
     EXPECT_GT(std::filesystem::file_size(dir.file("grid.png")), 500u);
+}
 
-    r = run_cli("train --task diffusion --model dit_s4" + arch + common + " --vae x.safetensors --output " + dir.file("v"));
+std::map<std::string, torch::Tensor> read_all(const std::string& path) {
+    return linvis::io::SafetensorsFile::open(path).load_all();
+}
+
+// The largest |a - b| over the tensors of two weights files with the same names and shapes.
+double max_weight_difference(const std::string& a, const std::string& b) {
+    const auto wa = read_all(a), wb = read_all(b);
+    EXPECT_EQ(wa.size(), wb.size());
+    double worst = 0;
+    for (const auto& [k, v] : wa) {
+        EXPECT_TRUE(wb.count(k)) << k;
+        if (!wb.count(k) || wb.at(k).sizes() != v.sizes()) return 1e30;
+        worst = std::max(worst, (v - wb.at(k)).abs().max().item<double>());
+    }
+    return worst;
+}
+
+// linvis run --model sd_vae_encoder: 'image' -> 'mean', 'logvar' as diffusers' latent_dist
+// (tests/data/vae/make_encoder_reference.py) and 'latent' = mean * 0.18215.
+TEST(CliGeneration, RunVaeEncoder) {
+    LINVIS_REQUIRE_FIXTURES();
+    linvis::testing::TempDir dir;
+    const std::string reference = std::string(LINVIS_TEST_DATA_DIR) + "/vae/vae_tiny_encode.safetensors";
+    auto r = run_cli("run --model sd_vae_encoder --model-kwargs block_out_channels=32,32,64,64 --weights " +
+                     fixture("vae_tiny.weights.safetensors") + " --input " + reference + " --output " + dir.file("o.safetensors"));
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_TRUE(close_to_fixture(read(dir.file("o.safetensors"), "mean"), read(reference, "mean")));
+    EXPECT_TRUE(close_to_fixture(read(dir.file("o.safetensors"), "logvar"), read(reference, "logvar")));
+    EXPECT_TRUE(close_to_fixture(read(dir.file("o.safetensors"), "latent"), read(reference, "mean") * 0.18215));
+    // the encoder reads 'image' (a DiT's input file has none)
+    r = run_cli("run --model sd_vae_encoder --model-kwargs block_out_channels=32,32,64,64 --weights " +
+                fixture("vae_tiny.weights.safetensors") + " --input " + fixture("dit_tiny.run.safetensors") + " --output " +
+                dir.file("o2.safetensors"));
     EXPECT_NE(r.status, 0);
-    EXPECT_NE(last_line(r.output).find("VAE encoder"), std::string::npos) << r.output;
+    EXPECT_NE(last_line(r.output).find("no tensor named 'image'"), std::string::npos) << r.output;
+}
+
+// linvis train --task diffusion --vae: DiT train.py in latent space on 32 px Fashion-MNIST (grey repeated to
+// RGB) through the tiny VAE (4x4x4 latents): the model reads the VAE's latent channels at input_size 4, a
+// run resumed after its first epoch ends bit for bit where the uninterrupted run ends, its EMA samples
+// decode to a PNG, and wrong sizes, channels or another VAE on resume get one-line errors.
+TEST(CliGeneration, TrainLatentDiffusionThroughVae) {
+    LINVIS_REQUIRE_FIXTURES();
+    if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"))
+        GTEST_SKIP() << "no Fashion-MNIST in /usr/share/datasets/fashion-mnist";
+    linvis::testing::TempDir dir;
+    const std::string vae = dir.file("vae.safetensors");
+    std::filesystem::copy_file(fixture("vae_tiny.weights.safetensors"), vae);
+    const std::string base = "train --task diffusion --model dit_s2 --model-kwargs depth=1 hidden_size=32 num_heads=2";
+    const std::string common = " --dataset fashion-mnist --limit-train 12 --batch-size 4 --threads 1 --lr 1e-3 "
+                               "--ema-decay 0.5 --no-progress --seed 3 --vae " + vae +
+                               " --vae-kwargs block_out_channels=32,32,64,64";
+    const std::string whole = dir.file("whole"), parts = dir.file("parts");
+    auto r = run_cli(base + common + " --epochs 2 --output " + whole);
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("1x32x32, 10 classes"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("in_channels=4 input_size=4"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("(6 steps)"), std::string::npos) << r.output;
+    const auto w = read_all(whole + "/last.safetensors");
+    EXPECT_EQ(w.at("x_embedder.proj.weight").sizes(), (std::vector<int64_t>{32, 4, 2, 2}));
+    EXPECT_EQ(w.at("pos_embed").sizes(), (std::vector<int64_t>{1, 4, 32}));
+
+    r = run_cli(base + common + " --epochs 1 --output " + parts);
+    ASSERT_EQ(r.status, 0) << r.output;
+    r = run_cli(base + common + " --epochs 2 --resume --output " + parts);
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("at epoch 1"), std::string::npos) << r.output;
+    EXPECT_EQ(max_weight_difference(parts + "/last.safetensors", whole + "/last.safetensors"), 0.0);
+    EXPECT_EQ(max_weight_difference(parts + "/ema.safetensors", whole + "/ema.safetensors"), 0.0);
+    std::ifstream m1(whole + "/metrics.jsonl"), m2(parts + "/metrics.jsonl");
+    std::string l1, l2;
+    for (int e = 0; e < 2; ++e) {
+        ASSERT_TRUE(std::getline(m1, l1) && std::getline(m2, l2));
+        const auto j1 = nlohmann::json::parse(l1), j2 = nlohmann::json::parse(l2);
+        for (const char* key : {"loss", "mse", "vb", "steps"}) EXPECT_EQ(j1[key], j2[key]) << key << " epoch " << e + 1;
+    }
+    // The posterior sample's eps comes from the seed: another seed trains to other weights.
+    const std::string reseeded = dir.file("reseeded");
+    std::string other_seed = common;
+    other_seed.replace(other_seed.find("--seed 3"), 8, "--seed 4");
+    r = run_cli(base + other_seed + " --epochs 1 --output " + reseeded);
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_GT(max_weight_difference(reseeded + "/last.safetensors", parts + "/last.safetensors"), 1e-4);
+
+    // The trained latent model samples through the VAE decoder of the same file.
+    r = run_cli("sample --model dit_s2 --model-kwargs depth=1 hidden_size=32 num_heads=2 input_size=4 in_channels=4 "
+                "num_classes=10 --weights " + whole + "/ema.safetensors --steps 3 --labels 0,9 --vae " + vae +
+                " --vae-kwargs block_out_channels=32,32,64,64 --no-progress --output " + dir.file("grid.png"));
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_GT(std::filesystem::file_size(dir.file("grid.png")), 500u);
+
+    // The latents are posterior samples, not the mean: the same VAE with logvar -30 (std ~ 3e-7; quant_conv's
+    // logvar half of the bias) trains to other weights; the mean is unchanged, so training on the mean would not.
+    {
+        auto tensors = read_all(vae);
+        tensors["quant_conv.bias"] = tensors["quant_conv.bias"].clone();
+        tensors["quant_conv.bias"].slice(0, 4, 8).fill_(-30.0);
+        tensors["quant_conv.weight"] = tensors["quant_conv.weight"].clone();
+        tensors["quant_conv.weight"].slice(0, 4, 8).zero_();
+        linvis::io::save_safetensors(vae, tensors);
+    }
+    const std::string narrow = dir.file("narrow");
+    r = run_cli(base + common + " --epochs 2 --output " + narrow);
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_GT(max_weight_difference(narrow + "/last.safetensors", whole + "/last.safetensors"), 1e-4);
+
+    // Resuming with another VAE (the same path, now with other encoder weights) is refused.
+    r = run_cli(base + common + " --epochs 3 --resume --output " + parts);
+    EXPECT_NE(r.status, 0);
+    EXPECT_NE(last_line(r.output).find("belongs to a run with other options"), std::string::npos) << r.output;
+
+    // The DiT must read the VAE's latents: latent channels, and 8 x input_size px images.
+    r = run_cli("train --task diffusion --model dit_s2 --model-kwargs depth=1 hidden_size=32 num_heads=2 in_channels=3" +
+                common + " --output " + dir.file("e1"));
+    EXPECT_NE(r.status, 0);
+    EXPECT_NE(last_line(r.output).find("in_channels=3: latent-space training with --vae " + vae +
+                                       " needs the VAE's latent_channels 4"),
+              std::string::npos)
+        << r.output;
+    r = run_cli("train --task diffusion --model dit_s2 --model-kwargs depth=1 hidden_size=32 num_heads=2 input_size=8" +
+                common + " --img-size 32 --output " + dir.file("e2"));
+    EXPECT_NE(r.status, 0);
+    EXPECT_NE(last_line(r.output).find("input_size=8: latent-space training with --vae needs images of 8 x input_size = 64 px, got 32"),
+              std::string::npos)
+        << r.output;
+    r = run_cli(base + common + " --img-size 36 --output " + dir.file("e3"));
+    EXPECT_NE(r.status, 0);
+    EXPECT_NE(last_line(r.output).find("the image size 36 is not a multiple of the VAE's downsampling factor 8"),
+              std::string::npos)
+        << r.output;
+    r = run_cli(base + " --dataset fashion-mnist --limit-train 4 --vae-kwargs latent_channels=4 --output " + dir.file("e4"));
+    EXPECT_NE(r.status, 0);
+    EXPECT_NE(last_line(r.output).find("--vae-kwargs needs --vae FILE"), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -27,6 +27,7 @@
 #include "linvis/train/datasets.h"
 #include "linvis/train/distributed.h"
 #include "support/cli.h"
+#include "support/fixtures.h"
 #include "support/temp_dir.h"
 
 namespace {
@@ -527,6 +528,34 @@ TEST(DistributedDiffusion, TwoProcessesMatchOneOnTheSameGlobalBatch) {
     EXPECT_NE(odd.output.find("--batch-size 16 (the global batch) must be divisible by the number of processes, 3"),
               std::string::npos)
         << odd.output;
+}
+
+// Latent space (--vae): every rank encodes its own rows and keeps its rows of the posterior sample's eps,
+// drawn for the whole global batch from the step's seed, so two processes train what one trains.
+TEST(DistributedDiffusion, LatentTwoProcessesMatchOne) {
+    LINVIS_REQUIRE_FIXTURES();
+    if (!fs::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"))
+        GTEST_SKIP() << "no Fashion-MNIST in /usr/share/datasets/fashion-mnist";
+    TempDir one("dlat_one"), two("dlat_two"), reseeded("dlat_reseeded");
+    const std::string args =
+        "train --task diffusion --model dit_s2 --model-kwargs depth=1 hidden_size=32 num_heads=2 --dataset "
+        "fashion-mnist --limit-train 16 --batch-size 8 --epochs 1 --lr 1e-3 --ema-decay 0.9 --no-progress "
+        "--dist-timeout 60 --vae " + linvis::testing::fixtures_dir() + "/generation/vae_tiny.weights.safetensors "
+        "--vae-kwargs block_out_channels=32,32,64,64 ";
+    const auto single = run_cli(args + "--seed 5 --threads 1 --output " + one.path.string());
+    ASSERT_EQ(single.status, 0) << single.output;
+    const auto pair = run_cli(args + "--seed 5 --nproc-per-node 2 --output " + two.path.string());
+    ASSERT_EQ(pair.status, 0) << pair.output;
+    EXPECT_NE(pair.output.find("2 processes, 4 images per process and batch"), std::string::npos) << pair.output;
+    EXPECT_LT(max_abs_difference(weights(two.path / "last.safetensors"), weights(one.path / "last.safetensors")), 2e-4);
+    const auto m1 = metrics(one.path), m2 = metrics(two.path);
+    ASSERT_EQ(m1.size(), 1u);
+    ASSERT_EQ(m2.size(), 1u);
+    EXPECT_NEAR(m2[0]["loss"].get<double>(), m1[0]["loss"].get<double>(), 1e-4);
+    // The comparison can tell runs apart: another seed (t, noise, eps) trains to other weights.
+    const auto other = run_cli(args + "--seed 6 --threads 1 --output " + reseeded.path.string());
+    ASSERT_EQ(other.status, 0) << other.output;
+    EXPECT_GT(max_abs_difference(weights(reseeded.path / "last.safetensors"), weights(one.path / "last.safetensors")), 1e-3);
 }
 
 const std::string kDiffusionFaultArgs =

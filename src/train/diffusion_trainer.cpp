@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -61,6 +62,25 @@ DiffusionTrainer::DiffusionTrainer(models::DiffusionModelPtr model, DiffusionTra
     LINVIS_CHECK(model_ != nullptr, "DiffusionTrainer: no model");
     LINVIS_CHECK(!config_.output_dir.empty(), "DiffusionTrainer: no output directory");
     LINVIS_CHECK(config_.epochs >= 1, "--epochs must be >= 1, got ", config_.epochs);
+    if (config_.vae) {
+        const models::VaeConfig& v = config_.vae->config();
+        LINVIS_CHECK(model_->in_channels() == v.latent_channels, "DiffusionTrainer: the model's in_channels ",
+                     model_->in_channels(), " differs from the VAE's latent_channels ", v.latent_channels);
+        config_.vae->eval();
+        for (auto& p : config_.vae->parameters()) p.set_requires_grad(false);
+    }
+}
+
+// DiT train.py: vae.encode(x).latent_dist under no_grad (the sample is drawn by fit from the step's seed).
+models::LatentDistribution DiffusionTrainer::encode_images(const torch::Tensor& images) const {
+    torch::NoGradGuard no_grad;
+    models::VaeEncoder& vae = *config_.vae;
+    const int64_t channels = vae.config().in_channels, side = model_->input_size() * vae.downsampling_factor();
+    LINVIS_CHECK(images.dim() == 4 && (images.size(1) == channels || images.size(1) == 1) && images.size(2) == side &&
+                     images.size(3) == side,
+                 "diffusion training: latent space with input_size ", model_->input_size(), " needs images of (B, ",
+                 channels, " or 1, ", side, ", ", side, "), got ", shape_string(images.sizes()));
+    return vae.encode(images.size(1) == channels ? images : images.expand({-1, channels, -1, -1}).contiguous());
 }
 
 bool DiffusionTrainer::fit(BatchSource& data) {
@@ -150,18 +170,26 @@ bool DiffusionTrainer::fit(BatchSource& data) {
             const int64_t B = x.size(0), G = B * world;
             // The global batch's randomness from the step's seed; this rank's rows of it are the rows of
             // the single-process batch that its shard holds (r, r + W, ...: shard_order).
+            const torch::Tensor rows = torch::arange(rank, G, world, torch::kInt64);
+            auto global_randn = [&](at::IntArrayRef shape) {  // (B, ...) -> this rank's rows of a (G, ...) draw
+                std::vector<int64_t> global = shape.vec();
+                global[0] = G;
+                torch::Tensor r = torch::randn(global, x.options());
+                return world > 1 ? r.index_select(0, rows) : r;
+            };
+            // Latent space: encoding draws nothing, so its shape is known before t and the noise; the
+            // posterior sample's eps is drawn last.
+            std::optional<models::LatentDistribution> posterior;
+            if (config_.vae) posterior = encode_images(x);
             torch::manual_seed(mix_seed(config_.seed, static_cast<uint64_t>(epoch), static_cast<uint64_t>(b) + 1));
             torch::Tensor t = torch::randint(0, T, {G}, torch::kInt64);
-            std::vector<int64_t> noise_shape = x.sizes().vec();
-            noise_shape[0] = G;
-            torch::Tensor noise = torch::randn(noise_shape, x.options());
+            torch::Tensor noise = global_randn(posterior ? posterior->mean.sizes() : x.sizes());
             torch::Tensor drop = torch::rand({G}) < label_dropout;
             if (world > 1) {
-                const torch::Tensor rows = torch::arange(rank, G, world, torch::kInt64);
                 t = t.index_select(0, rows);
-                noise = noise.index_select(0, rows);
                 drop = drop.index_select(0, rows);
             }
+            if (posterior) x = posterior->sample(global_randn(posterior->mean.sizes())) * models::kSdVaeScale;
             const torch::Tensor labels = label_dropout > 0 ? torch::where(drop, torch::full_like(y, model_->num_classes()), y) : y;
             auto losses = diffusion.training_losses(
                 [&](const torch::Tensor& xt, const torch::Tensor& tt) { return model_->forward(xt, tt, labels); }, x, t,

@@ -58,7 +58,7 @@ FeatureOptions read_feature_options(const ModelConfig& config);
 
 // What every loadable linvis model shares: weights are loaded into it by name from a checkpoint
 // (models/pretrained.h), through these two hooks. VisionModel (classifiers and backbones) and the
-// generative models (models/dit.h: diffusion transformers; models/vae.h: the VAE decoder) derive from it.
+// generative models (models/dit.h: diffusion transformers; models/vae.h: the VAE decoder and encoder) derive from it.
 class Model : public torch::nn::Module {
 public:
     ~Model() override = default;

@@ -32,7 +32,7 @@ struct ModelRegistrar {
     ModelRegistrar(std::string name, std::string family, std::string description, ModelFactory create);
 };
 
-// ---- Generative models (diffusion transformers, the VAE decoder): not classifiers, so a registry of
+// ---- Generative models (diffusion transformers, the VAE decoder and encoder): not classifiers, so a registry of
 // their own with a kind tag; `linvis models` lists both. create_model on such a name is an error
 // pointing here, and create_generative_model on a classifier name likewise.
 using GenerativeFactory = std::function<std::shared_ptr<Model>(const ModelConfig&)>;
@@ -40,7 +40,7 @@ using GenerativeFactory = std::function<std::shared_ptr<Model>(const ModelConfig
 struct GenerativeModelInfo {
     std::string name;         // e.g. "dit3_s2"
     std::string family;       // "dit", "dit3", "dit5", "vae"
-    std::string kind;         // "diffusion" (models/dit.h DiffusionModel) or "vae" (models/vae.h VaeDecoder)
+    std::string kind;         // "diffusion" (models/dit.h DiffusionModel) or "vae" (models/vae.h VaeDecoder, VaeEncoder)
     std::string description;
     GenerativeFactory create;
 };

@@ -12,6 +12,14 @@
 // batch after a Ctrl-C); batch order is seeded per (seed, epoch), timesteps, noise and label dropout per
 // (seed, epoch, batch), so a resumed run repeats the uninterrupted one.
 //
+// Latent space (config.vae set; DiT train.py): each batch of images (B, C, S, S) in [-1, 1], S = 8 x the
+// model's input_size, becomes x = vae.encode(images).latent_dist.sample() * 0.18215 under no_grad before the
+// diffusion loss; grey images (C = 1) are repeated to the VAE's in_channels. The sample's eps is drawn with
+// t, noise and the label-dropout mask from the step's seed (for the whole global batch, after them), so
+// resumed and data-parallel latent runs repeat the single-process run as the pixel path does. The VAE is
+// frozen (eval mode, no gradients) and not stored in the checkpoint: it belongs to the run's identity
+// (config_json).
+//
 // Data parallel (config.distributed with world size W > 1, as train::Trainer): the data source is
 // sharded (its batch size is the global batch G, each rank takes G / W rows: rows r, r + W, ... of the
 // single-process batch), rank 0's weights are broadcast, gradients are averaged over the ranks during
@@ -29,6 +37,7 @@
 #include <vector>
 
 #include "linvis/models/dit.h"
+#include "linvis/models/vae.h"
 #include "linvis/train/data.h"
 #include "linvis/train/distributed.h"
 
@@ -47,6 +56,7 @@ struct DiffusionTrainConfig {
     bool progress = true;
     std::string config_json;                  // stored in the checkpoint; resuming another run is refused
     std::shared_ptr<Distributed> distributed; // data-parallel process group (null or world size 1: alone)
+    models::VaeEncoderPtr vae;                // latent-space training (null: pixel space)
 };
 
 struct DiffusionEpochRecord {
@@ -67,6 +77,8 @@ public:
     const std::vector<DiffusionEpochRecord>& history() const { return history_; }
 
 private:
+    models::LatentDistribution encode_images(const torch::Tensor& images) const;
+
     models::DiffusionModelPtr model_;
     DiffusionTrainConfig config_;
     std::vector<DiffusionEpochRecord> history_;
