@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "command.h"
+#include "linvis/core/flops.h"
 #include "linvis/core/runtime.h"
 #include "linvis/ops/impl.h"
 #include "options.h"
@@ -30,6 +31,7 @@ int run_version(int argc, const char* const* argv) {
                             {"libtorch", info.torch_version},
                             {"blas", info.blas},
                             {"blas_optimized", info.blas_is_optimized},
+                            {"linear_gemm", flops::linear_backend()},
                             {"torch_threads", info.torch_threads},
                             {"blas_threads", info.blas_threads},
                             {"openmp_passive", runtime::openmp_is_passive()},
@@ -43,6 +45,8 @@ int run_version(int argc, const char* const* argv) {
     std::cout << "linvis     " << info.linvis_version << "\n"
               << "LibTorch   " << info.torch_version << "\n"
               << "BLAS       " << info.blas << "\n"
+              << "GEMM       " << flops::linear_backend() << " for float32 inference linear layers, LibTorch's BLAS "
+              << "for the rest\n"
               << "threads    " << info.torch_threads << " LibTorch (OpenMP"
               << (runtime::openmp_is_passive() ? ", passive wait" : ", active wait") << "), "
               << (info.blas_threads > 0 ? std::to_string(info.blas_threads) : std::string("?")) << " BLAS\n"

@@ -39,6 +39,45 @@ TEST(Flops, CountsMultiplyAddsOfLinearMatmulAndConv) {
     EXPECT_TRUE(torch::allclose(y, torch::matmul(x, w.t())));
 }
 
+// Inference float32 products go to oneDNN's sgemm; they must equal LibTorch's (float64 as the judge) for
+// every layout a model hands in: 1-D to 3-D inputs, non-contiguous inputs and weights, with and without
+// bias, odd sizes; products that build a graph stay with LibTorch and keep their gradients.
+TEST(Flops, OnednnLinearMatchesLibTorch) {
+    EXPECT_NE(linvis::flops::linear_backend().find("oneDNN"), std::string::npos) << linvis::flops::linear_backend();
+    torch::manual_seed(3);
+    struct Case { std::vector<int64_t> x; int64_t n; bool bias, transposed_x, transposed_w; };
+    for (const Case& c : {Case{{7}, 5, true, false, false}, Case{{197, 192}, 576, true, false, false},
+                          Case{{2, 33, 17}, 29, false, false, false}, Case{{3, 31, 65}, 130, true, true, false},
+                          Case{{1, 1, 1}, 1, true, false, true}, Case{{4, 50, 96}, 384, true, false, true}}) {
+        torch::Tensor x = torch::randn(c.x);
+        if (c.transposed_x) x = x.transpose(0, 1).contiguous().transpose(0, 1);  // same sizes, other strides
+        const int64_t k = c.x.back();
+        torch::Tensor w = c.transposed_w ? torch::randn({k, c.n}).t() : torch::randn({c.n, k});
+        torch::Tensor b = c.bias ? torch::randn({c.n}) : torch::Tensor();
+        torch::Tensor y;
+        {
+            torch::NoGradGuard no_grad;
+            y = linvis::flops::linear(x, w, b);
+        }
+        torch::Tensor judge = torch::nn::functional::linear(x.to(torch::kFloat64), w.to(torch::kFloat64),
+                                                            c.bias ? b.to(torch::kFloat64) : torch::Tensor());
+        ASSERT_EQ(y.sizes(), judge.sizes());
+        const double err = ((y.to(torch::kFloat64) - judge).norm() / judge.norm()).item<double>();
+        EXPECT_LT(err, 1e-6) << "x " << x.sizes() << " n " << c.n;
+        setenv("LINVIS_GEMM", "torch", 1);
+        torch::Tensor y_torch = linvis::flops::linear(x, w, b);
+        unsetenv("LINVIS_GEMM");
+        EXPECT_LT(((y - y_torch).norm() / y_torch.norm()).item<double>(), 1e-6);
+    }
+    // A product that builds a graph keeps its gradient.
+    torch::Tensor x = torch::randn({5, 6}, torch::requires_grad()), w = torch::randn({4, 6});
+    linvis::flops::linear(x, w).sum().backward();
+    EXPECT_TRUE(torch::allclose(x.grad(), w.sum(0).expand({5, 6})));
+    setenv("LINVIS_GEMM", "torch", 1);
+    EXPECT_EQ(linvis::flops::linear_backend(), "LibTorch");
+    unsetenv("LINVIS_GEMM");
+}
+
 // pytorch/pytorch issue 83863: a bf16 product of ones accumulated in bf16 stops growing at 256
 // (256 + 1 rounds back to 256). Every linvis product must accumulate in float32 on every CPU.
 TEST(Precision, ReducedPrecisionProductsAccumulateInFloat32) {

@@ -1,5 +1,11 @@
 #include "linvis/core/flops.h"
 
+#include <oneapi/dnnl/dnnl.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "linvis/core/error.h"
 #include "linvis/core/precision.h"
 
 namespace linvis::flops {
@@ -14,6 +20,38 @@ torch::Tensor accumulate_in_f32(const torch::Tensor& a, const torch::Tensor& b, 
     if (!precision::product_needs_f32(a)) return product(a, b, bias);
     const auto f32 = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kFloat32) : t; };
     return product(f32(a), f32(b), f32(bias)).to(a.scalar_type());
+}
+
+bool torch_gemm_forced() {
+    const char* value = std::getenv("LINVIS_GEMM");
+    return value != nullptr && std::strcmp(value, "torch") == 0;
+}
+
+// oneDNN's sgemm takes float32 CPU products that need no autograd graph.
+bool takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+    const auto f32_cpu = [](const torch::Tensor& t) {
+        return t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && !t.is_sparse() && !t.is_mkldnn();
+    };
+    if (!f32_cpu(x) || !f32_cpu(weight) || weight.dim() != 2 || x.dim() < 1 || x.size(-1) != weight.size(1)) return false;
+    if (bias.defined() && (!f32_cpu(bias) || bias.dim() != 1 || bias.size(0) != weight.size(0))) return false;
+    const bool graph = torch::GradMode::is_enabled() &&
+                       (x.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
+    return !graph && x.numel() > 0 && weight.numel() > 0 && !torch_gemm_forced();
+}
+
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+    const int64_t K = x.size(-1), N = weight.size(0), M = x.numel() / K;
+    const torch::Tensor a = x.contiguous(), w = weight.contiguous();
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = N;
+    torch::Tensor y = torch::empty({M, N}, x.options());
+    // Row-major y (M x N) = a (M x K) . w^T, w stored (N x K).
+    const dnnl_status_t status = dnnl_sgemm('N', 'T', M, N, K, 1.0f, a.data_ptr<float>(), K, w.data_ptr<float>(), K,
+                                            0.0f, y.data_ptr<float>(), N);
+    LINVIS_CHECK(status == dnnl_success, "linear: oneDNN sgemm failed with status ", static_cast<int>(status), " for (",
+                 M, " x ", K, ") . (", K, " x ", N, ")");
+    if (bias.defined()) y.add_(bias);
+    return y.view(shape);
 }
 }  // namespace
 
@@ -32,9 +70,17 @@ bool counting() { return active_counter != nullptr; }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
     if (counting()) add(x.numel() / x.size(-1) * weight.size(0) * weight.size(1));
+    if (takes_onednn(x, weight, bias)) return onednn_linear(x, weight, bias);
     return accumulate_in_f32(x, weight, bias, [](const torch::Tensor& a, const torch::Tensor& w, const torch::Tensor& c) {
         return torch::nn::functional::linear(a, w, c);
     });
+}
+
+std::string linear_backend() {
+    if (torch_gemm_forced()) return "LibTorch";
+    const dnnl_version_t* v = dnnl_version();
+    return "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch) +
+           " sgemm";
 }
 
 torch::Tensor matmul(const torch::Tensor& a, const torch::Tensor& b) {
