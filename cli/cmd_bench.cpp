@@ -200,12 +200,14 @@ int run_bench(int argc, const char* const* argv) {
         const auto at = token.find('@');
         const std::string name = token.substr(0, at);
         const std::string model_impl = at == std::string::npos ? impl : token.substr(at + 1);
+        LINVIS_CHECK(models::has_model(name) || models::has_generative_model(name), "--models: unknown model '", name,
+                     "' (see 'linvis models')");
         const bool diffusion_task = o.task == "denoise" || o.task == "sample";
         LINVIS_CHECK(diffusion_task ? models::has_generative_model(name) &&
                                           models::generative_model_kind(name) == "diffusion"
                                     : models::has_model(name),
                      "--models: '", name, "' is not a ", diffusion_task ? "diffusion model" : "vision model",
-                     " (--task ", o.task, "; see 'linvis models')");
+                     " (--task ", o.task, ")");
         LINVIS_CHECK(std::find(kImplChoices.begin(), kImplChoices.end(), model_impl) != kImplChoices.end(),
                      "--models: '", token, "': the implementation after '@' must be ", choice_list(kImplChoices));
         model_impls.push_back({name, model_impl});

@@ -41,7 +41,7 @@ TEST(Flops, CountsMultiplyAddsOfLinearMatmulAndConv) {
 
 // Inference float32 products go to oneDNN's sgemm; they must equal LibTorch's (float64 as the judge) for
 // every layout a model hands in: 1-D to 3-D inputs, non-contiguous inputs and weights, with and without
-// bias, odd sizes; products that build a graph stay with LibTorch and keep their gradients.
+// bias, odd sizes; in a graph the gradients (and a second derivative) equal LibTorch's.
 TEST(Flops, OnednnLinearMatchesLibTorch) {
     EXPECT_NE(linvis::flops::linear_backend().find("oneDNN"), std::string::npos) << linvis::flops::linear_backend();
     torch::manual_seed(3);
@@ -69,10 +69,33 @@ TEST(Flops, OnednnLinearMatchesLibTorch) {
         unsetenv("LINVIS_GEMM");
         EXPECT_LT(((y - y_torch).norm() / y_torch.norm()).item<double>(), 1e-6);
     }
-    // A product that builds a graph keeps its gradient.
-    torch::Tensor x = torch::randn({5, 6}, torch::requires_grad()), w = torch::randn({4, 6});
-    linvis::flops::linear(x, w).sum().backward();
-    EXPECT_TRUE(torch::allclose(x.grad(), w.sum(0).expand({5, 6})));
+    // In a graph: first derivatives (some inputs frozen) and a second derivative through a create_graph backward
+    // equal LibTorch's.
+    const auto derivatives = [](bool weight_grad) {
+        torch::manual_seed(5);
+        torch::Tensor x = torch::randn({3, 7, 12}, torch::requires_grad());
+        torch::Tensor w = torch::randn({9, 12}).requires_grad_(weight_grad), b = torch::randn({9}, torch::requires_grad());
+        torch::Tensor y = linvis::flops::linear(x, w, b);
+        torch::Tensor gx = torch::autograd::grad({(y * y).sum()}, {x}, {}, true, true)[0];
+        (gx * gx).sum().backward();  // second derivative into w and b through the first backward
+        std::vector<torch::Tensor> out = {y.detach(), gx.detach(), b.grad()};
+        if (weight_grad) out.push_back(w.grad());
+        return out;
+    };
+    for (bool weight_grad : {true, false}) {
+        const auto onednn = derivatives(weight_grad);
+        setenv("LINVIS_GEMM", "torch", 1);
+        const auto torch_ref = derivatives(weight_grad);
+        unsetenv("LINVIS_GEMM");
+        for (size_t i = 0; i < onednn.size(); ++i)
+            EXPECT_LT(((onednn[i] - torch_ref[i]).norm() / torch_ref[i].norm()).item<double>(), 1e-5) << i;
+    }
+    // First derivatives alone (the oneDNN backward products).
+    torch::Tensor x = torch::randn({5, 6}, torch::requires_grad()), w = torch::randn({4, 6}, torch::requires_grad());
+    torch::Tensor probe = torch::randn({5, 4});
+    (linvis::flops::linear(x, w) * probe).sum().backward();
+    EXPECT_TRUE(torch::allclose(x.grad(), probe.matmul(w.detach()), 1e-5, 1e-5));
+    EXPECT_TRUE(torch::allclose(w.grad(), probe.t().matmul(x.detach()), 1e-5, 1e-5));
     setenv("LINVIS_GEMM", "torch", 1);
     EXPECT_EQ(linvis::flops::linear_backend(), "LibTorch");
     unsetenv("LINVIS_GEMM");
