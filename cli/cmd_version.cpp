@@ -45,7 +45,7 @@ int run_version(int argc, const char* const* argv) {
     std::cout << "linvis     " << info.linvis_version << "\n"
               << "LibTorch   " << info.torch_version << "\n"
               << "BLAS       " << info.blas << "\n"
-              << "GEMM       " << flops::linear_backend() << " for float32 inference linear layers, LibTorch's BLAS "
+              << "GEMM       " << flops::linear_backend() << " for float32 linear layers (forward and backward), LibTorch's BLAS "
               << "for the rest\n"
               << "threads    " << info.torch_threads << " LibTorch (OpenMP"
               << (runtime::openmp_is_passive() ? ", passive wait" : ", active wait") << "), "
