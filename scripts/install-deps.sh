@@ -7,6 +7,7 @@ packages=(
   libgloo-dev                                         # headers of the Gloo transport behind c10d (linvis train --nproc-per-node)
   nlohmann-json3-dev libstb-dev                         # JSON headers; JPEG/PNG/BMP decoding
   libcli11-dev                                          # command-line parsing of the linvis program
+  libhwy-dev                                            # Google Highway: the fused kernels' SIMD layer (src/ops/simd)
   zlib1g-dev                                            # gzip IDX files (Fashion-MNIST), PNG CRCs
   fonts-dejavu-core                                     # DejaVu Sans for text in plots (linvis/plot/plot.h)
   libgtest-dev libgmock-dev                             # unit tests
