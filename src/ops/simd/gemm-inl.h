@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include <hwy/highway.h>
 
@@ -44,8 +45,32 @@ struct Vec {
     static HWY_INLINE Vec keep(Mask m, Vec a) { return {hn::IfThenElseZero(m, a.x)}; }
     static HWY_INLINE Vec fma(Vec a, Vec b, Vec c) { return {hn::MulAdd(a.x, b.x, c.x)}; }
     static HWY_INLINE S reduce(Vec a) { return hn::GetLane(hn::SumOfLanes(D(), a.x)); }
-    // dst (W x W, row stride ldd) = src (W x W, row stride lds) transposed.
+    // dst (W x W, row stride ldd) = src (W x W, row stride lds) transposed. float on the vector targets:
+    // 4 x 4 sub-blocks in 128-bit registers (32-bit, then 64-bit interleaves); otherwise element by element.
     static HWY_INLINE void transpose_block(const S* src, int64_t lds, S* dst, int64_t ldd) {
+#if HWY_TARGET != HWY_SCALAR
+        if constexpr (std::is_same_v<S, float> && W % 4 == 0) {
+            const hn::Full128<float> d4;
+            const hn::Full128<double> d2;
+            for (int i = 0; i < W; i += 4)
+                for (int j = 0; j < W; j += 4) {
+                    const float* s = src + i * lds + j;
+                    const auto r0 = hn::LoadU(d4, s), r1 = hn::LoadU(d4, s + lds);
+                    const auto r2 = hn::LoadU(d4, s + 2 * lds), r3 = hn::LoadU(d4, s + 3 * lds);
+                    // t0 = (r0[0] r1[0] r0[1] r1[1]), t1 = (r0[2] r1[2] r0[3] r1[3]), t2 / t3 likewise of r2, r3.
+                    const auto t0 = hn::BitCast(d2, hn::InterleaveLower(d4, r0, r1));
+                    const auto t1 = hn::BitCast(d2, hn::InterleaveUpper(d4, r0, r1));
+                    const auto t2 = hn::BitCast(d2, hn::InterleaveLower(d4, r2, r3));
+                    const auto t3 = hn::BitCast(d2, hn::InterleaveUpper(d4, r2, r3));
+                    float* o = dst + j * ldd + i;
+                    hn::StoreU(hn::BitCast(d4, hn::InterleaveLower(d2, t0, t2)), d4, o);
+                    hn::StoreU(hn::BitCast(d4, hn::InterleaveUpper(d2, t0, t2)), d4, o + ldd);
+                    hn::StoreU(hn::BitCast(d4, hn::InterleaveLower(d2, t1, t3)), d4, o + 2 * ldd);
+                    hn::StoreU(hn::BitCast(d4, hn::InterleaveUpper(d2, t1, t3)), d4, o + 3 * ldd);
+                }
+            return;
+        }
+#endif
         for (int i = 0; i < W; ++i)
             for (int j = 0; j < W; ++j) dst[j * ldd + i] = src[i * lds + j];
     }
