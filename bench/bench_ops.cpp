@@ -44,7 +44,7 @@
 #include <torch/torch.h>
 
 #include "../src/ops/mlstm/cpu.h"
-#include "../src/ops/ttt_swiglu_cpu/kernels.h"
+#include "../src/ops/simd/simd.h"
 #include "linvis/core/error.h"
 #include "linvis/core/runtime.h"
 #include "linvis/models/registry.h"
@@ -316,7 +316,7 @@ int run_attention(const AttentionOptions& o, Harness& h) {
     std::printf("softmax attention, B=1 T=%lld h=%lld d=%lld, %d thread(s), SIMD %s (kernels: %s), "
                 "OMP_WAIT_POLICY=%s\n",
                 static_cast<long long>(o.tokens), static_cast<long long>(o.heads), static_cast<long long>(o.head_dim),
-                h.threads, runtime::simd_name(runtime::detect_simd()), ops::fused_kernel_isa(),
+                h.threads, runtime::simd_name(runtime::detect_simd()), ops::fused_kernel_target(),
                 runtime::openmp_is_passive() ? "PASSIVE" : "(not passive)");
     const OpFn reference = attention_op(Impl::Reference, scale);
     if (!passes({{"output", "dq", "dk", "dv"}, inputs, probe, reference, reference, attention_op(Impl::Fused, scale),
@@ -398,7 +398,7 @@ double vit3_t5_matmul_macs(const std::string& op, bool train, int64_t side) {
 
 // Micro-kernel alone on the block shapes of one head: Z = K_blk W (256 x d x d) and G += K_blkᵀ P.
 double microkernel_gflops(int64_t d) {
-    const auto& kernels = ops::fused_detail::kernels();
+    const auto& kernels = ops::simd::kernels();
     const int64_t T = 256, reps = 2000;
     std::vector<float> a(T * d, 0.5f), w(d * d, 0.25f), c(T * d), g(d * d);
     const auto start = std::chrono::steady_clock::now();
@@ -426,8 +426,8 @@ int run_vit3_t5(const Vit3T5Options& o, Harness& h) {
     std::printf("vit3_t5: %lld x %lld tokens, batch 1, C = %lld, threads %d, iters %d, OMP passive: %s\n",
                 static_cast<long long>(o.side), static_cast<long long>(o.side),
                 static_cast<long long>(kVit3T5Width), h.threads, o.iters, runtime::openmp_is_passive() ? "yes" : "NO");
-    std::printf("BLAS: %s; SIMD: %s%s\n", info.blas.c_str(), runtime::simd_name(info.simd),
-                ops::fused_detail::kernels().avx512 ? " (fused kernels: AVX-512)" : " (fused kernels: portable)");
+    std::printf("BLAS: %s; SIMD: %s (fused kernels: %s)\n", info.blas.c_str(), runtime::simd_name(info.simd),
+                ops::fused_kernel_target());
     const double sgemm = tools::measure_sgemm_gflops();
     std::printf("SGEMM 2048^3 through LibTorch, %d threads: %.1f GFLOP/s\n", h.threads, sgemm);
     double micro32 = 0, micro64 = 0;
@@ -575,7 +575,7 @@ int run_mlstm(const MlstmOptions& o, Harness& h) {
                 "fused path %s, OMP_WAIT_POLICY passive: %s\n",
                 static_cast<long long>(o.tokens), static_cast<long long>(kMlstmHeads),
                 static_cast<long long>(kMlstmDim), static_cast<long long>(kMlstmChunk), h.threads,
-                runtime::simd_name(info.simd), ops::cpu::mlstm_fused_uses_avx512() ? "AVX-512" : "scalar",
+                runtime::simd_name(info.simd), ops::fused_kernel_target(),
                 runtime::openmp_is_passive() ? "yes" : "NO");
     const double sgemm = tools::measure_sgemm_gflops(1024, 5);
     std::printf("SGEMM rate (1024^3, LibTorch BLAS, %d threads): %.1f GFLOP/s\n", h.threads, sgemm);

@@ -149,7 +149,7 @@ int run_demo(int argc, const char* const* argv) {
 
     std::printf("2. Cost against resolution (untrained models: speed only); kernels: fused ops run their %s code, "
                 "impl auto\n",
-                ops::fused_kernel_isa());
+                ops::fused_kernel_target());
     const torch::Tensor picture = io::demo_image(256, 320);
     if (!o.save_image.empty()) io::write_png(o.save_image, picture);
     std::printf("input: a generated %lldx%lld RGB image, evaluation transform (bicubic resize, centre crop, "

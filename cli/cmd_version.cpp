@@ -26,6 +26,7 @@ int run_version(int argc, const char* const* argv) {
     if (!parse(app, argc, argv)) return 0;
     runtime::configure_threads(o.threads);
     const runtime::Info info = runtime::query();
+    const char* kernels = ops::fused_kernel_target();  // before any output: a bad LINVIS_SIMD is an error
     if (o.format == "json") {
         nlohmann::json j = {{"linvis", info.linvis_version},
                             {"libtorch", info.torch_version},
@@ -36,7 +37,7 @@ int run_version(int argc, const char* const* argv) {
                             {"blas_threads", info.blas_threads},
                             {"openmp_passive", runtime::openmp_is_passive()},
                             {"simd", runtime::simd_name(info.simd)},
-                            {"fused_kernels", ops::fused_kernel_isa()},
+                            {"fused_kernels", kernels},
                             {"cuda_available", info.cuda_available},
                             {"cuda_devices", info.cuda_devices}};
         std::cout << j.dump() << "\n";
@@ -51,7 +52,7 @@ int run_version(int argc, const char* const* argv) {
               << (runtime::openmp_is_passive() ? ", passive wait" : ", active wait") << "), "
               << (info.blas_threads > 0 ? std::to_string(info.blas_threads) : std::string("?")) << " BLAS\n"
               << "SIMD       " << runtime::simd_name(info.simd) << "\n"
-              << "kernels    fused ops run their " << ops::fused_kernel_isa()
+              << "kernels    fused ops run their " << kernels
               << " code; impl auto picks fused or reference per op (docs/ops.md)\n"
               << "CUDA       "
               << (info.cuda_available

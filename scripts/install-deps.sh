@@ -7,7 +7,8 @@ packages=(
   libgloo-dev                                         # headers of the Gloo transport behind c10d (linvis train --nproc-per-node)
   nlohmann-json3-dev libstb-dev                         # JSON headers; JPEG/PNG/BMP decoding
   libcli11-dev                                          # command-line parsing of the linvis program
-  libdnnl-dev                                           # oneDNN: the float32 GEMM of inference linear layers
+  libdnnl-dev                                           # oneDNN: the float32 GEMM of the linear layers
+  libhwy-dev                                            # Google Highway: the fused kernels' SIMD layer (src/ops/simd)
   zlib1g-dev                                            # gzip IDX files (Fashion-MNIST), PNG CRCs
   fonts-dejavu-core                                     # DejaVu Sans for text in plots (linvis/plot/plot.h)
   libgtest-dev libgmock-dev                             # unit tests

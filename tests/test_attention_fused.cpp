@@ -2,8 +2,8 @@
 // (src/ops/attention/reference.cpp: q k^T, softmax, @ v with autograd): outputs and the gradients of q, k
 // and v in float64, float32 and bfloat16; N != M, token counts that are not multiples of the tiles (64 / 256
 // queries x keys forward, 64 x 128 backward): 1, 65, 197, 257, 300, 513; head dims 32, 64, 72 and dv != d;
-// several samples and heads; large logits (the online softmax's rescaling); with LINVIS_FORCE_SCALAR=1 (the
-// portable row loops) and without (AVX-512 ones where the CPU has them); the same bits on 1 and 2 threads.
+// several samples and heads; large logits (the online softmax's rescaling); float32 on every SIMD target the
+// CPU runs (LINVIS_SIMD=avx512|avx2|scalar: the row loops' clones); the same bits on 1 and 2 threads.
 //
 // Not checked here: that the fused forward keeps no (N, M) tensor for the backward. LibTorch's C++ API does
 // not expose a custom Function's saved variables, so the check would need a private hook; the forward saves
@@ -23,6 +23,7 @@
 #include "linvis/models/dit.h"
 #include "linvis/models/registry.h"
 #include "linvis/ops/attention.h"
+#include "support/simd_targets.h"
 #include "support/testing.h"
 
 namespace {
@@ -97,16 +98,11 @@ TEST(AttentionFused, MatchesReferenceFloat64) {
     for (const Shape& s : kShapes) compare(s, torch::kFloat64, 1e-10, 1e-12);
 }
 
-TEST(AttentionFused, MatchesReferenceFloat32) { all_shapes_f32(); }
-
-TEST(AttentionFused, MatchesReferenceFloat32ForcedScalar) {
-    const char* old = std::getenv("LINVIS_FORCE_SCALAR");
-    const std::string saved = old ? old : "";
-    setenv("LINVIS_FORCE_SCALAR", "1", 1);
-    all_shapes_f32();
-    compare({1, 2, 197, 197, 64, 64}, torch::kFloat64, 1e-10, 1e-12);
-    if (old) setenv("LINVIS_FORCE_SCALAR", saved.c_str(), 1);
-    else unsetenv("LINVIS_FORCE_SCALAR");
+TEST(AttentionFused, MatchesReferenceFloat32EveryTarget) {
+    linvis::testing::for_each_simd_target([](const linvis::testing::SimdTarget&) {
+        all_shapes_f32();
+        compare({1, 2, 197, 197, 64, 64}, torch::kFloat64, 1e-10, 1e-12);
+    });
 }
 
 // Logits up to a few hundred: every row's maximum moves between key tiles, so the accumulator is rescaled

@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "../src/ops/mlstm/cpu.h"
+#include "support/simd_targets.h"
 #include "linvis/core/error.h"
 #include "linvis/core/runtime.h"
 #include "linvis/models/registry.h"
@@ -64,12 +65,8 @@ std::vector<torch::Tensor> output_and_grads(const Inputs& in, ops::MlstmMode mod
 
 const char* kNames[] = {"h", "dq", "dk", "dv", "dig", "dfg"};
 
-// Sets LINVIS_FORCE_SCALAR for the lifetime of the object.
-class ForceScalar {
-public:
-    ForceScalar() { setenv("LINVIS_FORCE_SCALAR", "1", 1); }
-    ~ForceScalar() { unsetenv("LINVIS_FORCE_SCALAR"); }
-};
+using linvis::testing::for_each_simd_target;
+using linvis::testing::SimdTarget;
 
 // float32 fused vs the float64 parallel reference (the truth) for every output; the float32
 // reference chunkwise form is measured next to it so the bound is relative to what the
@@ -141,42 +138,39 @@ TEST(MlstmFused, FiniteDifferences) {
     EXPECT_TRUE(gradcheck(f, in.list(), 1e-6, 1e-7, 1e-5));
 }
 
+// Every case on every SIMD target this CPU runs (AVX-512, AVX2, scalar; LINVIS_SIMD).
 TEST(MlstmFused, Float32MatchesReference) {
-    ASSERT_TRUE(ops::cpu::mlstm_fused_uses_avx512() ||
-                linvis::runtime::detect_simd() == linvis::runtime::SimdLevel::Scalar ||
-                linvis::runtime::detect_simd() == linvis::runtime::SimdLevel::Avx2);
-    expect_float32_close(1, 2, 128, 32, 24, 64, 21);   // multiple of the chunk
-    expect_float32_close(2, 2, 150, 32, 24, 64, 22);   // not a multiple
-    expect_float32_close(1, 3, 77, 96, 96, 32, 23);    // ViL-T head size, odd chunk tail
+    for_each_simd_target([](const SimdTarget&) {
+        expect_float32_close(1, 2, 128, 32, 24, 64, 21);   // multiple of the chunk
+        expect_float32_close(2, 2, 150, 32, 24, 64, 22);   // not a multiple
+        expect_float32_close(1, 3, 77, 96, 96, 32, 23);    // ViL-T head size, odd chunk tail
+    });
 }
 
-TEST(MlstmFused, ScalarPathMatchesReference) {
-    // The portable loops, forced through LINVIS_FORCE_SCALAR, on the same cases as the SIMD path.
-    ForceScalar scalar;
-    EXPECT_FALSE(ops::cpu::mlstm_fused_uses_avx512());
-    expect_float32_close(2, 2, 150, 32, 24, 64, 22);
-    expect_float32_close(1, 1, 77, 96, 96, 32, 23);
-    auto in = make_inputs(2, 1, 70, 8, 6, torch::kFloat64, 1070, 4.0);
-    auto probe = torch::randn({2, 1, 70, 6}, torch::kFloat64);
-    auto ref = output_and_grads(in, ops::MlstmMode::Chunkwise, 8, ops::Impl::Reference, probe);
-    auto got = output_and_grads(in, ops::MlstmMode::Chunkwise, 8, ops::Impl::Fused, probe);
-    for (size_t t = 0; t < ref.size(); ++t) EXPECT_TRUE(all_close(got[t], ref[t], 1e-9, 1e-11)) << kNames[t];
+TEST(MlstmFused, Float64MatchesReferenceOnEveryTarget) {
+    for_each_simd_target([](const SimdTarget&) {
+        auto in = make_inputs(2, 1, 70, 8, 6, torch::kFloat64, 1070, 4.0);
+        auto probe = torch::randn({2, 1, 70, 6}, torch::kFloat64);
+        auto ref = output_and_grads(in, ops::MlstmMode::Chunkwise, 8, ops::Impl::Reference, probe);
+        auto got = output_and_grads(in, ops::MlstmMode::Chunkwise, 8, ops::Impl::Fused, probe);
+        for (size_t t = 0; t < ref.size(); ++t) EXPECT_TRUE(all_close(got[t], ref[t], 1e-9, 1e-11)) << kNames[t];
+    });
 }
 
-TEST(MlstmFused, SimdAndScalarPathsAgree) {
-    if (linvis::runtime::detect_simd() != linvis::runtime::SimdLevel::Avx512 &&
-        linvis::runtime::detect_simd() != linvis::runtime::SimdLevel::Avx512Bf16)
-        GTEST_SKIP() << "no AVX-512 on this CPU";
-    EXPECT_TRUE(ops::cpu::mlstm_fused_uses_avx512());
+TEST(MlstmFused, SimdTargetsAgreeWithScalar) {
     auto in = make_inputs(1, 2, 90, 40, 20, torch::kFloat32, 31);
     auto probe = torch::randn({1, 2, 90, 20});
-    auto simd = output_and_grads(in, ops::MlstmMode::Chunkwise, 32, ops::Impl::Fused, probe);
     std::vector<torch::Tensor> scalar;
     {
-        ForceScalar force;
+        setenv("LINVIS_FORCE_SCALAR", "1", 1);  // the alias of LINVIS_SIMD=scalar
+        EXPECT_STREQ(ops::fused_kernel_target(), "scalar");
         scalar = output_and_grads(in, ops::MlstmMode::Chunkwise, 32, ops::Impl::Fused, probe);
+        unsetenv("LINVIS_FORCE_SCALAR");
     }
-    for (size_t t = 0; t < simd.size(); ++t) EXPECT_LT(relative_error(simd[t], scalar[t]), 2e-6) << kNames[t];
+    for_each_simd_target([&](const SimdTarget&) {
+        auto simd = output_and_grads(in, ops::MlstmMode::Chunkwise, 32, ops::Impl::Fused, probe);
+        for (size_t t = 0; t < simd.size(); ++t) EXPECT_LT(relative_error(simd[t], scalar[t]), 2e-6) << kNames[t];
+    });
 }
 
 TEST(MlstmFused, Bfloat16) {

@@ -1,7 +1,7 @@
 // The fused CPU neighbourhood-attention kernel (src/ops/neighborhood_attention/cpu.cpp) against the reference
 // (gathers + softmax with autograd): outputs and the gradients of q, k and v, float32 and float64, clamped
 // windows at every border, windows covering a whole short axis, non-square grids, dv != d; with
-// LINVIS_FORCE_SCALAR=1 and without (the kernel has one portable path; both settings must agree).
+// every LINVIS_SIMD target (the kernel has one portable path; every setting must agree).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -9,6 +9,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/ops/neighborhood_attention.h"
+#include "support/simd_targets.h"
 #include "support/testing.h"
 
 namespace {
@@ -65,13 +66,8 @@ void run_all_cases() {
 
 TEST(NeighborhoodAttentionFused, MatchesReferenceForwardAndGradients) { run_all_cases(); }
 
-TEST(NeighborhoodAttentionFused, MatchesReferenceWithForcedScalar) {
-    const char* old = std::getenv("LINVIS_FORCE_SCALAR");
-    const std::string saved = old ? old : "";
-    setenv("LINVIS_FORCE_SCALAR", "1", 1);
-    run_all_cases();
-    if (old) setenv("LINVIS_FORCE_SCALAR", saved.c_str(), 1);
-    else unsetenv("LINVIS_FORCE_SCALAR");
+TEST(NeighborhoodAttentionFused, MatchesReferenceOnEveryTarget) {
+    linvis::testing::for_each_simd_target([](const linvis::testing::SimdTarget&) { run_all_cases(); });
 }
 
 TEST(NeighborhoodAttentionFused, Bfloat16ComputedInFloat32) {

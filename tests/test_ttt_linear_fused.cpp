@@ -13,6 +13,7 @@
 #include "linvis/core/runtime.h"
 #include "linvis/models/registry.h"
 #include "linvis/ops/ttt_linear.h"
+#include "support/simd_targets.h"
 #include "support/testing.h"
 
 using linvis::ops::Impl;
@@ -114,15 +115,9 @@ void expect_match(const RunResult& fused, const RunResult& ref, double rel_tol, 
                 worst_grad);
 }
 
-class ScopedForceScalar {
-public:
-    ScopedForceScalar() { setenv("LINVIS_FORCE_SCALAR", "1", 1); }
-    ~ScopedForceScalar() { unsetenv("LINVIS_FORCE_SCALAR"); }
-};
-
 }  // namespace
 
-// Float64 runs the portable path in double precision: the hand-derived adjoint equations must
+// Float64 runs in double precision on every SIMD target: the hand-derived adjoint equations must
 // reproduce autograd through the reference to rounding. Lengths that are and are not multiples
 // of b, causal and non-causal, several (B, nh), several checkpoint intervals.
 TEST(TttLinearFused, MatchesReferenceFloat64AllGradients) {
@@ -137,15 +132,17 @@ TEST(TttLinearFused, MatchesReferenceFloat64AllGradients) {
         TttInputs base = make_inputs(c.B, c.nh, c.T, c.d, c.b, 1000 + c.T + c.d);
         TttInputs in = base.to(torch::kFloat64, true);
         RunResult ref = run_with_grads(in, options(c.b, c.causal, Impl::Reference), 7);
-        RunResult fused = run_with_grads(in, options(c.b, c.causal, Impl::Fused, c.ckpt), 7);
-        expect_match(fused, ref, 1e-11, 1e-9, 1e-11,
-                     "f64 B" + std::to_string(c.B) + " nh" + std::to_string(c.nh) + " T" + std::to_string(c.T) +
-                         " d" + std::to_string(c.d) + " b" + std::to_string(c.b) + " ckpt" + std::to_string(c.ckpt) +
-                         (c.causal ? " causal" : " non-causal"));
+        linvis::testing::for_each_simd_target([&](const linvis::testing::SimdTarget& t) {
+            RunResult fused = run_with_grads(in, options(c.b, c.causal, Impl::Fused, c.ckpt), 7);
+            expect_match(fused, ref, 1e-11, 1e-9, 1e-11,
+                         std::string(t.env) + " f64 B" + std::to_string(c.B) + " nh" + std::to_string(c.nh) + " T" +
+                             std::to_string(c.T) + " d" + std::to_string(c.d) + " b" + std::to_string(c.b) +
+                             " ckpt" + std::to_string(c.ckpt) + (c.causal ? " causal" : " non-causal"));
+        });
     }
 }
 
-// Float32 at the model's sizes (d = 64, b = 16), on both SIMD paths.
+// Float32 at the model's sizes (d = 64, b = 16), on one SIMD target.
 void float32_cases(const char* path) {
     for (bool causal : {true, false}) {
         for (int64_t T : {64, 37}) {
@@ -156,21 +153,18 @@ void float32_cases(const char* path) {
                          std::string(path) + " f32 T" + std::to_string(T) + (causal ? " causal" : " non-causal"));
         }
     }
-    // Widths that are not multiples of the 16 lanes (masked tails): d = 24, b = 6, T = 21.
-    TttInputs base = make_inputs(1, 2, 21, 24, 6, 2100);
-    RunResult ref = run_with_grads(base.to(torch::kFloat64, true), options(6, true, Impl::Reference), 9);
-    RunResult fused = run_with_grads(base.to(torch::kFloat32, true), options(6, true, Impl::Fused, 2), 9);
-    expect_match(fused, ref, 1e-5, 1e-3, 1e-4, std::string(path) + " f32 d24 b6 T21");
+    // Widths that are not multiples of the 16, 8 or 4 lanes (masked tails): d = 24, b = 6, T = 21; d = 13.
+    for (int64_t d : {24, 13}) {
+        TttInputs base = make_inputs(1, 2, 21, d, 6, 2100 + d);
+        RunResult ref = run_with_grads(base.to(torch::kFloat64, true), options(6, true, Impl::Reference), 9);
+        RunResult fused = run_with_grads(base.to(torch::kFloat32, true), options(6, true, Impl::Fused, 2), 9);
+        expect_match(fused, ref, 1e-5, 1e-3, 1e-4, std::string(path) + " f32 d" + std::to_string(d) + " b6 T21");
+    }
 }
 
-TEST(TttLinearFused, MatchesReferenceFloat32Avx512) {
-    if (linvis::runtime::detect_simd() < linvis::runtime::SimdLevel::Avx512) GTEST_SKIP() << "no AVX-512 on this CPU";
-    float32_cases("avx512");
-}
-
-TEST(TttLinearFused, MatchesReferenceFloat32Scalar) {
-    ScopedForceScalar scalar;
-    float32_cases("scalar");
+// Every SIMD target this CPU runs (AVX-512, AVX2, scalar; LINVIS_SIMD, tests/support/simd_targets.h).
+TEST(TttLinearFused, MatchesReferenceFloat32EveryTarget) {
+    linvis::testing::for_each_simd_target([](const linvis::testing::SimdTarget& t) { float32_cases(t.env); });
 }
 
 // The float32 fused result is compared with the float64 reference above; it must also be as

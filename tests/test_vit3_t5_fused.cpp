@@ -1,10 +1,11 @@
 // Fused CPU ViT³ / T⁵ kernels (src/ops/vit3_ttt/cpu.cpp, src/ops/t5_ttt/cpu.cpp) against the reference ops: outputs and gradients with
-// respect to every input, float32 / bfloat16 / float64 (fallback), the portable (scalar) path, and
-// the models with impl=fused against impl=reference.
+// respect to every input, float32 / bfloat16 / float64 (fallback), on every SIMD target the CPU runs
+// (AVX-512, AVX2, scalar: LINVIS_SIMD, tests/support/simd_targets.h), and the models with impl=fused
+// against impl=reference.
 //
 // Tolerances. float32: relative L2 error <= 1e-4 and elementwise rtol 1e-3 / atol 1e-5 (scaled).
 // Both sides accumulate N-term float32 sums (the d x d inner gradients) in different orders
-// (blocked partial sums here, BLAS there) and the AVX-512 sigmoid is within ~2 ulp of ATen's, so
+// (blocked partial sums here, BLAS there) and Highway's sigmoid is within a few ulp of ATen's, so
 // per-element differences are ~1e-6 relative; the inner step divides by ||G|| + 1 and the read-out
 // multiplies three such factors, which leaves ~1e-5 relative at most in these tests.
 // bfloat16: the fused path computes in float32 and rounds once on output; compared with the
@@ -18,6 +19,7 @@
 #include "linvis/models/registry.h"
 #include "linvis/ops/t5_ttt.h"
 #include "linvis/ops/vit3_ttt.h"
+#include "support/simd_targets.h"
 #include "support/testing.h"
 
 namespace {
@@ -28,11 +30,8 @@ using linvis::testing::relative_error;
 
 constexpr double kF32RelTol = 1e-4;
 
-// Sets LINVIS_FORCE_SCALAR for the lifetime of the object.
-struct ForceScalar {
-    ForceScalar() { setenv("LINVIS_FORCE_SCALAR", "1", 1); }
-    ~ForceScalar() { unsetenv("LINVIS_FORCE_SCALAR"); }
-};
+using linvis::testing::for_each_simd_target;
+using linvis::testing::SimdTarget;
 
 // Runs f on leaf copies of `inputs` (requires_grad), back-propagates a fixed probe, returns
 // {output, grad_0, grad_1, ...}.
@@ -86,12 +85,16 @@ void check_swiglu(int64_t B, int64_t h, int64_t N, int64_t d, bool per_sample_w,
     expect_all_match(fused, ref, kF32RelTol, what);
 }
 
+// Every case on every SIMD target this CPU runs (AVX-512, AVX2, scalar).
 TEST(Vit3TttFused, SwigluBranchMatchesReference) {
-    torch::manual_seed(0);
-    check_swiglu(1, 1, 37, 8, false, "B1 h1 N37 d8");
-    check_swiglu(2, 3, 300, 16, false, "B2 h3 N300 d16");           // two token blocks, partial last
-    check_swiglu(2, 2, 512, 64, true, "B2 h2 N512 d64 per-sample W");  // exact blocks, d = tiny width
-    check_swiglu(1, 2, 257, 20, false, "B1 h2 N257 d20");            // d not a multiple of 16
+    for_each_simd_target([](const SimdTarget&) {
+        torch::manual_seed(0);
+        check_swiglu(1, 1, 37, 8, false, "B1 h1 N37 d8");
+        check_swiglu(2, 3, 300, 16, false, "B2 h3 N300 d16");           // two token blocks, partial last
+        check_swiglu(2, 2, 512, 64, true, "B2 h2 N512 d64 per-sample W");  // exact blocks, d = tiny width
+        check_swiglu(1, 2, 257, 20, false, "B1 h2 N257 d20");            // d not a multiple of 16 (or 8)
+        check_swiglu(1, 1, 70, 3, false, "B1 h1 N70 d3");                // d below every vector width
+    });
 }
 
 std::vector<Tensor> dwconv_inputs(int64_t B, int64_t d, int64_t H, int64_t W, torch::Dtype dtype = torch::kFloat32) {
@@ -114,19 +117,22 @@ void check_dwconv(int64_t B, int64_t d, int64_t H, int64_t W, const std::string&
 }
 
 TEST(Vit3TttFused, DwconvBranchMatchesReference) {
-    torch::manual_seed(1);
-    check_dwconv(1, 8, 5, 7, "B1 d8 5x7");
-    check_dwconv(2, 16, 20, 13, "B2 d16 20x13");
-    check_dwconv(2, 64, 17, 32, "B2 d64 17x32");
-    check_dwconv(1, 3, 1, 1, "1x1 grid");
-    // Contiguous (B, d, H, W) input (the non-channels-last layout is converted on entry).
-    torch::manual_seed(2);
-    std::vector<Tensor> x{torch::randn({2, 8, 9, 6}), torch::randn({2, 8, 9, 6}), torch::randn({2, 8, 9, 6}),
-                          0.3 * torch::randn({8, 1, 3, 3})};
-    Tensor probe = torch::randn({2, 8, 9, 6});
-    auto ref = run_with_grads(x, probe, [](const std::vector<Tensor>& l) { return dwconv(l, Impl::Reference); });
-    auto fused = run_with_grads(x, probe, [](const std::vector<Tensor>& l) { return dwconv(l, Impl::Fused); });
-    expect_all_match(fused, ref, kF32RelTol, "contiguous layout");
+    for_each_simd_target([](const SimdTarget&) {
+        torch::manual_seed(1);
+        check_dwconv(1, 8, 5, 7, "B1 d8 5x7");
+        check_dwconv(2, 16, 20, 13, "B2 d16 20x13");
+        check_dwconv(2, 64, 17, 32, "B2 d64 17x32");
+        check_dwconv(1, 3, 1, 1, "1x1 grid");
+        check_dwconv(2, 12, 11, 10, "B2 d12 11x10");
+        // Contiguous (B, d, H, W) input (the non-channels-last layout is converted on entry).
+        torch::manual_seed(2);
+        std::vector<Tensor> x{torch::randn({2, 8, 9, 6}), torch::randn({2, 8, 9, 6}), torch::randn({2, 8, 9, 6}),
+                              0.3 * torch::randn({8, 1, 3, 3})};
+        Tensor probe = torch::randn({2, 8, 9, 6});
+        auto ref = run_with_grads(x, probe, [](const std::vector<Tensor>& l) { return dwconv(l, Impl::Reference); });
+        auto fused = run_with_grads(x, probe, [](const std::vector<Tensor>& l) { return dwconv(l, Impl::Fused); });
+        expect_all_match(fused, ref, kF32RelTol, "contiguous layout");
+    });
 }
 
 Tensor mix(const std::vector<Tensor>& x, int64_t heads, int64_t H, int64_t W, const Tensor& rope, Impl impl) {
@@ -139,34 +145,40 @@ TEST(Vit3TttFused, MixMatchesReferenceWithAndWithoutRope) {
     std::vector<Tensor> x{torch::randn({B, H * W, 3 * C + 3 * d}), 0.3 * torch::randn({1, h, d, d}),
                           0.3 * torch::randn({1, h, d, d}), 0.3 * torch::randn({d, 1, 3, 3})};
     Tensor probe = torch::randn({B, H * W, C + d});
-    for (bool with_rope : {false, true}) {
-        Tensor rope = with_rope ? linvis::ops::vit3_rope_rotations(H, W, C) : Tensor();
-        auto ref = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) {
-            return mix(l, h, H, W, rope, Impl::Reference);
-        });
-        auto fused = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) {
-            return mix(l, h, H, W, rope, Impl::Fused);
-        });
-        expect_all_match(fused, ref, kF32RelTol, with_rope ? "mix with rope" : "mix");
-    }
+    for_each_simd_target([&](const SimdTarget&) {
+        for (bool with_rope : {false, true}) {
+            Tensor rope = with_rope ? linvis::ops::vit3_rope_rotations(H, W, C) : Tensor();
+            auto ref = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) {
+                return mix(l, h, H, W, rope, Impl::Reference);
+            });
+            auto fused = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) {
+                return mix(l, h, H, W, rope, Impl::Fused);
+            });
+            expect_all_match(fused, ref, kF32RelTol, with_rope ? "mix with rope" : "mix");
+        }
+    });
 }
 
-TEST(Vit3TttFused, ScalarPathMatchesReference) {
-    ForceScalar scalar;
-    torch::manual_seed(4);
-    check_swiglu(2, 2, 300, 24, false, "scalar swiglu");
-    check_dwconv(2, 12, 11, 10, "scalar dwconv");
-}
-
-TEST(Vit3TttFused, SimdAndScalarPathsAgree) {
+// Every vector target gives the scalar target's result to rounding (LINVIS_FORCE_SCALAR=1 is scalar too).
+TEST(Vit3TttFused, AllSimdTargetsAgreeWithScalar) {
     torch::manual_seed(5);
     auto x = swiglu_inputs(1, 2, 400, 64, false);
     auto c = dwconv_inputs(1, 64, 20, 20);
     torch::NoGradGuard no_grad;
-    Tensor simd = swiglu(x, Impl::Fused), simd_c = dwconv(c, Impl::Fused);
-    ForceScalar scalar;
-    EXPECT_LT(relative_error(swiglu(x, Impl::Fused), simd), 1e-5);
-    EXPECT_LT(relative_error(dwconv(c, Impl::Fused), simd_c), 1e-6);
+    Tensor scalar, scalar_c;
+    {
+        linvis::testing::ScopedSimd s({"scalar", linvis::ops::simd::Target::Scalar});
+        scalar = swiglu(x, Impl::Fused);
+        scalar_c = dwconv(c, Impl::Fused);
+    }
+    setenv("LINVIS_FORCE_SCALAR", "1", 1);
+    EXPECT_STREQ(linvis::ops::fused_kernel_target(), "scalar");
+    EXPECT_TRUE(torch::equal(swiglu(x, Impl::Fused), scalar));
+    unsetenv("LINVIS_FORCE_SCALAR");
+    for_each_simd_target([&](const SimdTarget&) {
+        EXPECT_LT(relative_error(swiglu(x, Impl::Fused), scalar), 1e-5);
+        EXPECT_LT(relative_error(dwconv(c, Impl::Fused), scalar_c), 1e-6);
+    });
 }
 
 TEST(Vit3TttFused, BFloat16ComputesInFloat32) {
@@ -328,12 +340,15 @@ void check_t5(const T5Case& c, const std::string& what) {
 }
 
 TEST(T5TttFused, AttentionMatchesReference) {
-    torch::manual_seed(10);
-    check_t5({1, 4, 5, 16, 2}, "B1 4x5 C16 h2");
-    check_t5({2, 17, 19, 48, 3}, "B2 17x19 C48 h3");  // N = 323: two token blocks
-    check_t5({1, 16, 32, 128, 2}, "B1 16x32 C128 h2");  // d = 64, N = 512 exact blocks
-    check_t5({2, 3, 1, 12, 1}, "3x1 grid, one head");
-    check_t5({1, 33, 40, 16, 2}, "B1 33x40 C16 h2");  // N = 1320: 6 blocks, two reduction groups
+    for_each_simd_target([](const SimdTarget&) {
+        torch::manual_seed(10);
+        check_t5({1, 4, 5, 16, 2}, "B1 4x5 C16 h2");
+        check_t5({2, 17, 19, 48, 3}, "B2 17x19 C48 h3");  // N = 323: two token blocks
+        check_t5({1, 16, 32, 128, 2}, "B1 16x32 C128 h2");  // d = 64, N = 512 exact blocks
+        check_t5({2, 3, 1, 12, 1}, "3x1 grid, one head");
+        check_t5({1, 33, 40, 16, 2}, "B1 33x40 C16 h2");  // N = 1320: 6 blocks, two reduction groups
+        check_t5({2, 11, 13, 24, 2}, "B2 11x13 C24 h2");  // d = 12
+    });
 }
 
 TEST(T5TttFused, QkvEntryMatchesReference) {
@@ -348,19 +363,15 @@ TEST(T5TttFused, QkvEntryMatchesReference) {
     };
     Tensor probe = torch::randn({c.B, c.H * c.W, c.C});
     auto ref = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) { return run(l, Impl::Reference); });
-    auto fused = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) { return run(l, Impl::Fused); });
-    expect_all_match(fused, ref, kF32RelTol, "qkv entry");
+    for_each_simd_target([&](const SimdTarget&) {
+        auto fused = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) { return run(l, Impl::Fused); });
+        expect_all_match(fused, ref, kF32RelTol, "qkv entry");
+    });
     auto bad = x;
     bad[0] = torch::randn({c.B, c.H * c.W, 3 * c.C - 1});  // not 3C wide
     EXPECT_THROW(run(bad, Impl::Fused), linvis::Error);
     bad[0] = torch::randn({c.B, c.H * c.W + 1, 3 * c.C});  // N != H*W
     EXPECT_THROW(run(bad, Impl::Fused), linvis::Error);
-}
-
-TEST(T5TttFused, ScalarPathMatchesReference) {
-    ForceScalar scalar;
-    torch::manual_seed(11);
-    check_t5({2, 11, 13, 24, 2}, "scalar");
 }
 
 TEST(T5TttFused, BFloat16ComputesInFloat32) {

@@ -1,10 +1,7 @@
 #include "linvis/ops/impl.h"
 
-#include <cstdlib>
-#include <cstring>
-
 #include "linvis/core/error.h"
-#include "linvis/core/runtime.h"
+#include "ops/simd/simd.h"
 
 namespace linvis::ops {
 
@@ -36,16 +33,6 @@ bool use_fused(Impl impl, const char* op, const std::string& unsupported, bool f
     return false;
 }
 
-bool fused_kernels_use_avx512() {
-    static const bool cpu_has_avx512 = [] {
-        const auto level = runtime::detect_simd();
-        return level == runtime::SimdLevel::Avx512 || level == runtime::SimdLevel::Avx512Bf16;
-    }();
-    const char* force = std::getenv("LINVIS_FORCE_SCALAR");
-    const bool forced_scalar = force != nullptr && *force != '\0' && std::strcmp(force, "0") != 0;
-    return cpu_has_avx512 && !forced_scalar;
-}
-
-const char* fused_kernel_isa() { return fused_kernels_use_avx512() ? "AVX-512" : "portable"; }
+const char* fused_kernel_target() { return simd::target_name(simd::active_target()); }
 
 }  // namespace linvis::ops

@@ -26,11 +26,10 @@ const char* impl_name(Impl impl);
 // when the fused kernel should run; throws for Impl::Fused on an unsupported input.
 bool use_fused(Impl impl, const char* op, const std::string& unsupported, bool fused_is_faster);
 
-// Whether the fused kernels run their AVX-512 code in this process: the CPU has AVX-512 (F, BW, VL,
-// DQ) and LINVIS_FORCE_SCALAR is unset or "0" (read on every call, so tests can switch paths).
-// Otherwise they run their portable loops.
-bool fused_kernels_use_avx512();
-// "AVX-512" or "portable", for reports.
-const char* fused_kernel_isa();
+// The instruction set the fused kernels run in this process, for reports: "AVX-512", "AVX2" or
+// "scalar" (portable code). The best this CPU supports unless LINVIS_SIMD=avx512|avx2|scalar asks for
+// a lower one (LINVIS_FORCE_SCALAR=1 is an alias of scalar); read on every call, so tests can switch
+// paths. docs/ops.md says how the kernels dispatch.
+const char* fused_kernel_target();
 
 }  // namespace linvis::ops

@@ -1,7 +1,7 @@
 // Fused CPU softmax attention, flash style (src/ops/attention/cpu.h): tile products are LibTorch matrix
 // products (OpenBLAS sgemm / dgemm on views of the inputs and of per-thread tiles); the row work between
-// them (row maxima, exponentials, sums, rescaling) is plain loops the compiler vectorises, compiled twice:
-// for AVX-512 and portable (LINVIS_FORCE_SCALAR=1 selects the portable one, ops::fused_kernels_use_avx512).
+// them (row maxima, exponentials, sums, rescaling) is plain loops the compiler vectorises, compiled for
+// every target of the SIMD layer (AVX-512, AVX2, scalar; ops/simd/simd.h, LINVIS_SIMD selects a lower one).
 //
 // Threads: the work is split over (sample*head, query block) in the forward and over (sample*head, key
 // segment) in the backward with at::parallel_for, and every tile product runs on the calling thread:
@@ -22,10 +22,9 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/runtime.h"
-#include "linvis/ops/impl.h"
+#include "ops/simd/simd.h"
 
-#define LINVIS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-#define LINVIS_INLINE inline __attribute__((always_inline))
+#define LINVIS_INLINE LINVIS_SIMD_INLINE
 
 namespace linvis::ops::cpu {
 namespace {
@@ -108,21 +107,50 @@ LINVIS_INLINE void backward_rows(T* s, T* dp, int64_t rows, int64_t n, int64_t l
     }
 }
 
+// The row loops for every SIMD target (templates, so LINVIS_SIMD_CLONES is written out) and the choice.
 template <typename T>
-void forward_rows_portable(T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o, int64_t dv) {
+void forward_rows_scalar(T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o, int64_t dv) {
     online_softmax_rows(s, rows, n, lds, m, l, o, dv);
 }
 template <typename T>
-LINVIS_AVX512 void forward_rows_avx512(T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o, int64_t dv) {
+LINVIS_SIMD_ATTR_AVX2 void forward_rows_avx2(T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o,
+                                             int64_t dv) {
     online_softmax_rows(s, rows, n, lds, m, l, o, dv);
 }
 template <typename T>
-void backward_rows_portable(T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse, const T* D) {
+LINVIS_SIMD_ATTR_AVX512 void forward_rows_avx512(T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o,
+                                                 int64_t dv) {
+    online_softmax_rows(s, rows, n, lds, m, l, o, dv);
+}
+template <typename T>
+void forward_rows(simd::Target t, T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o, int64_t dv) {
+    switch (t) {
+        case simd::Target::Avx512: forward_rows_avx512<T>(s, rows, n, lds, m, l, o, dv); break;
+        case simd::Target::Avx2: forward_rows_avx2<T>(s, rows, n, lds, m, l, o, dv); break;
+        default: forward_rows_scalar<T>(s, rows, n, lds, m, l, o, dv); break;
+    }
+}
+template <typename T>
+void backward_rows_scalar(T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse, const T* D) {
     backward_rows(s, dp, rows, n, ld, lse, D);
 }
 template <typename T>
-LINVIS_AVX512 void backward_rows_avx512(T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse, const T* D) {
+LINVIS_SIMD_ATTR_AVX2 void backward_rows_avx2(T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse,
+                                              const T* D) {
     backward_rows(s, dp, rows, n, ld, lse, D);
+}
+template <typename T>
+LINVIS_SIMD_ATTR_AVX512 void backward_rows_avx512(T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse,
+                                                  const T* D) {
+    backward_rows(s, dp, rows, n, ld, lse, D);
+}
+template <typename T>
+void backward_rows_target(simd::Target t, T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse, const T* D) {
+    switch (t) {
+        case simd::Target::Avx512: backward_rows_avx512<T>(s, dp, rows, n, ld, lse, D); break;
+        case simd::Target::Avx2: backward_rows_avx2<T>(s, dp, rows, n, ld, lse, D); break;
+        default: backward_rows_scalar<T>(s, dp, rows, n, ld, lse, D); break;
+    }
 }
 
 // OpenBLAS at one thread while a parallel kernel runs (see the file comment); a no-op when LibTorch runs
@@ -154,7 +182,7 @@ void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
              const torch::Tensor& out, const torch::Tensor& lse) {
     const int64_t BH = q.size(0), N = q.size(1), M = k.size(1), dv = v.size(2);
     const int64_t blocks = ceil_div(N, kForwardQueries);
-    const bool avx512 = fused_kernels_use_avx512();
+    const simd::Target target = simd::active_target();
     const auto opts = q.options();
     BlasThreadsGuard blas_guard;
     at::parallel_for(0, BH * blocks, 1, [&](int64_t begin, int64_t end) {
@@ -178,10 +206,7 @@ void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
                 s.addmm_(qi, kb.narrow(0, j0, cols).t(), /*beta=*/0, /*alpha=*/scale);
                 T* sp = tile.data_ptr<T>();
                 T* op = acc.data_ptr<T>();
-                if (avx512)
-                    forward_rows_avx512<T>(sp, rows, cols, kForwardKeys, m.data(), l.data(), op, dv);
-                else
-                    forward_rows_portable<T>(sp, rows, cols, kForwardKeys, m.data(), l.data(), op, dv);
+                forward_rows<T>(target, sp, rows, cols, kForwardKeys, m.data(), l.data(), op, dv);
                 o.addmm_(s, vb.narrow(0, j0, cols));
             }
             T* dst = out.data_ptr<T>() + (bh * N + i0) * dv;
@@ -212,7 +237,7 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
     const int64_t BH = q.size(0), N = q.size(1), M = k.size(1);
     const int64_t key_blocks = ceil_div(M, kBackwardKeys);
     const int64_t segments = std::min(key_blocks, std::max<int64_t>(1, ceil_div(kBackwardMinTasks, BH)));
-    const bool avx512 = fused_kernels_use_avx512();
+    const simd::Target target = simd::active_target();
     const auto opts = q.options();
     const torch::Tensor D = (dout * out).sum(-1);  // (BH, N)
     // dQ parts (BH, segments, N, d), or dq itself.
@@ -246,12 +271,8 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
                         torch::Tensor dp = dp_tile.narrow(0, 0, rows).narrow(1, 0, cols);
                         s.addmm_(qi, kj.t(), /*beta=*/0, /*alpha=*/scale);
                         dp.addmm_(gi, vj.t(), /*beta=*/0, /*alpha=*/1);
-                        if (avx512)
-                            backward_rows_avx512<T>(s_tile.data_ptr<T>(), dp_tile.data_ptr<T>(), rows, cols,
-                                                    kBackwardKeys, lse_b + i0, D_b + i0);
-                        else
-                            backward_rows_portable<T>(s_tile.data_ptr<T>(), dp_tile.data_ptr<T>(), rows, cols,
-                                                      kBackwardKeys, lse_b + i0, D_b + i0);
+                        backward_rows_target<T>(target, s_tile.data_ptr<T>(), dp_tile.data_ptr<T>(), rows, cols,
+                                                kBackwardKeys, lse_b + i0, D_b + i0);
                         dvj.addmm_(s.t(), gi);                                // dV += P^T dO
                         dkj.addmm_(dp.t(), qi, /*beta=*/1, /*alpha=*/scale);  // dK += scale dS^T Q
                         dqb.narrow(0, i0, rows).addmm_(dp, kj, /*beta=*/1, /*alpha=*/scale);  // dQ += scale dS K

@@ -15,11 +15,10 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
-#include "linvis/ops/impl.h"
+#include "ops/simd/simd.h"
 
 namespace linvis::ops::cpu {
 namespace {
@@ -27,121 +26,17 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Small dense products. C (M x N, row stride ldc) = [C +] A (M x K) * B (K x N).
 // A's element (i, p) is A[i * ars + p * acs] (so a transposed A is just other strides); B is
-// row-major with row stride ldb. Shapes here are chunk-sized (<= ~128), so no packing.
-
-template <typename T>
-void gemm_scalar(int64_t M, int64_t N, int64_t K, const T* A, int64_t ars, int64_t acs, const T* B, int64_t ldb,
-                 T* C, int64_t ldc, bool accumulate) {
-    for (int64_t i = 0; i < M; ++i) {
-        T* c = C + i * ldc;
-        if (!accumulate) std::fill(c, c + N, T(0));
-        for (int64_t p = 0; p < K; ++p) {
-            const T a = A[i * ars + p * acs];
-            const T* b = B + p * ldb;
-            for (int64_t j = 0; j < N; ++j) c[j] += a * b[j];
-        }
-    }
-}
-
-#define LINVIS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-
-// R rows x 16 NV columns register tile (R NV accumulators); masks handle a narrower column tail.
-template <int R, int NV>
-LINVIS_AVX512 inline void tile_avx512(int64_t K, const float* A, int64_t ars, int64_t acs, const float* B,
-                                      int64_t ldb, float* C, int64_t ldc, bool accumulate, __mmask16 m0,
-                                      __mmask16 m1) {
-    const __mmask16 mask[2] = {m0, m1};
-    __m512 acc[R][NV];
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < NV; ++c)
-            acc[r][c] = accumulate ? _mm512_maskz_loadu_ps(mask[c], C + r * ldc + 16 * c) : _mm512_setzero_ps();
-    for (int64_t p = 0; p < K; ++p) {
-        __m512 b[NV];
-        for (int c = 0; c < NV; ++c) b[c] = _mm512_maskz_loadu_ps(mask[c], B + p * ldb + 16 * c);
-        const float* a = A + p * acs;
-        for (int r = 0; r < R; ++r) {
-            const __m512 ar = _mm512_set1_ps(a[r * ars]);
-            for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(ar, b[c], acc[r][c]);
-        }
-    }
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < NV; ++c) _mm512_mask_storeu_ps(C + r * ldc + 16 * c, mask[c], acc[r][c]);
-}
-
-// The 8-row tiles written out with named accumulators: with an array GCC 12 keeps the
-// accumulators in memory and stores all of them every iteration (seen in the disassembly).
-#define LINVIS_ACC_INIT(r)                                                                            \
-    __m512 c##r##0 = accumulate ? _mm512_maskz_loadu_ps(m0, C + r * ldc) : _mm512_setzero_ps();       \
-    __m512 c##r##1 = NV == 2 && accumulate ? _mm512_maskz_loadu_ps(m1, C + r * ldc + 16) : _mm512_setzero_ps();
-#define LINVIS_ACC_FMA(r)                                                                             \
-    {                                                                                                 \
-        const __m512 ar = _mm512_set1_ps(a[r * ars]);                                                 \
-        c##r##0 = _mm512_fmadd_ps(ar, b0, c##r##0);                                                   \
-        if (NV == 2) c##r##1 = _mm512_fmadd_ps(ar, b1, c##r##1);                                      \
-    }
-#define LINVIS_ACC_STORE(r)                                                                           \
-    _mm512_mask_storeu_ps(C + r * ldc, m0, c##r##0);                                                  \
-    if (NV == 2) _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c##r##1);
-
-template <int NV>
-LINVIS_AVX512 inline void tile8_avx512(int64_t K, const float* A, int64_t ars, int64_t acs, const float* B,
-                                       int64_t ldb, float* C, int64_t ldc, bool accumulate, __mmask16 m0,
-                                       __mmask16 m1) {
-    LINVIS_ACC_INIT(0) LINVIS_ACC_INIT(1) LINVIS_ACC_INIT(2) LINVIS_ACC_INIT(3)
-    LINVIS_ACC_INIT(4) LINVIS_ACC_INIT(5) LINVIS_ACC_INIT(6) LINVIS_ACC_INIT(7)
-    for (int64_t p = 0; p < K; ++p) {
-        const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + p * ldb);
-        const __m512 b1 = NV == 2 ? _mm512_maskz_loadu_ps(m1, B + p * ldb + 16) : _mm512_setzero_ps();
-        const float* a = A + p * acs;
-        LINVIS_ACC_FMA(0) LINVIS_ACC_FMA(1) LINVIS_ACC_FMA(2) LINVIS_ACC_FMA(3)
-        LINVIS_ACC_FMA(4) LINVIS_ACC_FMA(5) LINVIS_ACC_FMA(6) LINVIS_ACC_FMA(7)
-    }
-    LINVIS_ACC_STORE(0) LINVIS_ACC_STORE(1) LINVIS_ACC_STORE(2) LINVIS_ACC_STORE(3)
-    LINVIS_ACC_STORE(4) LINVIS_ACC_STORE(5) LINVIS_ACC_STORE(6) LINVIS_ACC_STORE(7)
-}
-#undef LINVIS_ACC_INIT
-#undef LINVIS_ACC_FMA
-#undef LINVIS_ACC_STORE
-
-template <int NV>
-LINVIS_AVX512 void rows_avx512(int64_t M, int64_t K, const float* A, int64_t ars, int64_t acs, const float* B,
-                               int64_t ldb, float* C, int64_t ldc, bool accumulate, __mmask16 m0, __mmask16 m1) {
-    int64_t i = 0;
-    for (; i + 8 <= M; i += 8)
-        tile8_avx512<NV>(K, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, accumulate, m0, m1);
-    for (; i + 4 <= M; i += 4)
-        tile_avx512<4, NV>(K, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, accumulate, m0, m1);
-    for (; i < M; ++i) tile_avx512<1, NV>(K, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, accumulate, m0, m1);
-}
-
-LINVIS_AVX512 void gemm_avx512(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int64_t acs,
-                               const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-    for (int64_t j0 = 0; j0 < N; j0 += 32) {
-        const int64_t nj = std::min<int64_t>(32, N - j0);
-        const __mmask16 m0 = nj >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nj) - 1u);
-        const __mmask16 m1 = nj >= 32 ? __mmask16(0xFFFF) : nj > 16 ? __mmask16((1u << (nj - 16)) - 1u) : __mmask16(0);
-        if (nj > 16)
-            rows_avx512<2>(M, K, A, ars, acs, B + j0, ldb, C + j0, ldc, accumulate, m0, m1);
-        else
-            rows_avx512<1>(M, K, A, ars, acs, B + j0, ldb, C + j0, ldc, accumulate, m0, m1);
-    }
-}
-
-// Dispatch: float on an AVX-512 CPU uses the tiles, everything else the portable loops.
+// row-major with row stride ldb. Shapes here are chunk-sized (<= ~128), so no packing: the SIMD
+// layer's register-blocked GEMM (ops/simd) of the target chosen once per op call.
 struct Gemm {
-    bool simd = false;
+    const simd::Kernels* k = nullptr;
     void operator()(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int64_t acs, const float* B,
                     int64_t ldb, float* C, int64_t ldc, bool accumulate) const {
-        if (M <= 0 || N <= 0) return;
-        if (simd)
-            gemm_avx512(M, N, K, A, ars, acs, B, ldb, C, ldc, accumulate);
-        else
-            gemm_scalar(M, N, K, A, ars, acs, B, ldb, C, ldc, accumulate);
+        k->gemm(M, N, K, A, ars, acs, B, ldb, C, ldc, accumulate);
     }
     void operator()(int64_t M, int64_t N, int64_t K, const double* A, int64_t ars, int64_t acs, const double* B,
                     int64_t ldb, double* C, int64_t ldc, bool accumulate) const {
-        if (M <= 0 || N <= 0) return;
-        gemm_scalar(M, N, K, A, ars, acs, B, ldb, C, ldc, accumulate);
+        k->gemm_f64(M, N, K, A, ars, acs, B, ldb, C, ldc, accumulate);
     }
 };
 
@@ -531,7 +426,7 @@ struct Prepared {
 };
 
 template <typename T>
-Head<T> make_head(const Prepared& in, int64_t bh, int64_t L, double eps, bool simd) {
+Head<T> make_head(const Prepared& in, int64_t bh, int64_t L, double eps, const simd::Kernels* kern) {
     const int64_t S = in.q.size(2), DH = in.q.size(3), DV = in.v.size(3);
     Head<T> P;
     P.q = in.q.data_ptr<T>() + bh * S * DH;
@@ -544,11 +439,9 @@ Head<T> make_head(const Prepared& in, int64_t bh, int64_t L, double eps, bool si
     P.DV = DV;
     P.L = L;
     P.eps = static_cast<T>(eps);
-    P.gemm.simd = simd;
+    P.gemm.k = kern;
     return P;
 }
-
-bool simd_enabled() { return fused_kernels_use_avx512(); }
 
 // Forward multiply-adds, counted exactly as the reference chunkwise form counts its products (over
 // NC = ceil(S / L) zero-padded chunks: intra-chunk L x L scores and read-out, the inter-chunk state
@@ -565,12 +458,12 @@ torch::Tensor forward_impl(const Prepared& in, int64_t L, double eps) {
     const int64_t B = in.q.size(0), NH = in.q.size(1), S = in.q.size(2), DV = in.v.size(3);
     torch::Tensor h = torch::empty({B, NH, S, DV}, in.q.options());
     if (S == 0 || B * NH == 0) return h;
-    const bool simd = simd_enabled();
+    const simd::Kernels* kern = &simd::kernels();
     AT_DISPATCH_FLOATING_TYPES(in.q.scalar_type(), "mlstm_fused_forward", [&] {
         scalar_t* out = h.data_ptr<scalar_t>();
         at::parallel_for(0, B * NH, 1, [&](int64_t begin, int64_t end) {
             for (int64_t bh = begin; bh < end; ++bh)
-                forward_head(make_head<scalar_t>(in, bh, L, eps, simd), out + bh * S * DV);
+                forward_head(make_head<scalar_t>(in, bh, L, eps, kern), out + bh * S * DV);
         });
     });
     count_flops(B, NH, S, in.q.size(3), DV, L);
@@ -583,11 +476,11 @@ std::vector<torch::Tensor> backward_impl(const Prepared& in, const torch::Tensor
     torch::Tensor dq = torch::empty_like(in.q), dk = torch::empty_like(in.k), dv = torch::empty_like(in.v);
     torch::Tensor dig = torch::empty_like(in.ig), dfg = torch::empty_like(in.fg);
     if (S == 0 || B * NH == 0) return {dq, dk, dv, dig, dfg};
-    const bool simd = simd_enabled();
+    const simd::Kernels* kern = &simd::kernels();
     AT_DISPATCH_FLOATING_TYPES(in.q.scalar_type(), "mlstm_fused_backward", [&] {
         at::parallel_for(0, B * NH, 1, [&](int64_t begin, int64_t end) {
             for (int64_t bh = begin; bh < end; ++bh)
-                backward_head(make_head<scalar_t>(in, bh, L, eps, simd), dh.data_ptr<scalar_t>() + bh * S * DV,
+                backward_head(make_head<scalar_t>(in, bh, L, eps, kern), dh.data_ptr<scalar_t>() + bh * S * DV,
                               dq.data_ptr<scalar_t>() + bh * S * DH, dk.data_ptr<scalar_t>() + bh * S * DH,
                               dv.data_ptr<scalar_t>() + bh * S * DV, dig.data_ptr<scalar_t>() + bh * S,
                               dfg.data_ptr<scalar_t>() + bh * S);
@@ -627,10 +520,8 @@ torch::Tensor gate_vector(const torch::Tensor& gate, const torch::Tensor& q, con
 
 }  // namespace
 
-bool mlstm_fused_uses_avx512() { return simd_enabled(); }
-
 double mlstm_fused_gemm_gflops(int64_t L, int64_t DH, int64_t DV, double seconds) {
-    const Gemm gemm{simd_enabled()};
+    const Gemm gemm{&simd::kernels()};
     const int64_t D = std::max(DH, DV);
     std::vector<float> A(L * D, 0.5f), B(D * D, 0.25f), Bt(D * L, 0.25f), C(std::max(L, D) * D, 0.f);
     double macs = 0;

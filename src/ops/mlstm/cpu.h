@@ -13,14 +13,11 @@ namespace linvis::ops::cpu {
 // v (B, NH, S, DHV), gates (B, NH, S, 1) or (B, NH, S). Autograd-capable (a custom
 // torch::autograd::Function that saves only its inputs and recomputes the chunk states in
 // backward). float32 / float64 compute in their own dtype, bfloat16 / float16 in float32.
-// The AVX-512 inner products are used when the CPU has AVX-512 and the environment variable
-// LINVIS_FORCE_SCALAR is unset or "0"; otherwise portable scalar loops.
+// The inner products are the SIMD layer's GEMM (ops/simd/simd.h) for the target
+// ops::fused_kernel_target() names (LINVIS_SIMD / LINVIS_FORCE_SCALAR lower it).
 torch::Tensor mlstm_chunkwise_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                     const torch::Tensor& igate_preact, const torch::Tensor& fgate_preact,
                                     int64_t chunk_size, double eps);
-
-// True when the next call would take the AVX-512 path (CPU support and no LINVIS_FORCE_SCALAR).
-bool mlstm_fused_uses_avx512();
 
 // Rate (GFLOP/s, 2 per multiply-add) of this kernel's own small products on the chunk shapes of
 // the forward (L x L x DHQK, L x DHQK x DHV, L x L x DHV, DHQK x L x DHV), on the calling thread,

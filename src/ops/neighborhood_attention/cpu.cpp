@@ -1,7 +1,7 @@
 // Fused CPU 2-D neighbourhood attention: per query, the Ky*Kx logits, their softmax and the weighted
 // sum of the values in one pass over the window, without materialising the gathered (N, K*K, d)
 // neighbour tensors of the reference. One portable code path (plain loops the compiler vectorises);
-// there is no ISA-specific code, so LINVIS_FORCE_SCALAR does not change it.
+// there is no ISA-specific code, so LINVIS_SIMD / LINVIS_FORCE_SCALAR do not change it.
 #include "ops/neighborhood_attention/cpu.h"
 
 #include <ATen/Dispatch.h>

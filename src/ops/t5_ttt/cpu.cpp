@@ -179,9 +179,9 @@ HeadWeights head_weights(const Tensor& w1, const Tensor& w2, const Tensor& w3, i
     return hw;
 }
 
-// ---- elementwise bodies (compiled portable and AVX-512, see LINVIS_FUSED_DUAL)
+// ---- elementwise bodies (compiled for every SIMD target, see LINVIS_SIMD_CLONES)
 
-LINVIS_FUSED_INLINE void inner_elementwise1_body(int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc,
+LINVIS_SIMD_INLINE void inner_elementwise1_body(int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc,
                                                  const float* __restrict z1, const float* __restrict z2,
                                                  const float* __restrict sg, float* __restrict e,
                                                  float* __restrict a2) {
@@ -194,11 +194,11 @@ LINVIS_FUSED_INLINE void inner_elementwise1_body(int64_t T, int64_t d, const flo
         }
     }
 }
-LINVIS_FUSED_DUAL(inner_elementwise1, (int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc,
+LINVIS_SIMD_CLONES(inner_elementwise1, (int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc,
                                        const float* z1, const float* z2, const float* sg, float* e, float* a2),
                   (T, d, v, ldv, n, sc, z1, z2, sg, e, a2))
 
-LINVIS_FUSED_INLINE void inner_elementwise2_body(int64_t count, const float* __restrict z1,
+LINVIS_SIMD_INLINE void inner_elementwise2_body(int64_t count, const float* __restrict z1,
                                                  const float* __restrict z2, const float* __restrict sg,
                                                  const float* __restrict da2, float* __restrict p1,
                                                  float* __restrict p2) {
@@ -208,19 +208,19 @@ LINVIS_FUSED_INLINE void inner_elementwise2_body(int64_t count, const float* __r
         p2[i] = da2[i] * (z * sig);
     }
 }
-LINVIS_FUSED_DUAL(inner_elementwise2, (int64_t count, const float* z1, const float* z2, const float* sg,
+LINVIS_SIMD_CLONES(inner_elementwise2, (int64_t count, const float* z1, const float* z2, const float* sg,
                                        const float* da2, float* p1, float* p2),
                   (count, z1, z2, sg, da2, p1, p2))
 
 // h = silu(y1) * y2 with silu(y) = y * sigmoid(y).
-LINVIS_FUSED_INLINE void gate_body(int64_t count, const float* __restrict y1, const float* __restrict y2,
+LINVIS_SIMD_INLINE void gate_body(int64_t count, const float* __restrict y1, const float* __restrict y2,
                                    const float* __restrict sg, float* __restrict h) {
     for (int64_t i = 0; i < count; ++i) h[i] = (y1[i] * sg[i]) * y2[i];
 }
-LINVIS_FUSED_DUAL(gate, (int64_t count, const float* y1, const float* y2, const float* sg, float* h),
+LINVIS_SIMD_CLONES(gate, (int64_t count, const float* y1, const float* y2, const float* sg, float* h),
                   (count, y1, y2, sg, h))
 
-LINVIS_FUSED_INLINE void gate_backward_body(int64_t count, const float* __restrict y1, const float* __restrict y2,
+LINVIS_SIMD_INLINE void gate_backward_body(int64_t count, const float* __restrict y1, const float* __restrict y2,
                                             const float* __restrict sg, float* __restrict dh,
                                             float* __restrict dy2) {
     for (int64_t i = 0; i < count; ++i) {
@@ -229,11 +229,11 @@ LINVIS_FUSED_INLINE void gate_backward_body(int64_t count, const float* __restri
         dh[i] = dh[i] * y2[i] * (sig * (1.0f + z * (1.0f - sig)));  // becomes dy1
     }
 }
-LINVIS_FUSED_DUAL(gate_backward, (int64_t count, const float* y1, const float* y2, const float* sg, float* dh,
+LINVIS_SIMD_CLONES(gate_backward, (int64_t count, const float* y1, const float* y2, const float* sg, float* dh,
                                   float* dy2),
                   (count, y1, y2, sg, dh, dy2))
 
-LINVIS_FUSED_INLINE void inner_backward_body(int64_t count, const float* __restrict z1, const float* __restrict z2,
+LINVIS_SIMD_INLINE void inner_backward_body(int64_t count, const float* __restrict z1, const float* __restrict z2,
                                              const float* __restrict sg, const float* __restrict da2f,
                                              const float* __restrict dp1, const float* __restrict dp2,
                                              const float* __restrict da2, float* __restrict dda2,
@@ -248,19 +248,19 @@ LINVIS_FUSED_INLINE void inner_backward_body(int64_t count, const float* __restr
         dz1[i] = da1 * D1 + dp1[i] * da2f[i] * z2[i] * D1p;
     }
 }
-LINVIS_FUSED_DUAL(inner_backward, (int64_t count, const float* z1, const float* z2, const float* sg,
+LINVIS_SIMD_CLONES(inner_backward, (int64_t count, const float* z1, const float* z2, const float* sg,
                                    const float* da2f, const float* dp1, const float* dp2, const float* da2,
                                    float* dda2, float* dz1, float* dz2),
                   (count, z1, z2, sg, da2f, dp1, dp2, da2, dda2, dz1, dz2))
 
-LINVIS_FUSED_INLINE void scale_rows_body(int64_t T, int64_t d, const float* __restrict src, float factor, float* dst,
+LINVIS_SIMD_INLINE void scale_rows_body(int64_t T, int64_t d, const float* __restrict src, float factor, float* dst,
                                          int64_t ldd) {
     for (int64_t t = 0; t < T; ++t) {
         float* __restrict o = dst + t * ldd;
         for (int64_t j = 0; j < d; ++j) o[j] = src[t * d + j] * factor;
     }
 }
-LINVIS_FUSED_DUAL(scale_rows, (int64_t T, int64_t d, const float* src, float factor, float* dst, int64_t ldd),
+LINVIS_SIMD_CLONES(scale_rows, (int64_t T, int64_t d, const float* src, float factor, float* dst, int64_t ldd),
                   (T, d, src, factor, dst, ldd))
 
 // The inner forward + loss gradient for one token block of head hh of sample b.

@@ -7,6 +7,7 @@
 #include "linvis/core/error.h"
 #include "ops/t5_ttt/checks.h"
 #include "ops/t5_ttt/reference.h"
+#include "ops/simd/simd.h"
 #include "ops/ttt_swiglu_cpu/entry_points.h"
 
 namespace linvis::ops {
@@ -22,7 +23,7 @@ torch::Tensor t5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k, c
     check_shape(op, "w1", p.w1, {1, s.h, s.d, s.d});
     check_shape(op, "w2", p.w2, {1, s.h, s.d, s.d});
     check_shape(op, "w3", p.w3, {1, s.h, s.d, s.d});
-    if (use_fused(impl, op, fused_detail::fused_unsupported(q), fused_kernels_use_avx512())) {
+    if (use_fused(impl, op, fused_detail::fused_unsupported(q), simd::vectorised())) {
         for (const auto* w : {&p.q_conv_weight, &p.k_conv_weight}) check_shape(op, "conv weight", *w, {s.C, 1, 3, 3});
         for (const auto* b : {&p.q_conv_bias, &p.k_conv_bias}) check_shape(op, "conv bias", *b, {s.C});
         return fused_detail::t5_ttt_attention_fused(q, k, v, p, num_heads, height, width);
@@ -36,7 +37,7 @@ torch::Tensor t5_ttt_attention_qkv(const torch::Tensor& qkv, const T5TttParams& 
                  "t5_ttt_attention_qkv: qkv: expected (B, N, 3C), got ",
                  qkv.defined() ? shape_string(qkv.sizes()) : std::string("undefined"));
     std::vector<torch::Tensor> c = qkv.chunk(3, -1);
-    if (!use_fused(impl, "t5_ttt_attention_qkv", fused_detail::fused_unsupported(qkv), fused_kernels_use_avx512()))
+    if (!use_fused(impl, "t5_ttt_attention_qkv", fused_detail::fused_unsupported(qkv), simd::vectorised()))
         return t5_ttt_attention(c[0], c[1], c[2], p, num_heads, height, width, Impl::Reference);
     // Same checks as t5_ttt_attention.
     const char* op = "t5_ttt_attention_qkv";

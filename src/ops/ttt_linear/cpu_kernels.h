@@ -1,10 +1,8 @@
 // Body of the fused TTT-Linear scan (docs/perf_ttt_linear.md). Deliberately without an include
-// guard: cpu.cpp includes it twice, once in namespace avx512 with
-// LINVIS_TTT_KATTR = __attribute__((target("avx512f,..."))) and a 16-lane float vector type, once
-// in namespace portable with LINVIS_TTT_KATTR empty and a 1-lane vector (float or double). Every
-// function is a template on the vector type V (V::T is the compute type, V::W its lane count),
-// so the same source is compiled for both instruction sets and no lambda (which would not
-// inherit the target attribute) appears in it.
+// guard: cpu.cpp includes it once per SIMD target (Highway's foreach_target, see ops/simd/simd.h)
+// inside linvis::ops::cpu::HWY_NAMESPACE, where V is the SIMD layer's vector type
+// simd::HWY_NAMESPACE::Vec<T> (float, or double for float64). Every function is a template on V
+// (V::T is the compute type, V::W its lane count), so the same source is compiled for every target.
 //
 // V provides: T, W, Mask, mask(n) (first n lanes), load(p, mask) (masked lanes read 0),
 // store(p, mask), set1(x), zero(), keep(mask, v) (zero outside mask), fma(a, b, c) = a*b + c,
@@ -12,97 +10,20 @@
 
 // ---------------------------------------------------------------- small dense products
 
-// C[MR x NV*W] += A(MR x Kc) B(Kc x NV*W); A(i, k) = A[i*ars + k*acs], B and C row-major.
-// The last vector of a row holds `tail` valid columns. The accumulators are named variables
-// (an array of them is spilled to the stack by GCC), expanded by the macros below.
-#define LINVIS_TTT_ROWS(X, v) X(0, v) X(1, v) X(2, v) X(3, v)
-#define LINVIS_TTT_ALL(X) LINVIS_TTT_ROWS(X, 0) LINVIS_TTT_ROWS(X, 1) LINVIS_TTT_ROWS(X, 2) LINVIS_TTT_ROWS(X, 3)
-// Where the accumulators start: C itself (C += A B), zero (C = A B), or one row broadcast to
-// every row (C = row + A B, the bias rows of K W + b without materialising them).
-enum class GemmInit { Accumulate, Zero, Row };
+using simd::GemmInit;
 
-template <class V, int MR, int NV>
-LINVIS_TTT_KATTR inline void gemm_tile(int64_t Kc, const typename V::T* A, int64_t ars, int64_t acs,
-                                       const typename V::T* B, int64_t ldb, typename V::T* C, int64_t ldc,
-                                       int tail, GemmInit init, const typename V::T* row) {
-    const typename V::Mask m0 = V::mask(NV == 1 ? tail : V::W), m1 = V::mask(NV == 2 ? tail : V::W),
-                           m2 = V::mask(NV == 3 ? tail : V::W), m3 = V::mask(NV == 4 ? tail : V::W);
-    V b0 = V::zero(), b1 = V::zero(), b2 = V::zero(), b3 = V::zero();
-#define LINVIS_TTT_DECL(r, v)                                                                  \
-    V c##r##v = V::zero();                                                                     \
-    if constexpr (MR > r && NV > v) {                                                          \
-        if (init == GemmInit::Accumulate) c##r##v = V::load(C + r * ldc + v * V::W, m##v);    \
-        else if (init == GemmInit::Row) c##r##v = V::load(row + v * V::W, m##v);              \
-    }
-    LINVIS_TTT_ALL(LINVIS_TTT_DECL)
-#undef LINVIS_TTT_DECL
-    for (int64_t k = 0; k < Kc; ++k) {
-        const typename V::T* Bk = B + k * ldb;
-        b0 = V::load(Bk, m0);
-        if constexpr (NV > 1) b1 = V::load(Bk + V::W, m1);
-        if constexpr (NV > 2) b2 = V::load(Bk + 2 * V::W, m2);
-        if constexpr (NV > 3) b3 = V::load(Bk + 3 * V::W, m3);
-#define LINVIS_TTT_ROW(r)                                                  \
-        if constexpr (MR > r) {                                            \
-            const V a = V::set1(A[r * ars + k * acs]);                     \
-            c##r##0 = V::fma(a, b0, c##r##0);                              \
-            if constexpr (NV > 1) c##r##1 = V::fma(a, b1, c##r##1);        \
-            if constexpr (NV > 2) c##r##2 = V::fma(a, b2, c##r##2);        \
-            if constexpr (NV > 3) c##r##3 = V::fma(a, b3, c##r##3);        \
-        }
-        LINVIS_TTT_ROW(0)
-        LINVIS_TTT_ROW(1)
-        LINVIS_TTT_ROW(2)
-        LINVIS_TTT_ROW(3)
-#undef LINVIS_TTT_ROW
-    }
-#define LINVIS_TTT_STORE(r, v) \
-    if constexpr (MR > r && NV > v) c##r##v.store(C + r * ldc + v * V::W, m##v);
-    LINVIS_TTT_ALL(LINVIS_TTT_STORE)
-#undef LINVIS_TTT_STORE
-}
-#undef LINVIS_TTT_ALL
-#undef LINVIS_TTT_ROWS
-
-template <class V, int MR>
-LINVIS_TTT_KATTR inline void gemm_rows(int nv, int64_t Kc, const typename V::T* A, int64_t ars, int64_t acs,
-                                       const typename V::T* B, int64_t ldb, typename V::T* C, int64_t ldc,
-                                       int tail, GemmInit init, const typename V::T* row) {
-    switch (nv) {
-        case 1: gemm_tile<V, MR, 1>(Kc, A, ars, acs, B, ldb, C, ldc, tail, init, row); break;
-        case 2: gemm_tile<V, MR, 2>(Kc, A, ars, acs, B, ldb, C, ldc, tail, init, row); break;
-        case 3: gemm_tile<V, MR, 3>(Kc, A, ars, acs, B, ldb, C, ldc, tail, init, row); break;
-        default: gemm_tile<V, MR, 4>(Kc, A, ars, acs, B, ldb, C, ldc, tail, init, row); break;
-    }
-}
-
-// C (M x N, row-major, ldc) (+)= A (M x Kc, strides ars/acs) * B (Kc x N, row-major, ldb), see GemmInit.
-// Register tiles of 4 rows x 4 vectors; a transposed A is just other strides.
+// C (M x N, row-major, ldc) (+)= A (M x Kc, strides ars/acs) * B (Kc x N, row-major, ldb), see GemmInit:
+// the SIMD layer's register-blocked GEMM (ops/simd/gemm-inl.h); a transposed A is just other strides.
 template <class V>
-LINVIS_TTT_KATTR void gemm_acc(int64_t M, int64_t N, int64_t Kc, const typename V::T* A, int64_t ars, int64_t acs,
-                               const typename V::T* B, int64_t ldb, typename V::T* C, int64_t ldc,
-                               GemmInit init = GemmInit::Accumulate, const typename V::T* row = nullptr) {
-    constexpr int64_t W = V::W;
-    for (int64_t n0 = 0; n0 < N; n0 += 4 * W) {
-        const typename V::T* row_n0 = row != nullptr ? row + n0 : nullptr;
-        const int64_t cols = std::min<int64_t>(4 * W, N - n0);
-        const int nv = static_cast<int>((cols + W - 1) / W);
-        const int tail = static_cast<int>(cols - (nv - 1) * W);
-        int64_t i = 0;
-        for (; i + 4 <= M; i += 4)
-            gemm_rows<V, 4>(nv, Kc, A + i * ars, ars, acs, B + n0, ldb, C + i * ldc + n0, ldc, tail, init, row_n0);
-        switch (M - i) {
-            case 3: gemm_rows<V, 3>(nv, Kc, A + i * ars, ars, acs, B + n0, ldb, C + i * ldc + n0, ldc, tail, init, row_n0); break;
-            case 2: gemm_rows<V, 2>(nv, Kc, A + i * ars, ars, acs, B + n0, ldb, C + i * ldc + n0, ldc, tail, init, row_n0); break;
-            case 1: gemm_rows<V, 1>(nv, Kc, A + i * ars, ars, acs, B + n0, ldb, C + i * ldc + n0, ldc, tail, init, row_n0); break;
-            default: break;
-        }
-    }
+inline void gemm_acc(int64_t M, int64_t N, int64_t Kc, const typename V::T* A, int64_t ars, int64_t acs,
+                     const typename V::T* B, int64_t ldb, typename V::T* C, int64_t ldc,
+                     GemmInit init = GemmInit::Accumulate, const typename V::T* row = nullptr) {
+    simd::HWY_NAMESPACE::gemm<V>(M, N, Kc, A, ars, acs, B, ldb, C, ldc, init, row);
 }
 
 // dst (cols x rows) = src (rows x cols) transposed; W x W blocks through V::transpose_block.
 template <class V>
-LINVIS_TTT_KATTR inline void transpose(const typename V::T* src, int64_t rows, int64_t cols, typename V::T* dst) {
+inline void transpose(const typename V::T* src, int64_t rows, int64_t cols, typename V::T* dst) {
     constexpr int64_t W = V::W;
     const int64_t rows_full = W > 1 ? rows / W * W : 0, cols_full = W > 1 ? cols / W * W : 0;
     for (int64_t i = 0; i < rows_full; i += W)
@@ -113,7 +34,7 @@ LINVIS_TTT_KATTR inline void transpose(const typename V::T* src, int64_t rows, i
 
 // acc (d) += sum over rows of src (rows x d).
 template <class V>
-LINVIS_TTT_KATTR inline void add_column_sums(const typename V::T* src, int64_t rows, int64_t d, typename V::T* acc) {
+inline void add_column_sums(const typename V::T* src, int64_t rows, int64_t d, typename V::T* acc) {
     for (int64_t c = 0; c < d; c += V::W) {
         const auto m = V::mask(static_cast<int>(std::min<int64_t>(V::W, d - c)));
         V s = V::load(acc + c, m);
@@ -123,7 +44,7 @@ LINVIS_TTT_KATTR inline void add_column_sums(const typename V::T* src, int64_t r
 }
 
 template <class V>
-LINVIS_TTT_KATTR inline typename V::T dot(const typename V::T* a, const typename V::T* b, int64_t d) {
+inline typename V::T dot(const typename V::T* a, const typename V::T* b, int64_t d) {
     V s = V::zero();
     for (int64_t c = 0; c < d; c += V::W) {
         const auto m = V::mask(static_cast<int>(std::min<int64_t>(V::W, d - c)));
@@ -138,7 +59,7 @@ LINVIS_TTT_KATTR inline typename V::T dot(const typename V::T* a, const typename
 // Inner gradient of 1/2 ||gamma x_hat(z) + beta - (v - k)||^2 wrt z (one row). Overwrites z with
 // x_hat; writes g = y - target and G; returns std.
 template <class V>
-LINVIS_TTT_KATTR typename V::T inner_grad_row(typename V::T* z, const typename V::T* k, const typename V::T* v,
+typename V::T inner_grad_row(typename V::T* z, const typename V::T* k, const typename V::T* v,
                                               const typename V::T* gamma, const typename V::T* beta, int64_t d,
                                               typename V::T eps, typename V::T* g, typename V::T* G) {
     using T = typename V::T;
@@ -179,7 +100,7 @@ LINVIS_TTT_KATTR typename V::T inner_grad_row(typename V::T* z, const typename V
 
 // out = q + gamma x_hat(zb) + beta (one row). Overwrites zb with x_hat; returns std.
 template <class V>
-LINVIS_TTT_KATTR typename V::T ln_forward_row(typename V::T* zb, const typename V::T* q, const typename V::T* gamma,
+typename V::T ln_forward_row(typename V::T* zb, const typename V::T* q, const typename V::T* gamma,
                                               const typename V::T* beta, int64_t d, typename V::T eps,
                                               typename V::T* out) {
     using T = typename V::T;
@@ -206,7 +127,7 @@ LINVIS_TTT_KATTR typename V::T ln_forward_row(typename V::T* zb, const typename 
 
 // Backward of out = q + gamma x_hat + beta through x_hat (one row): dzb; accumulates dgamma, dbeta.
 template <class V>
-LINVIS_TTT_KATTR void ln_backward_row(const typename V::T* dout, const typename V::T* x, typename V::T std,
+void ln_backward_row(const typename V::T* dout, const typename V::T* x, typename V::T std,
                                       const typename V::T* gamma, int64_t d, typename V::T* dzb,
                                       typename V::T* dgamma, typename V::T* dbeta) {
     using T = typename V::T;
@@ -239,7 +160,7 @@ LINVIS_TTT_KATTR void ln_backward_row(const typename V::T* dout, const typename 
 //   dz = (dx - mean dx - x mean(dx x)) / std + dstd x / d
 // Writes dz and dg = gamma du (so d target = -dg); accumulates dgamma += du g + dg x, dbeta += dg.
 template <class V>
-LINVIS_TTT_KATTR void inner_grad_backward_row(const typename V::T* dG, const typename V::T* x, typename V::T std,
+void inner_grad_backward_row(const typename V::T* dG, const typename V::T* x, typename V::T std,
                                               const typename V::T* g, const typename V::T* G,
                                               const typename V::T* gamma, int64_t d, typename V::T* dz,
                                               typename V::T* dg, typename V::T* dgamma, typename V::T* dbeta) {
@@ -322,7 +243,7 @@ struct MiniBatchWork {
 // Always computes the inner gradient G and the state-update rows Gen = -e_j G_j; with
 // `outputs` also S = Q K^T, the coefficients c, Pn = -c (S + 1), Zb and out.
 template <class V>
-LINVIS_TTT_KATTR void mini_batch_forward(MiniBatchWork<V>& w, int64_t M, const typename V::T* W,
+void mini_batch_forward(MiniBatchWork<V>& w, int64_t M, const typename V::T* W,
                                          const typename V::T* bias, const typename V::T* tau,
                                          const typename V::T* gamma, const typename V::T* beta, typename V::T eps,
                                          bool causal, bool outputs) {
@@ -358,7 +279,7 @@ LINVIS_TTT_KATTR void mini_batch_forward(MiniBatchWork<V>& w, int64_t M, const t
 
 // State update with the last row of eta: W += K^T Gen, bias += sum_j Gen_j.
 template <class V>
-LINVIS_TTT_KATTR void mini_batch_update(MiniBatchWork<V>& w, int64_t M, typename V::T* W, typename V::T* bias) {
+void mini_batch_update(MiniBatchWork<V>& w, int64_t M, typename V::T* W, typename V::T* bias) {
     const int64_t d = w.d;
     gemm_acc<V>(d, d, M, w.k.data(), 1, d, w.Gen.data(), d, W, d);
     add_column_sums<V>(w.Gen.data(), M, d, bias);
@@ -368,7 +289,7 @@ LINVIS_TTT_KATTR void mini_batch_update(MiniBatchWork<V>& w, int64_t M, typename
 // (dW, dbias) of the state after the mini-batch. Out: w.dq, w.dk, w.dg (= -dV), w.dlr, the
 // adjoint of the state before it (in place), dgamma/dbeta/dtau accumulated.
 template <class V>
-LINVIS_TTT_KATTR void mini_batch_backward(MiniBatchWork<V>& w, int64_t M, const typename V::T* W,
+void mini_batch_backward(MiniBatchWork<V>& w, int64_t M, const typename V::T* W,
                                           typename V::T* dW, typename V::T* dbias, const typename V::T* tau,
                                           const typename V::T* gamma, bool causal, typename V::T* dgamma,
                                           typename V::T* dbeta, typename V::T* dtau) {
@@ -440,7 +361,7 @@ LINVIS_TTT_KATTR void mini_batch_backward(MiniBatchWork<V>& w, int64_t M, const 
 // Rows t0..t0+M-1 of a strided (B, nh, T, d) tensor of element type In (already offset to the
 // (sample, head)) into a packed M x d buffer, converting to the compute type.
 template <class V, typename In>
-LINVIS_TTT_KATTR inline void load_rows(const In* src, const int64_t* s, int64_t t0, int64_t M, int64_t d,
+inline void load_rows(const In* src, const int64_t* s, int64_t t0, int64_t M, int64_t d,
                                        typename V::T* dst) {
     using T = typename V::T;
     for (int64_t i = 0; i < M; ++i) {
@@ -455,7 +376,7 @@ LINVIS_TTT_KATTR inline void load_rows(const In* src, const int64_t* s, int64_t 
 }
 
 template <class V, typename In>
-LINVIS_TTT_KATTR inline void store_rows(const typename V::T* src, int64_t t0, int64_t M, int64_t d, In* dst,
+inline void store_rows(const typename V::T* src, int64_t t0, int64_t M, int64_t d, In* dst,
                                         const int64_t* s) {
     for (int64_t i = 0; i < M; ++i) {
         In* row = dst + (t0 + i) * s[2];
@@ -466,7 +387,7 @@ LINVIS_TTT_KATTR inline void store_rows(const typename V::T* src, int64_t t0, in
 
 // Loads q, k, v, lr of mini-batch [t0, t0 + M) of task bh.
 template <class V, typename In>
-LINVIS_TTT_KATTR inline void load_mini_batch(const ScanArgs& a, int64_t b, int64_t h, int64_t t0, int64_t M,
+inline void load_mini_batch(const ScanArgs& a, int64_t b, int64_t h, int64_t t0, int64_t M,
                                              MiniBatchWork<V>& w, bool with_q) {
     using T = typename V::T;
     const In* q = static_cast<const In*>(a.q) + b * a.qs[0] + h * a.qs[1];
@@ -481,7 +402,7 @@ LINVIS_TTT_KATTR inline void load_mini_batch(const ScanArgs& a, int64_t b, int64
 
 // Forward scan of task bh = b * nh + h: outputs, final state, checkpoints (if a.ckpt), norms.
 template <class V, typename In>
-LINVIS_TTT_KATTR void scan_forward(const ScanArgs& a, int64_t bh, MiniBatchWork<V>& w) {
+void scan_forward(const ScanArgs& a, int64_t bh, MiniBatchWork<V>& w) {
     using T = typename V::T;
     const int64_t b = bh / a.nh, h = bh % a.nh, d = a.d, dd = d * d;
     const T* gamma = static_cast<const T*>(a.gamma) + h * d;
@@ -517,7 +438,7 @@ LINVIS_TTT_KATTR void scan_forward(const ScanArgs& a, int64_t bh, MiniBatchWork<
 // Backward scan of task bh: groups of ckpt_every mini-batches in reverse; each group's states
 // are recomputed from its checkpoint, then its mini-batches are back-propagated in reverse.
 template <class V, typename In>
-LINVIS_TTT_KATTR void scan_backward(const ScanArgs& a, int64_t bh, MiniBatchWork<V>& w, std::vector<typename V::T>& states) {
+void scan_backward(const ScanArgs& a, int64_t bh, MiniBatchWork<V>& w, std::vector<typename V::T>& states) {
     using T = typename V::T;
     const int64_t b = bh / a.nh, h = bh % a.nh, d = a.d, dd = d * d;
     const T* gamma = static_cast<const T*>(a.gamma) + h * d;

@@ -74,8 +74,8 @@ TttLinearResult ttt_linear(const torch::Tensor& xq_in, const torch::Tensor& xk_i
         !ln_model ? std::string("inner model 'linear' (the fused kernel runs the residual LayerNorm inner model)")
         : !xq.device().is_cpu() ? "CPU tensors only, got " + xq.device().str()
                                 : std::string();
-    // The fused scan beats the reference's per-mini-batch small products with its AVX-512 kernels and
-    // also with its portable loops (vittt_tiny at 1024 on the AVX2 EPYC: fused was the faster path).
+    // The fused scan beats the reference's per-mini-batch small products on every SIMD target
+    // (AVX-512, AVX2 and scalar; docs/ops.md).
     if (use_fused(impl, "ttt_linear", unsupported, /*fused_is_faster=*/true)) {
         torch::Tensor tau = opt.use_token_coefficient ? ttt_token_coefficient(learnable_token_idx, opt.mini_batch_size)
                                                       : torch::ones({opt.mini_batch_size}, xq.options());

@@ -1,27 +1,20 @@
 // Internal building blocks of the fused ViT³ / T⁵ CPU kernels (not a public header).
 // All kernels work on float32 with the last (channel) dimension contiguous; other strides are
 // passed explicitly so that q, k, v can be read straight out of the qkv projection.
-// The AVX-512 versions are compiled with a function-level target attribute and chosen at run time
-// (linvis::runtime::detect_simd); LINVIS_FORCE_SCALAR=1 in the environment forces the portable path.
+// The products and the sigmoid are the SIMD layer's (ops/simd/simd.h: Highway, one table per target,
+// chosen per call by LINVIS_SIMD / LINVIS_FORCE_SCALAR); the loops here are compiled for every target
+// with LINVIS_SIMD_CLONES.
 #pragma once
 
 #include <cstdint>
 
+#include "ops/simd/simd.h"
+
 namespace linvis::ops::fused_detail {
 
-struct Kernels {
-    bool avx512 = false;
-    // C[i, j] (+)= sum_k A[i*a_row + k*a_col] * B[k*ldb + j], i < M, j < N, k < K.
-    // a_row/a_col let the same kernel compute A·B (a_col = 1) and Aᵀ·B (a_row = 1).
-    void (*gemm)(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_row, int64_t a_col, const float* B,
-                 int64_t ldb, float* C, int64_t ldc, bool accumulate) = nullptr;
-    // y[i] = 1 / (1 + exp(-x[i])), n elements (x and y may alias).
-    void (*sigmoid)(const float* x, float* y, int64_t n) = nullptr;
-};
-
-// The kernels for this CPU, or the portable ones when LINVIS_FORCE_SCALAR is set to a non-zero value
-// (read on every call so tests can switch paths inside one process).
-const Kernels& kernels();
+// gemm (C (+)= A·B or Aᵀ·B through strides) and sigmoid of the active target.
+using simd::Kernels;
+using simd::kernels;
 
 // One image of a (B, H, W, C) channels-last tensor: element (y, x, c) at base[y*sy + x*sx + c].
 struct Image {
@@ -59,16 +52,3 @@ void transpose(const float* in, int64_t rows, int64_t cols, int64_t ld, float* o
 
 }  // namespace linvis::ops::fused_detail
 
-// Elementwise loops of the fused ops are written once as an always-inline body and compiled twice
-// (portable and AVX-512) by LINVIS_FUSED_DUAL; the wrapper picks one per call like kernels().
-#define LINVIS_FUSED_INLINE inline __attribute__((always_inline))
-#define LINVIS_FUSED_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-#define LINVIS_FUSED_DUAL(name, PARAMS, ARGS)                                                 \
-    void name##_portable PARAMS { name##_body ARGS; }                                         \
-    LINVIS_FUSED_AVX512 void name##_avx512 PARAMS { name##_body ARGS; }                       \
-    void name PARAMS {                                                                        \
-        if (::linvis::ops::fused_detail::kernels().avx512)                                    \
-            name##_avx512 ARGS;                                                               \
-        else                                                                                  \
-            name##_portable ARGS;                                                             \
-    }

@@ -70,9 +70,9 @@ struct SwigluDims {
     double scale;
 };
 
-// ---- elementwise bodies (compiled portable and AVX-512, see LINVIS_FUSED_DUAL)
+// ---- elementwise bodies (compiled for every SIMD target, see LINVIS_SIMD_CLONES)
 
-LINVIS_FUSED_INLINE void inner_elementwise_body(int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc,
+LINVIS_SIMD_INLINE void inner_elementwise_body(int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc,
                                                 const float* __restrict z1, const float* __restrict z2,
                                                 const float* __restrict sg, float* __restrict e,
                                                 float* __restrict p1, float* __restrict p2) {
@@ -88,23 +88,23 @@ LINVIS_FUSED_INLINE void inner_elementwise_body(int64_t T, int64_t d, const floa
         }
     }
 }
-LINVIS_FUSED_DUAL(inner_elementwise,
+LINVIS_SIMD_CLONES(inner_elementwise,
                   (int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc, const float* z1,
                    const float* z2, const float* sg, float* e, float* p1, float* p2),
                   (T, d, v, ldv, n, sc, z1, z2, sg, e, p1, p2))
 
-LINVIS_FUSED_INLINE void readout_body(int64_t T, int64_t d, const float* __restrict y1, const float* __restrict y2,
+LINVIS_SIMD_INLINE void readout_body(int64_t T, int64_t d, const float* __restrict y1, const float* __restrict y2,
                                       const float* __restrict sg, float* out, int64_t ldo) {
     for (int64_t t = 0; t < T; ++t) {
         float* __restrict o = out + t * ldo;
         for (int64_t j = 0; j < d; ++j) o[j] = y1[t * d + j] * (y2[t * d + j] * sg[t * d + j]);
     }
 }
-LINVIS_FUSED_DUAL(readout, (int64_t T, int64_t d, const float* y1, const float* y2, const float* sg, float* out,
+LINVIS_SIMD_CLONES(readout, (int64_t T, int64_t d, const float* y1, const float* y2, const float* sg, float* out,
                             int64_t ldo),
                   (T, d, y1, y2, sg, out, ldo))
 
-LINVIS_FUSED_INLINE void readout_backward_body(int64_t T, int64_t d, const float* go, int64_t ldg,
+LINVIS_SIMD_INLINE void readout_backward_body(int64_t T, int64_t d, const float* go, int64_t ldg,
                                                const float* __restrict y1, const float* __restrict y2,
                                                const float* __restrict sg, float* __restrict dy1,
                                                float* __restrict dy2) {
@@ -118,11 +118,11 @@ LINVIS_FUSED_INLINE void readout_backward_body(int64_t T, int64_t d, const float
         }
     }
 }
-LINVIS_FUSED_DUAL(readout_backward, (int64_t T, int64_t d, const float* go, int64_t ldg, const float* y1,
+LINVIS_SIMD_CLONES(readout_backward, (int64_t T, int64_t d, const float* go, int64_t ldg, const float* y1,
                                      const float* y2, const float* sg, float* dy1, float* dy2),
                   (T, d, go, ldg, y1, y2, sg, dy1, dy2))
 
-LINVIS_FUSED_INLINE void inner_backward_body(int64_t T, int64_t d, float dv_scale, const float* __restrict z1,
+LINVIS_SIMD_INLINE void inner_backward_body(int64_t T, int64_t d, float dv_scale, const float* __restrict z1,
                                              const float* __restrict z2, const float* __restrict sg,
                                              const float* __restrict e, const float* __restrict dp1,
                                              const float* __restrict dp2, float* dv, int64_t ldv,
@@ -141,7 +141,7 @@ LINVIS_FUSED_INLINE void inner_backward_body(int64_t T, int64_t d, float dv_scal
         }
     }
 }
-LINVIS_FUSED_DUAL(inner_backward, (int64_t T, int64_t d, float dv_scale, const float* z1, const float* z2,
+LINVIS_SIMD_CLONES(inner_backward, (int64_t T, int64_t d, float dv_scale, const float* z1, const float* z2,
                                    const float* sg, const float* e, const float* dp1, const float* dp2, float* dv,
                                    int64_t ldv, float* dz1, float* dz2),
                   (T, d, dv_scale, z1, z2, sg, e, dp1, dp2, dv, ldv, dz1, dz2))

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "linvis/core/error.h"
+#include "ops/simd/simd.h"
 #include "ops/ttt_swiglu_cpu/entry_points.h"
 #include "ops/vit3_ttt/reference.h"
 
@@ -24,7 +25,7 @@ torch::Tensor vit3_ttt_swiglu_branch(const Tensor& q, const Tensor& k, const Ten
                          w->size(2) == d && w->size(3) == d,
                      "vit3_ttt_swiglu_branch: w1/w2: expected shape [1, ", h, ", ", d, ", ", d, "], got ",
                      shape_string(w->sizes()));
-    if (use_fused(impl, "vit3_ttt_swiglu_branch", fused_detail::fused_unsupported(q), fused_kernels_use_avx512()))
+    if (use_fused(impl, "vit3_ttt_swiglu_branch", fused_detail::fused_unsupported(q), simd::vectorised()))
         return fused_detail::vit3_swiglu_branch_fused(q, k, v, w1, w2, scale);
     return reference::vit3_ttt_swiglu_branch(q, k, v, w1, w2, scale);
 }
@@ -37,7 +38,7 @@ torch::Tensor vit3_ttt_dwconv_branch(const Tensor& q, const Tensor& k, const Ten
     const int64_t d = q.size(1);
     LINVIS_CHECK(w3.dim() == 4 && w3.size(0) == d && w3.size(1) == 1 && w3.size(2) == 3 && w3.size(3) == 3,
                  "vit3_ttt_dwconv_branch: w3: expected shape [", d, ", 1, 3, 3], got ", shape_string(w3.sizes()));
-    if (use_fused(impl, "vit3_ttt_dwconv_branch", fused_detail::fused_unsupported(q), fused_kernels_use_avx512()))
+    if (use_fused(impl, "vit3_ttt_dwconv_branch", fused_detail::fused_unsupported(q), simd::vectorised()))
         return fused_detail::vit3_dwconv_branch_fused(q, k, v, w3, scale);
     return reference::vit3_ttt_dwconv_branch(q, k, v, w3, scale);
 }
@@ -54,7 +55,7 @@ torch::Tensor vit3_ttt_mix(const Tensor& qkv, const Tensor& w1, const Tensor& w2
     // The whole-mix kernel has no RoPE; with RoPE the mix is composed here and each branch applies
     // `impl` itself (Fused then runs both branch kernels, or fails there for an unsupported dtype).
     if (!rope_rotations.defined() &&
-        use_fused(impl, "vit3_ttt_mix", fused_detail::fused_unsupported(qkv), fused_kernels_use_avx512())) {
+        use_fused(impl, "vit3_ttt_mix", fused_detail::fused_unsupported(qkv), simd::vectorised())) {
         LINVIS_CHECK(w1.dim() == 4 && w1.size(1) == h && w1.size(2) == d && w1.size(3) == d &&
                          w2.sizes() == w1.sizes() && (w1.size(0) == 1 || w1.size(0) == B),
                      "vit3_ttt_mix: w1/w2: expected shape [1, ", h, ", ", d, ", ", d, "], got ",

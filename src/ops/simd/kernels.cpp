@@ -1,0 +1,121 @@
+// The per-target tables of the SIMD layer and the choice of target (simd.h). Highway compiles this file
+// once per target (hwy/foreach_target.h re-includes it); HWY_ONCE holds the target-independent part.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/simd/kernels.cpp"
+#include "ops/simd/hwy_targets.h"
+// clang-format off
+#include <hwy/foreach_target.h>
+#include <hwy/highway.h>
+#include <hwy/contrib/math/math-inl.h>
+// clang-format on
+
+#include "ops/simd/gemm-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace linvis::ops::simd::HWY_NAMESPACE {
+
+void gemm_f32(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_row, int64_t a_col, const float* B,
+              int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+    gemm<Vec<float>>(M, N, K, A, a_row, a_col, B, ldb, C, ldc, accumulate ? GemmInit::Accumulate : GemmInit::Zero);
+}
+
+void gemm_f64(int64_t M, int64_t N, int64_t K, const double* A, int64_t a_row, int64_t a_col, const double* B,
+              int64_t ldb, double* C, int64_t ldc, bool accumulate) {
+    gemm<Vec<double>>(M, N, K, A, a_row, a_col, B, ldb, C, ldc, accumulate ? GemmInit::Accumulate : GemmInit::Zero);
+}
+
+// 1 / (1 + exp(-x)) with Highway's Exp (hwy/contrib/math), whose argument is kept in [-88, 88] (its valid
+// range; exp(88) is finite, so the result is 0 or 1 to float precision beyond it, never NaN).
+void sigmoid(const float* x, float* y, int64_t n) {
+    using D = hn::ScalableTag<float>;
+    const D d;
+    const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+    const auto one = hn::Set(d, 1.0f), lo = hn::Set(d, -88.0f), hi = hn::Set(d, 88.0f);
+    int64_t i = 0;
+    for (; i + N <= n; i += N) {
+        const auto t = hn::Min(hn::Max(hn::Neg(hn::LoadU(d, x + i)), lo), hi);
+        hn::StoreU(hn::Div(one, hn::Add(one, hn::Exp(d, t))), d, y + i);
+    }
+    if (i < n) {
+        const auto m = hn::FirstN(d, static_cast<size_t>(n - i));
+        const auto t = hn::Min(hn::Max(hn::Neg(hn::MaskedLoad(m, d, x + i)), lo), hi);
+        hn::BlendedStore(hn::Div(one, hn::Add(one, hn::Exp(d, t))), m, d, y + i);
+    }
+}
+
+const Kernels& table() {
+    static const Kernels k{kTarget, gemm_f32, gemm_f64, sigmoid};
+    return k;
+}
+
+}  // namespace linvis::ops::simd::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "linvis/core/error.h"
+
+namespace linvis::ops::simd {
+
+const char* target_name(Target t) {
+    switch (t) {
+        case Target::Avx512: return "AVX-512";
+        case Target::Avx2: return "AVX2";
+        case Target::Scalar: return "scalar";
+    }
+    return "scalar";
+}
+
+bool target_supported(Target t) {
+    static const int64_t supported = hwy::SupportedTargets();
+    switch (t) {
+        case Target::Avx512: return (HWY_TARGETS & HWY_AVX3) != 0 && (supported & HWY_AVX3) != 0;
+        case Target::Avx2: return (HWY_TARGETS & HWY_AVX2) != 0 && (supported & HWY_AVX2) != 0;
+        case Target::Scalar: return true;
+    }
+    return false;
+}
+
+Target active_target() {
+    Target want = Target::Avx512;
+    const char* force = std::getenv("LINVIS_FORCE_SCALAR");
+    const char* env = std::getenv("LINVIS_SIMD");
+    if (force != nullptr && *force != '\0' && std::strcmp(force, "0") != 0) {
+        want = Target::Scalar;
+    } else if (env != nullptr && *env != '\0') {
+        const std::string v = env;
+        if (v == "avx512") want = Target::Avx512;
+        else if (v == "avx2") want = Target::Avx2;
+        else if (v == "scalar") want = Target::Scalar;
+        else fail("LINVIS_SIMD: expected 'avx512', 'avx2' or 'scalar', got '", v, "'");
+    }
+    // The best supported target at or below the request.
+    while (!target_supported(want)) want = static_cast<Target>(static_cast<int>(want) - 1);
+    return want;
+}
+
+const Kernels& kernels(Target t) {
+    LINVIS_CHECK(target_supported(t), "simd::kernels: target ", target_name(t), " is not supported by this CPU");
+    switch (t) {
+#if HWY_TARGETS & HWY_AVX3
+        case Target::Avx512: return N_AVX3::table();
+#endif
+#if HWY_TARGETS & HWY_AVX2
+        case Target::Avx2: return N_AVX2::table();
+#endif
+        default:
+#if HWY_TARGETS & HWY_EMU128
+            return N_EMU128::table();
+#else
+            return N_SCALAR::table();
+#endif
+    }
+}
+
+const Kernels& kernels() { return kernels(active_target()); }
+
+}  // namespace linvis::ops::simd
+#endif  // HWY_ONCE

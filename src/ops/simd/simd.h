@@ -1,0 +1,80 @@
+// The one SIMD layer of the fused CPU kernels (private to ops). Built on Google Highway
+// (Debian libhwy-dev): the building blocks are written once with Highway ops (gemm-inl.h, compiled
+// per target by kernels.cpp) and chosen at run time, per call, from a per-target table.
+//
+// Targets compiled (hwy_targets.h): Highway's AVX3 ("AVX-512": F, VL, DQ, BW), AVX2 (with FMA,
+// BMI2, F16C) and the portable fallback ("scalar": C++ without intrinsics; Highway's EMU128, or its
+// one-lane HWY_SCALAR with GCC < 12.3, where Highway 1.0.3 marks EMU128 broken). SSSE3/SSE4 are left out (no
+// gain over the portable loops worth their compile time); AVX3_DL/AVX512-BF16 are not targets of
+// Highway 1.0.3 (the kernels compute in float32, bfloat16 is converted on entry).
+//
+// Which target runs: the best the CPU supports, lowered by the environment, read on every call so
+// tests switch paths inside one process:
+//   LINVIS_SIMD=avx512|avx2|scalar   ask for that target (a target the CPU lacks gives the best one
+//                                    it has: avx512 on an AVX2 CPU runs AVX2);
+//   LINVIS_FORCE_SCALAR=1            an alias of LINVIS_SIMD=scalar.
+// active_target() says which one runs; ops::fused_kernel_target() is its public name.
+#pragma once
+
+#include <cstdint>
+
+namespace linvis::ops::simd {
+
+enum class Target { Scalar = 0, Avx2 = 1, Avx512 = 2 };
+
+// "AVX-512", "AVX2" or "scalar".
+const char* target_name(Target t);
+// Whether this CPU runs the target's code (scalar always).
+bool target_supported(Target t);
+// The target the next kernel call runs (environment and CPU, see above). An unknown LINVIS_SIMD value
+// is a linvis::Error naming the variable, the accepted values and the value found.
+Target active_target();
+// Whether the active target is a vector one (AVX2 or AVX-512): where the measured fused kernels beat the
+// reference (docs/ops.md), so Impl::Auto asks this.
+inline bool vectorised() { return active_target() != Target::Scalar; }
+
+// C[i, j] (+)= sum_k A[i*a_row + k*a_col] * B[k*ldb + j], i < M, j < N, k < K (B, C row-major with
+// row strides ldb, ldc). a_row/a_col let the same kernel compute A·B (a_col = 1) and Aᵀ·B (a_row = 1).
+using GemmF32 = void (*)(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_row, int64_t a_col,
+                         const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate);
+using GemmF64 = void (*)(int64_t M, int64_t N, int64_t K, const double* A, int64_t a_row, int64_t a_col,
+                         const double* B, int64_t ldb, double* C, int64_t ldc, bool accumulate);
+
+// The building blocks of one target.
+struct Kernels {
+    Target target = Target::Scalar;
+    GemmF32 gemm = nullptr;
+    GemmF64 gemm_f64 = nullptr;
+    // y[i] = 1 / (1 + exp(-x[i])), n elements (x and y may alias).
+    void (*sigmoid)(const float* x, float* y, int64_t n) = nullptr;
+};
+
+// The kernels of active_target(), or of a given (supported) target.
+const Kernels& kernels();
+const Kernels& kernels(Target t);
+
+// Where the register-blocked GEMM's accumulators start (gemm-inl.h): C itself (C += A B), zero
+// (C = A B), or one row broadcast to every row (C = row + A B).
+enum class GemmInit { Accumulate, Zero, Row };
+
+}  // namespace linvis::ops::simd
+
+// Loops that the compiler vectorises by itself (elementwise bodies, stencils, softmax rows) are written
+// once as an always-inline body and compiled for the same three targets by LINVIS_SIMD_CLONES: the
+// target attributes are Highway's HWY_TARGET_STR for AVX2 and AVX3 (hwy/ops/set_macros-inl.h), and the
+// wrapper picks the clone of active_target() on every call.
+#define LINVIS_SIMD_INLINE inline __attribute__((always_inline))
+#define LINVIS_SIMD_ATTR_AVX2 __attribute__((target("sse2,ssse3,sse4.1,sse4.2,pclmul,aes,avx,avx2,bmi,bmi2,fma,f16c")))
+#define LINVIS_SIMD_ATTR_AVX512 \
+    __attribute__((target("sse2,ssse3,sse4.1,sse4.2,pclmul,aes,avx,avx2,bmi,bmi2,fma,f16c,avx512f,avx512vl,avx512dq,avx512bw")))
+#define LINVIS_SIMD_CLONES(name, PARAMS, ARGS)                                   \
+    void name##_scalar PARAMS { name##_body ARGS; }                              \
+    LINVIS_SIMD_ATTR_AVX2 void name##_avx2 PARAMS { name##_body ARGS; }          \
+    LINVIS_SIMD_ATTR_AVX512 void name##_avx512 PARAMS { name##_body ARGS; }      \
+    void name PARAMS {                                                           \
+        switch (::linvis::ops::simd::active_target()) {                          \
+            case ::linvis::ops::simd::Target::Avx512: name##_avx512 ARGS; break; \
+            case ::linvis::ops::simd::Target::Avx2: name##_avx2 ARGS; break;     \
+            default: name##_scalar ARGS; break;                                  \
+        }                                                                        \
+    }

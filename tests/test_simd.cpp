@@ -1,0 +1,123 @@
+// The SIMD layer of the fused kernels (src/ops/simd): the register-blocked GEMM and the sigmoid of every
+// target this CPU runs against LibTorch, and the choice of target through LINVIS_SIMD / LINVIS_FORCE_SCALAR.
+// The GEMM cases have odd M, N, K (row tails of every tile height, column tails of every mask width) and C
+// with a guard band beyond column N that must stay untouched: a wrong tail mask fails them.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <string>
+
+#include "linvis/core/error.h"
+#include "linvis/ops/impl.h"
+#include "support/simd_targets.h"
+
+namespace {
+
+namespace simd = linvis::ops::simd;
+using linvis::testing::for_each_simd_target;
+using linvis::testing::SimdTarget;
+
+template <typename T>
+void check_gemm(const simd::Kernels& k, int64_t M, int64_t N, int64_t K, bool transposed_a, bool accumulate) {
+    constexpr auto dtype = std::is_same_v<T, float> ? torch::kFloat32 : torch::kFloat64;
+    const std::string what = "M" + std::to_string(M) + " N" + std::to_string(N) + " K" + std::to_string(K) +
+                             (transposed_a ? " A^T" : " A") + (accumulate ? " +=" : " =");
+    const int64_t pad = 7, ldb = N + 3, ldc = N + pad;
+    // A stored as (M, K) or, for Aᵀ·B, as (K, M).
+    torch::Tensor a_store = transposed_a ? torch::randn({K, M}, dtype) : torch::randn({M, K}, dtype);
+    torch::Tensor A = transposed_a ? a_store.t() : a_store;
+    // B inside a wider buffer whose extra columns hold NaN (a product must never read them into C[:, :N]).
+    torch::Tensor b_buf = torch::full({K, ldb}, std::numeric_limits<double>::quiet_NaN(), dtype);
+    b_buf.narrow(1, 0, N).copy_(torch::randn({K, N}, dtype));
+    const double sentinel = 12345.0;
+    torch::Tensor c_buf = torch::full({M, ldc}, sentinel, dtype);
+    torch::Tensor c0 = torch::randn({M, N}, dtype);
+    c_buf.narrow(1, 0, N).copy_(c0);
+    const T* a = a_store.template data_ptr<T>();
+    const int64_t a_row = transposed_a ? 1 : K, a_col = transposed_a ? M : 1;
+    if constexpr (std::is_same_v<T, float>)
+        k.gemm(M, N, K, a, a_row, a_col, b_buf.data_ptr<float>(), ldb, c_buf.data_ptr<float>(), ldc, accumulate);
+    else
+        k.gemm_f64(M, N, K, a, a_row, a_col, b_buf.data_ptr<double>(), ldb, c_buf.data_ptr<double>(), ldc, accumulate);
+    torch::Tensor expected = torch::matmul(A.to(torch::kFloat64), b_buf.narrow(1, 0, N).to(torch::kFloat64));
+    if (accumulate) expected += c0.to(torch::kFloat64);
+    const double tol = (std::is_same_v<T, float> ? 1e-5 : 1e-12) * std::sqrt(static_cast<double>(K) + 1.0);
+    torch::Tensor got = c_buf.narrow(1, 0, N).to(torch::kFloat64);
+    EXPECT_TRUE(torch::allclose(got, expected, tol, tol)) << what << ": max error "
+                                                          << (got - expected).abs().max().item<double>();
+    EXPECT_TRUE(torch::all(c_buf.narrow(1, N, pad) == sentinel).item<bool>()) << what << ": wrote beyond column N";
+}
+
+TEST(SimdLayer, GemmMatchesMatmulOnEveryTarget) {
+    torch::manual_seed(0);
+    for_each_simd_target([](const SimdTarget& t) {
+        const simd::Kernels& k = simd::kernels(t.target);
+        EXPECT_EQ(k.target, t.target);
+        for (int64_t M : {1, 3, 5, 13, 17, 30})
+            for (int64_t N : {1, 3, 7, 8, 15, 16, 17, 33, 64, 65, 100})
+                for (int64_t K : {0, 1, 6, 19})
+                    for (bool transposed : {false, true})
+                        for (bool accumulate : {false, true}) check_gemm<float>(k, M, N, K, transposed, accumulate);
+        for (int64_t N : {1, 5, 9, 31})
+            for (bool transposed : {false, true}) check_gemm<double>(k, 11, N, 7, transposed, true);
+        // The active-target table is the same one.
+        EXPECT_EQ(&simd::kernels(), &k);
+    });
+}
+
+TEST(SimdLayer, SigmoidMatchesTorchOnEveryTarget) {
+    torch::manual_seed(1);
+    for_each_simd_target([](const SimdTarget& t) {
+        const simd::Kernels& k = simd::kernels(t.target);
+        for (int64_t n : {0, 1, 3, 8, 15, 16, 17, 40, 129}) {
+            torch::Tensor x = 6.0 * torch::randn({n + 4});
+            if (n >= 3) {
+                x[0] = 100.0f;
+                x[1] = -100.0f;
+                x[2] = 0.0f;
+            }
+            torch::Tensor y = torch::full({n + 4}, 7.0f);
+            k.sigmoid(x.data_ptr<float>(), y.data_ptr<float>(), n);
+            torch::Tensor expected = torch::sigmoid(x.narrow(0, 0, n));
+            EXPECT_TRUE(torch::allclose(y.narrow(0, 0, n), expected, 1e-6, 1e-7)) << "n = " << n;
+            EXPECT_TRUE(torch::all(y.narrow(0, n, 4) == 7.0f).item<bool>()) << "n = " << n << ": wrote beyond n";
+        }
+    });
+}
+
+TEST(SimdLayer, EnvironmentSelectsTheTarget) {
+    const bool has_avx2 = simd::target_supported(simd::Target::Avx2);
+    const bool has_avx512 = simd::target_supported(simd::Target::Avx512);
+    const std::string best = has_avx512 ? "AVX-512" : has_avx2 ? "AVX2" : "scalar";
+    unsetenv("LINVIS_FORCE_SCALAR");
+    unsetenv("LINVIS_SIMD");
+    EXPECT_EQ(std::string(linvis::ops::fused_kernel_target()), best);
+    setenv("LINVIS_SIMD", "scalar", 1);
+    EXPECT_STREQ(linvis::ops::fused_kernel_target(), "scalar");
+    // A target the CPU lacks gives the best one it has at or below the request.
+    setenv("LINVIS_SIMD", "avx2", 1);
+    EXPECT_STREQ(linvis::ops::fused_kernel_target(), has_avx2 ? "AVX2" : "scalar");
+    setenv("LINVIS_SIMD", "avx512", 1);
+    EXPECT_EQ(std::string(linvis::ops::fused_kernel_target()), best);
+    // LINVIS_FORCE_SCALAR=1 is an alias of scalar and wins; "0" means unset.
+    setenv("LINVIS_FORCE_SCALAR", "1", 1);
+    EXPECT_STREQ(linvis::ops::fused_kernel_target(), "scalar");
+    EXPECT_EQ(simd::kernels().target, simd::Target::Scalar);
+    setenv("LINVIS_FORCE_SCALAR", "0", 1);
+    EXPECT_EQ(std::string(linvis::ops::fused_kernel_target()), best);
+    unsetenv("LINVIS_FORCE_SCALAR");
+    setenv("LINVIS_SIMD", "sse9", 1);
+    try {
+        linvis::ops::fused_kernel_target();
+        ADD_FAILURE() << "LINVIS_SIMD=sse9 was accepted";
+    } catch (const linvis::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("LINVIS_SIMD"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("sse9"), std::string::npos) << e.what();
+    }
+    unsetenv("LINVIS_SIMD");
+}
+
+}  // namespace
