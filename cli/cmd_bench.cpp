@@ -108,7 +108,8 @@ void write_csv(const std::string& path, const std::vector<BenchResult>& results,
 }
 
 // Throughput and peak memory against resolution, one line per model (the papers' figures).
-void draw_figure(const std::string& path, const std::vector<BenchResult>& results, const std::string& subtitle) {
+void draw_figure(const std::string& path, const std::vector<BenchResult>& results, const std::string& subtitle,
+                 const std::string& x_label) {
     // One line per (model, implementation); the implementation is named when the run mixes them.
     auto label = [&](const BenchResult& r) {
         bool mixed = false;
@@ -121,9 +122,9 @@ void draw_figure(const std::string& path, const std::vector<BenchResult>& result
     plot::Figure figure(1, 2);
     figure.title("linvis bench: " + subtitle);
     auto& speed = figure.set(0, 0, plot::LineChart());
-    speed.title("throughput").x_label("resolution (pixels per side)").y_label("images/s").y_scale(plot::Scale::Log10);
+    speed.title("throughput").x_label(x_label).y_label("images/s").y_scale(plot::Scale::Log10);
     auto& memory = figure.set(0, 1, plot::LineChart());
-    memory.title("peak memory").x_label("resolution (pixels per side)").y_label("MiB").y_scale(plot::Scale::Log10);
+    memory.title("peak memory").x_label(x_label).y_label("MiB").y_scale(plot::Scale::Log10);
     for (const auto& model : order) {
         std::vector<double> xs, images, mem;
         for (const auto& r : results) {
@@ -265,11 +266,16 @@ int run_bench(int argc, const char* const* argv) {
     }
     if (!o.csv.empty()) write_csv(o.csv, results, sgemm);
     if (!o.plot.empty()) {
-        char subtitle[160];
-        std::snprintf(subtitle, sizeof(subtitle), "batch %lld, %s, %s, %s, %d threads",
-                      static_cast<long long>(o.batch), dtype.c_str(), impl.c_str(),
-                      o.train ? "forward+backward" : "inference", info.torch_threads);
-        draw_figure(o.plot, results, subtitle);
+        const bool diffusion_task = o.task == "denoise" || o.task == "sample";
+        const std::string work = o.train ? "forward+backward"
+                                 : o.task == "denoise" ? "guided denoising step"
+                                 : o.task == "sample" ? "DDIM sampler, " + std::to_string(o.sampler_steps) + " steps"
+                                                      : "inference";
+        char subtitle[200];
+        std::snprintf(subtitle, sizeof(subtitle), "%s, batch %lld, %s, %s, %s, %d threads", o.task.c_str(),
+                      static_cast<long long>(o.batch), dtype.c_str(), impl.c_str(), work.c_str(), info.torch_threads);
+        draw_figure(o.plot, results, subtitle,
+                    diffusion_task ? "latent side L (pixels / 8)" : "resolution (pixels per side)");
     }
     return 0;
 }
