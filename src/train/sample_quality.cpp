@@ -27,7 +27,7 @@ namespace {
 // The square root of a symmetric positive semi-definite matrix (negative eigenvalues of round-off set to 0).
 torch::Tensor sqrt_psd(const torch::Tensor& m) {
     const torch::Tensor sym = (m + m.t()) / 2;
-    auto [values, vectors] = torch::linalg::eigh(sym, "L");
+    auto [values, vectors] = at::linalg_eigh(sym, "L");  // at::, not torch::linalg: torch 2.x headers differ
     return vectors.matmul(torch::diag(values.clamp_min(0).sqrt())).matmul(vectors.t());
 }
 
@@ -44,7 +44,7 @@ double frechet_distance(const GaussianStats& a, const GaussianStats& b) {
     const torch::Tensor r1 = sqrt_psd(s1);
     torch::Tensor inner = r1.matmul(s2).matmul(r1);
     inner = (inner + inner.t()) / 2;
-    const torch::Tensor eig = torch::linalg::eigvalsh(inner, "L");
+    const torch::Tensor eig = at::linalg_eigvalsh(inner, "L");
     const double tr_sqrt = eig.clamp_min(0).sqrt().sum().item<double>();
     const double fd = mean_term + s1.trace().item<double>() + s2.trace().item<double>() - 2.0 * tr_sqrt;
     LINVIS_CHECK(std::isfinite(fd), "frechet_distance: the result is not finite (", fd, ")");
