@@ -1,12 +1,12 @@
 // Fused CPU kernels against their references at the size of a 1024x1024 image (patch 16: 4096
 // tokens), the tiny models' widths, batch 1. One subcommand per op:
 //
-//   OMP_WAIT_POLICY=PASSIVE build/bench_ops ttt_linear [--threads 2] [--tokens 4096] [--heads 3] [--head-dim 64]
-//                                                      [--mini-batch 16] [--reps 5]
-//   OMP_WAIT_POLICY=PASSIVE build/bench_ops vit3_t5 [--threads 2] [--iters 5] [--side 64]
-//   OMP_WAIT_POLICY=PASSIVE build/bench_ops mlstm [--threads 2] [--reps 5] [--model-reps 3] [--tokens 4096]
+//   GOMP_SPINCOUNT=30000 build/bench_ops ttt_linear [--threads 2] [--tokens 4096] [--heads 3] [--head-dim 64]
+//                                                    [--mini-batch 16] [--reps 5]
+//   GOMP_SPINCOUNT=30000 build/bench_ops vit3_t5 [--threads 2] [--iters 5] [--side 64]
+//   GOMP_SPINCOUNT=30000 build/bench_ops mlstm [--threads 2] [--reps 5] [--model-reps 3] [--tokens 4096]
 //                                                 [--skip-model]
-//   OMP_WAIT_POLICY=PASSIVE build/bench_ops attention [--threads 2] [--tokens 4097] [--heads 3] [--head-dim 64]
+//   GOMP_SPINCOUNT=30000 build/bench_ops attention [--threads 2] [--tokens 4097] [--heads 3] [--head-dim 64]
 //                                                     [--reps 5]
 //
 // ttt_linear: the TTT-Linear scan of vittt_tiny (3 heads of d = 64, mini-batches of 16).
@@ -246,7 +246,7 @@ int run_ttt_linear(const TttLinearOptions& o, Harness& h) {
     std::printf("TTT-Linear, B=1 T=%lld nh=%lld d=%lld b=%lld, %d thread(s), SIMD %s, OMP_WAIT_POLICY=%s\n",
                 static_cast<long long>(o.tokens), static_cast<long long>(o.heads), static_cast<long long>(o.head_dim),
                 static_cast<long long>(o.mini_batch), h.threads, runtime::simd_name(runtime::detect_simd()),
-                runtime::openmp_is_passive() ? "PASSIVE" : "(not passive)");
+                runtime::openmp_wait_policy().c_str());
     const OpFn reference = ttt_linear_op(Impl::Reference, o.mini_batch);
     if (!passes({{"output", "dq", "dk", "dv", "dlr", "dtoken_idx", "dw0", "db0", "dln_weight", "dln_bias"}, inputs,
                  probe, reference, reference, ttt_linear_op(Impl::Fused, o.mini_batch), 1e-4},
@@ -317,7 +317,7 @@ int run_attention(const AttentionOptions& o, Harness& h) {
                 "OMP_WAIT_POLICY=%s\n",
                 static_cast<long long>(o.tokens), static_cast<long long>(o.heads), static_cast<long long>(o.head_dim),
                 h.threads, runtime::simd_name(runtime::detect_simd()), ops::fused_kernel_target(),
-                runtime::openmp_is_passive() ? "PASSIVE" : "(not passive)");
+                runtime::openmp_wait_policy().c_str());
     const OpFn reference = attention_op(Impl::Reference, scale);
     if (!passes({{"output", "dq", "dk", "dv"}, inputs, probe, reference, reference, attention_op(Impl::Fused, scale),
                  1e-4},
@@ -423,9 +423,9 @@ int run_vit3_t5(const Vit3T5Options& o, Harness& h) {
         return print_answer(measure_passes(op_pass(op, inputs, Tensor(), parts[1] == "train"), 1, o.iters));
     }
     const auto info = runtime::query();
-    std::printf("vit3_t5: %lld x %lld tokens, batch 1, C = %lld, threads %d, iters %d, OMP passive: %s\n",
+    std::printf("vit3_t5: %lld x %lld tokens, batch 1, C = %lld, threads %d, iters %d, OpenMP wait: %s\n",
                 static_cast<long long>(o.side), static_cast<long long>(o.side),
-                static_cast<long long>(kVit3T5Width), h.threads, o.iters, runtime::openmp_is_passive() ? "yes" : "NO");
+                static_cast<long long>(kVit3T5Width), h.threads, o.iters, runtime::openmp_wait_policy().c_str());
     std::printf("BLAS: %s; SIMD: %s (fused kernels: %s)\n", info.blas.c_str(), runtime::simd_name(info.simd),
                 ops::fused_kernel_target());
     const double sgemm = tools::measure_sgemm_gflops();
@@ -572,11 +572,11 @@ int run_mlstm(const MlstmOptions& o, Harness& h) {
     if (!h.child.empty()) return run_mlstm_case(o, h.child);
     const auto info = runtime::query();
     std::printf("mlstm: S=%lld tokens, batch 1, %lld heads, DH=DV=%lld, chunk %lld, threads %d, simd %s, "
-                "fused path %s, OMP_WAIT_POLICY passive: %s\n",
+                "fused path %s, OpenMP wait: %s\n",
                 static_cast<long long>(o.tokens), static_cast<long long>(kMlstmHeads),
                 static_cast<long long>(kMlstmDim), static_cast<long long>(kMlstmChunk), h.threads,
                 runtime::simd_name(info.simd), ops::fused_kernel_target(),
-                runtime::openmp_is_passive() ? "yes" : "NO");
+                runtime::openmp_wait_policy().c_str());
     const double sgemm = tools::measure_sgemm_gflops(1024, 5);
     std::printf("SGEMM rate (1024^3, LibTorch BLAS, %d threads): %.1f GFLOP/s\n", h.threads, sgemm);
     // The matmul parts alone: the kernel's own tiles on the forward's chunk shapes, one thread,

@@ -35,7 +35,7 @@ int run_version(int argc, const char* const* argv) {
                             {"linear_gemm", flops::linear_backend()},
                             {"torch_threads", info.torch_threads},
                             {"blas_threads", info.blas_threads},
-                            {"openmp_passive", runtime::openmp_is_passive()},
+                            {"openmp_wait", runtime::openmp_wait_policy()},
                             {"simd", runtime::simd_name(info.simd)},
                             {"fused_kernels", kernels},
                             {"cuda_available", info.cuda_available},
@@ -46,10 +46,8 @@ int run_version(int argc, const char* const* argv) {
     std::cout << "linvis     " << info.linvis_version << "\n"
               << "LibTorch   " << info.torch_version << "\n"
               << "BLAS       " << info.blas << "\n"
-              << "GEMM       " << flops::linear_backend() << " for float32 linear products of 2^25 multiply-adds and more (forward "
-              << "and backward), LibTorch's BLAS for the rest\n"
-              << "threads    " << info.torch_threads << " LibTorch (OpenMP"
-              << (runtime::openmp_is_passive() ? ", passive wait" : ", active wait") << "), "
+              << "GEMM       " << flops::linear_backend() << "\n"
+              << "threads    " << info.torch_threads << " LibTorch (OpenMP, " << runtime::openmp_wait_policy() << " wait), "
               << (info.blas_threads > 0 ? std::to_string(info.blas_threads) : std::string("?")) << " BLAS\n"
               << "SIMD       " << runtime::simd_name(info.simd) << "\n"
               << "kernels    fused ops run their " << kernels

@@ -39,15 +39,18 @@ void print_help() {
     std::cout << "\n'linvis <command> --help' describes a command's options.\n";
 }
 
-// OpenMP workers that spin while idle starve OpenBLAS's pthreads on a small machine;
-// OMP_WAIT_POLICY is read once when the OpenMP runtime starts, so the process restarts
-// itself once with the variable set. The same restart gives OpenBLAS the kernels of this CPU when
-// it does not recognise it (runtime::openblas_coretype_override). LINVIS_NO_REEXEC=1 turns this off.
-void ensure_passive_openmp(char** argv) {
+// OpenMP workers that spin long while idle starve OpenBLAS's pthreads on a small machine, and workers
+// that never spin make each oneDNN product pay a wake-up: the process restarts itself once with a short
+// spin (runtime::configure_threads explains the numbers), since libgomp reads its environment when it
+// starts. The same restart gives OpenBLAS the kernels of this CPU when it does not recognise it
+// (runtime::openblas_coretype_override). A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT is kept;
+// LINVIS_NO_REEXEC=1 turns the restart off.
+void configure_openmp_wait(char** argv) {
     if (std::getenv("LINVIS_NO_REEXEC") != nullptr) return;
     const std::string coretype = linvis::runtime::openblas_coretype_override();
-    if (std::getenv("OMP_WAIT_POLICY") != nullptr && coretype.empty()) return;
-    if (std::getenv("OMP_WAIT_POLICY") == nullptr) setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+    const bool user_policy = std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr;
+    if (user_policy && coretype.empty()) return;
+    if (!user_policy) setenv("GOMP_SPINCOUNT", linvis::runtime::kOpenmpSpinCount, 1);
     if (!coretype.empty()) setenv("OPENBLAS_CORETYPE", coretype.c_str(), 1);
     setenv("LINVIS_NO_REEXEC", "1", 1);
     execv("/proc/self/exe", argv);
@@ -59,7 +62,7 @@ void ensure_passive_openmp(char** argv) {
 
 int main(int argc, char** argv) {
     using namespace linvis::cli;
-    ensure_passive_openmp(argv);
+    configure_openmp_wait(argv);
     if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" ||
         std::string(argv[1]) == "help") {
         print_help();

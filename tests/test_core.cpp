@@ -46,7 +46,7 @@ TEST(Flops, OnednnLinearMatchesLibTorch) {
     EXPECT_NE(linvis::flops::linear_backend().find("oneDNN"), std::string::npos) << linvis::flops::linear_backend();
     torch::manual_seed(3);
     struct Case { std::vector<int64_t> x; int64_t n; bool bias, transposed_x, transposed_w; };
-    // The first three stay with LibTorch (below 2^25 multiply-adds), the others go to oneDNN.
+    // Every non-empty float32 product goes to oneDNN, from a 7-vector to a 512-px ViT-T's.
     for (const Case& c : {Case{{7}, 5, true, false, false}, Case{{197, 192}, 576, true, false, false},
                           Case{{1, 1, 1}, 1, true, false, true}, Case{{1025, 192}, 576, true, false, false},
                           Case{{3, 341, 257}, 131, false, false, false}, Case{{3, 400, 129}, 700, true, true, false},
@@ -56,7 +56,7 @@ TEST(Flops, OnednnLinearMatchesLibTorch) {
         const int64_t k = c.x.back();
         torch::Tensor w = c.transposed_w ? torch::randn({k, c.n}).t() : torch::randn({c.n, k});
         torch::Tensor b = c.bias ? torch::randn({c.n}) : torch::Tensor();
-        EXPECT_EQ(linvis::flops::linear_takes_onednn(x, w, b), x.numel() * c.n >= (int64_t{1} << 25)) << x.sizes();
+        EXPECT_TRUE(linvis::flops::linear_takes_onednn(x, w, b)) << x.sizes();
         torch::Tensor y;
         {
             torch::NoGradGuard no_grad;
@@ -72,6 +72,13 @@ TEST(Flops, OnednnLinearMatchesLibTorch) {
         unsetenv("LINVIS_GEMM");
         EXPECT_LT(((y - y_torch).norm() / y_torch.norm()).item<double>(), 1e-6);
     }
+    // Empty products stay with LibTorch: no rows gives no rows, K = 0 gives the bias alone.
+    const torch::Tensor no_rows = torch::randn({0, 8}), no_k = torch::randn({3, 0}), w8 = torch::randn({4, 8});
+    const torch::Tensor bias4 = torch::randn({4});
+    EXPECT_FALSE(linvis::flops::linear_takes_onednn(no_rows, w8, bias4));
+    EXPECT_EQ(linvis::flops::linear(no_rows, w8, bias4).sizes(), (std::vector<int64_t>{0, 4}));
+    EXPECT_FALSE(linvis::flops::linear_takes_onednn(no_k, torch::randn({4, 0}), bias4));
+    EXPECT_TRUE(torch::equal(linvis::flops::linear(no_k, torch::randn({4, 0}), bias4), bias4.expand({3, 4})));
     // In a graph: first derivatives (some inputs frozen) and a second derivative through a create_graph backward
     // equal LibTorch's.
     const auto derivatives = [](bool weight_grad) {

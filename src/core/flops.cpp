@@ -27,21 +27,17 @@ bool torch_gemm_forced() {
     return value != nullptr && std::strcmp(value, "torch") == 0;
 }
 
-// Products below this many multiply-adds stay with LibTorch (OpenBLAS). oneDNN's sgemm opens an OpenMP
-// region per call, and waking the passive OpenMP workers (while OpenBLAS's pthreads spin after their own
-// calls) costs more than oneDNN gains on the small products of a 224-px ViT-T (197 x 192 x 576 = 2^24.4):
-// measured on a quiet machine, deit_tiny 0.85x, vit3_tiny 0.67x at 224 px with every product on oneDNN,
-// 1.0-1.35x at 512 px (docs/performance.md).
-constexpr int64_t kOnednnMinMacs = int64_t{1} << 25;
-
-// oneDNN's sgemm takes float32 CPU products of at least kOnednnMinMacs.
+// oneDNN's sgemm takes every float32 CPU product. It opens an OpenMP region per call: with passive
+// OpenMP workers the wake-up cost more than oneDNN gained on a 224-px ViT-T's products, with the CLI's
+// short spin (runtime::configure_threads) it wins at every size (docs/performance.md).
 bool takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
     const auto f32_cpu = [](const torch::Tensor& t) {
         return t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && !t.is_sparse() && !t.is_mkldnn();
     };
     if (!f32_cpu(x) || !f32_cpu(weight) || weight.dim() != 2 || x.dim() < 1 || x.size(-1) != weight.size(1)) return false;
     if (bias.defined() && (!f32_cpu(bias) || bias.dim() != 1 || bias.size(0) != weight.size(0))) return false;
-    return x.numel() * weight.size(0) >= kOnednnMinMacs && !torch_gemm_forced();
+    // Empty products (no rows or K = 0) stay with LibTorch, which defines them (zeros plus bias).
+    return x.numel() > 0 && weight.numel() > 0 && !torch_gemm_forced();
 }
 
 // Row-major C (M x N) = op(A) . op(B) through oneDNN (op = transpose for 'T'); lda/ldb are the stored rows' lengths.

@@ -103,9 +103,13 @@ int blas_threads() {
     return getter != nullptr ? getter() : -1;
 }
 
-bool openmp_is_passive() {
+std::string openmp_wait_policy() {
     const char* policy = std::getenv("OMP_WAIT_POLICY");
-    return policy != nullptr && strcasecmp(policy, "passive") == 0;
+    if (policy != nullptr && strcasecmp(policy, "passive") == 0) return "passive";
+    if (policy != nullptr && strcasecmp(policy, "active") == 0) return "active";
+    const char* spin = std::getenv("GOMP_SPINCOUNT");
+    if (spin != nullptr && *spin != '\0') return std::string("spin ") + spin;
+    return "default";
 }
 
 void configure_threads(int threads) {

@@ -35,11 +35,11 @@ private:
 void add(int64_t macs);
 bool counting();
 
-// y = x W^T + b over the last dimension of x. Float32 CPU products of at least 2^25 multiply-adds (a
-// 512-px ViT-T's, not a 224-px one's) run through oneDNN's sgemm, faster there than LibTorch 1.13's
-// OpenBLAS call (docs/performance.md); in training the backward products go through it too (a backward
-// that builds a graph, for double backward, uses LibTorch's ops). Smaller products, other dtypes and
-// devices use LibTorch's linear. The environment variable LINVIS_GEMM=torch (read on every call) sends
+// y = x W^T + b over the last dimension of x. Float32 CPU products run through oneDNN's sgemm, faster
+// than LibTorch 1.13's OpenBLAS call at every size once idle OpenMP workers spin briefly
+// (runtime::configure_threads; docs/performance.md); in training the backward products go through it
+// too (a backward that builds a graph, for double backward, uses LibTorch's ops). Empty products, other
+// dtypes and devices use LibTorch's linear. The environment variable LINVIS_GEMM=torch (read on every call) sends
 // all products to LibTorch, for comparisons in one process.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const torch::Tensor& bias = {});
@@ -47,7 +47,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
 // Whether linear() hands this product to oneDNN (see above).
 bool linear_takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias = {});
 
-// Which library computes the large float32 products of linear(): "oneDNN x.y.z sgemm" or
+// Which library computes the float32 products of linear(): "oneDNN x.y.z sgemm" or
 // "LibTorch" (LINVIS_GEMM=torch).
 std::string linear_backend();
 // torch::matmul with broadcasting; counts prod(batch) * n * k * m.

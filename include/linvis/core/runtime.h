@@ -27,15 +27,21 @@ SimdLevel detect_simd();
 const char* simd_name(SimdLevel level);
 
 // Sets LibTorch's intra-op (OpenMP) threads and OpenBLAS's own pthread pool to `threads`
-// (<= 0: the number of cores). The two pools only coexist if idle OpenMP workers sleep
-// instead of spinning: OMP_WAIT_POLICY=PASSIVE must be in the environment before the
-// OpenMP runtime starts, which is why the CLI re-executes itself with it set
-// (ensure_passive_openmp). Measured on the 2-core dev machine: a 2048^2 SGEMM runs at
-// 108 GFLOP/s with one BLAS thread and 200 GFLOP/s with two.
+// (<= 0: the number of cores). The two pools only coexist if idle OpenMP workers do not spin
+// for long: libgomp's default spins ~300k rounds, which starves OpenBLAS's pthreads, while
+// OMP_WAIT_POLICY=PASSIVE (no spin) makes every OpenMP region, one per oneDNN product,
+// pay a wake-up. The CLI therefore starts the OpenMP runtime with GOMP_SPINCOUNT=30000 (a few
+// tens of microseconds, kOpenmpSpinCount) unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT,
+// re-executing itself to do so (configure_openmp_wait in cli/main.cpp); measured in
+// docs/performance.md (224 px on the 2-core Xeon: 1.5-2x the passive policy).
 void configure_threads(int threads);
 
-// True when OMP_WAIT_POLICY is PASSIVE in this process's environment.
-bool openmp_is_passive();
+// The spin count the CLI gives libgomp's idle workers (see configure_threads).
+inline constexpr const char* kOpenmpSpinCount = "30000";
+
+// How idle OpenMP workers wait in this process, from its environment: "passive", "active",
+// "spin N" (GOMP_SPINCOUNT) or "default" (libgomp's own spin, then sleep).
+std::string openmp_wait_policy();
 
 // The OPENBLAS_CORETYPE a process should be started with, or "" when none is needed. A DYNAMIC_ARCH
 // OpenBLAS older than the CPU does not recognise it and falls back to its generic "Prescott" (SSE3)
@@ -44,7 +50,7 @@ bool openmp_is_passive();
 // threads at 190 GFLOP/s with Haswell's against 345-352 with the AVX-512 ones. When the loaded OpenBLAS
 // runs Prescott kernels, returns the widest kernels the CPU can run: "Cooperlake" (AVX-512 with BF16),
 // "SkylakeX" (AVX-512 F/BW/VL/DQ) or "Haswell" (AVX2 + FMA); "" otherwise. OpenBLAS reads the variable when it loads, so the CLI sets it when it
-// restarts itself (see ensure_passive_openmp in cli/main.cpp).
+// restarts itself (see configure_openmp_wait in cli/main.cpp).
 std::string openblas_coretype_override();
 
 // Sets OpenBLAS's thread count, when the loaded BLAS is OpenBLAS. Returns false otherwise.
