@@ -16,6 +16,19 @@ torch::Tensor drop_path(const torch::Tensor& x, double rate, bool training) {
     return x * mask / keep;
 }
 
+bool can_overwrite(std::initializer_list<torch::Tensor> operands) {
+    if (!torch::GradMode::is_enabled()) return true;
+    for (const torch::Tensor& t : operands)
+        if (t.requires_grad()) return false;
+    return true;
+}
+
+torch::Tensor add_into(torch::Tensor fresh, const torch::Tensor& other) {
+    if (can_overwrite({fresh, other}) && fresh.sizes() == other.sizes() && fresh.scalar_type() == other.scalar_type())
+        return fresh.add_(other);
+    return fresh + other;
+}
+
 torch::Tensor resample_abs_pos_embed(const torch::Tensor& pos_embed, std::array<int64_t, 2> new_grid,
                                      std::array<int64_t, 2> old_grid, int64_t num_prefix_tokens, bool antialias) {
     LINVIS_CHECK(pos_embed.defined() && pos_embed.dim() == 3 && pos_embed.size(0) == 1,

@@ -6,6 +6,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "linvis/core/precision.h"
 #include "linvis/ops/linear_headwise.h"
 
 namespace linvis::nn {
@@ -52,6 +53,8 @@ torch::Tensor MultiHeadLayerNormImpl::forward(const torch::Tensor& x) {
     // no transpose copy and is several times faster on CPU. The affine is per channel (h, d).
     const int64_t NH = x.size(1), DH = x.size(3);
     torch::Tensor normed = torch::layer_norm(x, {DH}, {}, {}, eps);
+    if (can_overwrite({normed, weight, bias}))
+        return normed.mul_(1.0 + weight.view({NH, 1, DH})).add_(bias.view({NH, 1, DH}));
     return torch::addcmul(bias.view({NH, 1, DH}), normed, 1.0 + weight.view({NH, 1, DH}));
 }
 
@@ -81,12 +84,20 @@ MatrixLstmCellImpl::MatrixLstmCellImpl(int64_t dim, int64_t num_heads_, ops::Mls
 
 torch::Tensor MatrixLstmCellImpl::forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
     const int64_t B = q.size(0), S = q.size(1), I = q.size(2), DH = I / num_heads;
-    torch::Tensor qkv = torch::cat({q, k, v}, -1);
-    // Both gates in one product: (B, S, 2 NH), then (B, NH, S, 1) each.
-    torch::Tensor gates = flops::linear(qkv, torch::cat({igate->weight, fgate->weight}),
-                                        torch::cat({igate->bias, fgate->bias}))
-                              .transpose(-1, -2)
-                              .unsqueeze(-1);
+    // Both gates in one product of cat(q, k, v): (B, S, 2 NH), then (B, NH, S, 1) each. In float32 and
+    // float64 the product is split by the weights' column blocks instead of concatenating q, k and v (3 I
+    // wide per token); bf16 / f16 keep the single product, whose one rounding the gates' exponentials need.
+    const torch::Tensor gate_weight = torch::cat({igate->weight, fgate->weight});
+    const torch::Tensor gate_bias = torch::cat({igate->bias, fgate->bias});
+    torch::Tensor gates;
+    if (precision::is_reduced(q)) {
+        gates = flops::linear(torch::cat({q, k, v}, -1), gate_weight, gate_bias);
+    } else {
+        gates = flops::linear(q, gate_weight.narrow(1, 0, I), gate_bias);
+        gates = add_into(gates, flops::linear(k, gate_weight.narrow(1, I, I)));
+        gates = add_into(gates, flops::linear(v, gate_weight.narrow(1, 2 * I, I)));
+    }
+    gates = gates.transpose(-1, -2).unsqueeze(-1);
     torch::Tensor ig = gates.narrow(1, 0, num_heads);
     torch::Tensor fg = gates.narrow(1, num_heads, num_heads);
     auto heads = [&](const torch::Tensor& t) { return t.view({B, S, num_heads, DH}).transpose(1, 2); };
@@ -127,12 +138,19 @@ torch::Tensor VilLayerImpl::forward(const torch::Tensor& input, int64_t grid_h, 
     torch::Tensor grid = x_mlstm.reshape({B, grid_h, grid_w, I}).permute({0, 3, 1, 2});
     torch::Tensor conv_out = flops::conv2d(grid, conv->weight, conv->bias, {1, 1}, {1, 1}, {1, 1}, I);
     torch::Tensor x_conv = conv_out.permute({0, 2, 3, 1}).reshape({B, S, I});
-    torch::Tensor x_act = torch::silu(x_conv);
+    torch::Tensor x_act = can_overwrite({x_conv}) ? torch::silu_(x_conv) : torch::silu(x_conv);
     torch::Tensor q = q_proj->forward(x_act);
     torch::Tensor k = k_proj->forward(x_act);
     torch::Tensor v = v_proj->forward(x_mlstm);
     torch::Tensor h_tilde = mlstm_cell->forward(q, k, v);
-    torch::Tensor h = (h_tilde + learnable_skip * x_act) * torch::silu(z);
+    torch::Tensor h;
+    if (can_overwrite({h_tilde, learnable_skip, x_act, z})) {
+        // z is x_inner's second half, needed nowhere else.
+        torch::Tensor gate = z;
+        h = h_tilde.addcmul_(learnable_skip, x_act).mul_(torch::silu_(gate));
+    } else {
+        h = (h_tilde + learnable_skip * x_act) * torch::silu(z);
+    }
     torch::Tensor y = flops::linear(h, proj_down->weight, proj_down->bias);
     return reversed ? y.flip({1}) : y;
 }
@@ -146,7 +164,7 @@ VilBlockImpl::VilBlockImpl(int64_t dim, bool reversed, double drop_path_, ops::M
 
 torch::Tensor VilBlockImpl::forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w) {
     torch::Tensor branch = layer->forward(norm->forward(x), grid_h, grid_w);
-    return x + nn::drop_path(branch, drop_path, is_training());
+    return add_into(nn::drop_path(branch, drop_path, is_training()), x);
 }
 
 VilBlockPairImpl::VilBlockPairImpl(int64_t dim, double drop_path, ops::MlstmMode mode, int64_t chunk_size,

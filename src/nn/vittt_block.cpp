@@ -109,7 +109,10 @@ SwiGluMlpImpl::SwiGluMlpImpl(int64_t dim, int64_t hidden) {
 }
 
 torch::Tensor SwiGluMlpImpl::forward(const torch::Tensor& x) {
-    return linear(down_proj, torch::silu(linear(gate_proj, x)) * linear(up_proj, x));
+    torch::Tensor gate = linear(gate_proj, x);
+    if (!can_overwrite({gate})) return linear(down_proj, torch::silu(gate) * linear(up_proj, x));
+    torch::silu_(gate);
+    return linear(down_proj, gate.mul_(linear(up_proj, x)));  // one hidden-size temporary fewer
 }
 
 // ------------------------------------------------------------------ VitttBlock
@@ -180,8 +183,8 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
         mixer_branches(x, probe_forth ? &norms_forth : nullptr, probe_back ? &norms_back : nullptr);
     if (probe_forth) probe_forth->record("ttt.grad_norms.forth", norms_forth);
     if (probe_back) probe_back->record("ttt.grad_norms.back", norms_back);
-    y = y + drop_path(linear(o_proj, gate * (z_forth + z_back)));
-    y = y + drop_path(mlp->forward(layer_norm(norm2, y)));
+    y = add_into(drop_path(linear(o_proj, gate * (z_forth + z_back))), y);
+    y = add_into(drop_path(mlp->forward(layer_norm(norm2, y))), y);
     return y;
 }
 

@@ -3,6 +3,7 @@
 
 #include <array>
 #include <cstdint>
+#include <initializer_list>
 
 #include <torch/torch.h>
 
@@ -12,6 +13,17 @@ namespace linvis::nn {
 // branch of each sample with probability `rate` and scales the kept ones by 1 / (1 - rate).
 // Identity in evaluation or when rate <= 0. Uses the LibTorch generator (checkpointed by the trainer).
 torch::Tensor drop_path(const torch::Tensor& x, double rate, bool training);
+
+// Whether an operation on `operands` may write into the first of them, a tensor a layer has just
+// computed and that nothing else references: true unless an autograd graph would record the operation
+// (grad mode on and some operand requires grad). Layers then apply activations, gates and residual sums
+// in place in inference and under frozen weights, which saves a temporary of the layer's widest size each
+// time (the peak activation memory of a 1024-px model; docs/performance.md). The in-place ops compute the
+// same values as the out-of-place ones.
+bool can_overwrite(std::initializer_list<torch::Tensor> operands);
+
+// fresh + other, written into `fresh` when can_overwrite({fresh, other}) and the shapes and dtypes match.
+torch::Tensor add_into(torch::Tensor fresh, const torch::Tensor& other);
 
 // timm's resample_abs_pos_embed: pos_embed (1, P + Ho*Wo, D) with P prefix (class) tokens ->
 // (1, P + Hn*Wn, D). The prefix positions are kept unchanged; the grid part is reshaped to

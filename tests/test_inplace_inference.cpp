@@ -1,0 +1,99 @@
+// Layers write activations, gates and residual sums into tensors they just computed when no autograd
+// graph records them (nn::can_overwrite). These tests hold that path to the out-of-place one of the same
+// model: the same logits and features, the caller's input untouched, repeated calls identical, and the
+// gradients of a training step unchanged.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+
+#include "linvis/models/registry.h"
+#include "linvis/nn/common.h"
+#include "support/testing.h"
+
+namespace {
+
+using linvis::models::ModelConfig;
+
+linvis::models::ModelPtr small_model(const std::string& name) {
+    torch::manual_seed(11);
+    auto model = linvis::models::create_model(
+        name, ModelConfig().set("img_size", int64_t{64}).set("depth", int64_t{2}).set("num_classes", int64_t{5}));
+    model->eval();
+    return model;
+}
+
+TEST(InPlaceInference, CanOverwriteOnlyWithoutAGraph) {
+    const torch::Tensor plain = torch::randn({3}), tracked = torch::randn({3}, torch::requires_grad());
+    EXPECT_TRUE(linvis::nn::can_overwrite({plain}));
+    EXPECT_FALSE(linvis::nn::can_overwrite({plain, tracked}));
+    {
+        torch::NoGradGuard no_grad;
+        EXPECT_TRUE(linvis::nn::can_overwrite({plain, tracked}));
+    }
+    torch::Tensor fresh = plain.clone();
+    const torch::Tensor other = torch::randn({3});
+    torch::Tensor sum = linvis::nn::add_into(fresh, other);
+    EXPECT_EQ(sum.data_ptr(), fresh.data_ptr());  // written in place
+    EXPECT_TRUE(torch::equal(sum, plain + other));
+    torch::Tensor graph_sum = linvis::nn::add_into(plain.clone(), tracked);
+    EXPECT_TRUE(graph_sum.requires_grad());
+    EXPECT_TRUE(torch::equal(graph_sum.detach(), plain + tracked.detach()));
+    // Broadcasting sums are not written in place (the fresh tensor would have to grow).
+    torch::Tensor row = torch::randn({1, 3});
+    EXPECT_EQ(linvis::nn::add_into(row, torch::randn({2, 3})).sizes(), (std::vector<int64_t>{2, 3}));
+}
+
+class InPlaceInferenceFamily : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(InPlaceInferenceFamily, SameOutputsAsTheOutOfPlacePath) {
+    auto model = small_model(GetParam());
+    torch::manual_seed(12);
+    const torch::Tensor input = torch::randn({2, 3, 64, 64});
+    const torch::Tensor input_copy = input.clone();
+    // Out of place: grad mode on and the weights require grad, so every layer keeps its temporaries.
+    const torch::Tensor logits_graph = model->forward(input).detach();
+    const torch::Tensor features_graph = model->forward_features(input).detach();
+    torch::Tensor logits, logits_again, features;
+    {
+        torch::NoGradGuard no_grad;
+        logits = model->forward(input);
+        logits_again = model->forward(input);
+        features = model->forward_features(input);
+    }
+    EXPECT_TRUE(torch::equal(input, input_copy)) << "the caller's input was overwritten";
+    EXPECT_TRUE(linvis::testing::all_close(logits, logits_graph, 1e-5, 1e-6));
+    EXPECT_TRUE(linvis::testing::all_close(features, features_graph, 1e-5, 1e-6));
+    EXPECT_TRUE(torch::equal(logits, logits_again));
+    // Frozen weights with grad mode on take the in-place path too, and give the same logits.
+    for (auto& p : model->parameters()) p.requires_grad_(false);
+    EXPECT_TRUE(linvis::testing::all_close(model->forward(input), logits_graph, 1e-5, 1e-6));
+}
+
+TEST_P(InPlaceInferenceFamily, TrainingGradientsUnchangedByInferencePasses) {
+    auto model = small_model(GetParam());
+    torch::manual_seed(13);
+    const torch::Tensor input = torch::randn({2, 3, 64, 64});
+    const auto step_grads = [&] {
+        model->zero_grad();
+        model->forward(input).square().sum().backward();
+        std::vector<torch::Tensor> grads;
+        for (auto& p : model->parameters())
+            if (p.grad().defined()) grads.push_back(p.grad().clone());
+        return grads;
+    };
+    const auto before = step_grads();
+    {
+        torch::NoGradGuard no_grad;
+        model->forward(input);
+    }
+    const auto after = step_grads();
+    ASSERT_EQ(before.size(), after.size());
+    ASSERT_FALSE(before.empty());
+    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i])) << "parameter " << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, InPlaceInferenceFamily,
+                         ::testing::Values("deit_tiny", "vit3_tiny", "t5_tiny", "vittt_tiny", "vil_tiny"));
+
+}  // namespace
