@@ -57,6 +57,7 @@ HWY_AFTER_NAMESPACE();
 #include <string>
 
 #include "linvis/core/error.h"
+#include "ops/simd/per_target.h"
 
 namespace linvis::ops::simd {
 
@@ -99,20 +100,7 @@ Target active_target() {
 
 const Kernels& kernels(Target t) {
     LINVIS_CHECK(target_supported(t), "simd::kernels: target ", target_name(t), " is not supported by this CPU");
-    switch (t) {
-#if HWY_TARGETS & HWY_AVX3
-        case Target::Avx512: return N_AVX3::table();
-#endif
-#if HWY_TARGETS & HWY_AVX2
-        case Target::Avx2: return N_AVX2::table();
-#endif
-        default:
-#if HWY_TARGETS & HWY_EMU128
-            return N_EMU128::table();
-#else
-            return N_SCALAR::table();
-#endif
-    }
+    LINVIS_SIMD_PER_TARGET(t, table)
 }
 
 const Kernels& kernels() { return kernels(active_target()); }

@@ -65,6 +65,7 @@ HWY_AFTER_NAMESPACE();
 #include <ATen/Parallel.h>
 
 #include "linvis/core/error.h"
+#include "ops/simd/per_target.h"
 #include "ops/simd/simd.h"
 
 namespace linvis::ops::cpu {
@@ -83,20 +84,7 @@ torch::Tensor empty_token_major(int64_t B, int64_t nh, int64_t T, int64_t d, con
 // The scan functions of the target chosen once per op call (saved for the backward, so both passes
 // run the same code).
 const ScanFns& scan_fns(simd::Target t) {
-    switch (t) {
-#if HWY_TARGETS & HWY_AVX3
-        case simd::Target::Avx512: return N_AVX3::scan_fns();
-#endif
-#if HWY_TARGETS & HWY_AVX2
-        case simd::Target::Avx2: return N_AVX2::scan_fns();
-#endif
-        default:
-#if HWY_TARGETS & HWY_EMU128
-            return N_EMU128::scan_fns();
-#else
-            return N_SCALAR::scan_fns();
-#endif
-    }
+    LINVIS_SIMD_PER_TARGET(t, scan_fns)
 }
 
 template <typename In>
