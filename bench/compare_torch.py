@@ -12,6 +12,8 @@ What it does, for each resolution in turn (so that drift of the machine hits eve
   1. `linvis bench --format json` for the linvis models (each case in its own process, as linvis bench does);
   2. timm `deit_tiny_patch16_224` (img_size=res, SDPA attention) eager, in a child process;
   3. the same compiled with torch.compile (compile time reported, not timed), in a child process.
+With --train every case is a training step instead (forward, cross-entropy against one label, backward,
+gradients dropped), as `linvis bench --train` times it.
 Every case: batch 1, float32, the same thread count, warm-up passes then timed passes, images/s as the median;
 memory as linvis bench defines it: activation = peak resident set size minus the resident size once the
 model and input are built (VmHWM reset after the build).
@@ -63,30 +65,43 @@ def child_time(args):
     """One timm case in this process; prints one JSON line."""
     torch, model, image = build_timm(args.res, args.threads)
     compile_s = 0.0
-    with torch.inference_mode():
+    if args.train:
+        # A training step as linvis bench --train times it: forward, cross-entropy, backward, grads dropped.
+        label = torch.zeros(1, dtype=torch.long)
+
+        def step(m):
+            torch.nn.functional.cross_entropy(m(image), label).backward()
+            for p in m.parameters():
+                p.grad = None
+        context = torch.enable_grad()
+    else:
+        def step(m):
+            m(image)
+        context = torch.inference_mode()
+    with context:
         if args.mode == "compile":
             start = time.perf_counter()
             model = torch.compile(model)
-            model(image)  # compiles
+            step(model)  # compiles
             compile_s = time.perf_counter() - start
         # As linvis bench: the base is the resident size once the model and input are built (for compile: and
         # compiled), so the warm-up's allocations count as the pass's own.
         base_kib = read_status_kib("VmRSS")
         reset_peak_rss()
         for _ in range(args.warmup):
-            model(image)
+            step(model)
         times = []
         budget_end = time.perf_counter() + args.max_seconds
         for i in range(args.iters):
             start = time.perf_counter()
-            model(image)
+            step(model)
             times.append(time.perf_counter() - start)
             if i >= 2 and time.perf_counter() > budget_end:
                 break
         peak_kib = read_status_kib("VmHWM")
     rates = [1.0 / t for t in times]
     print(json.dumps({
-        "model": TIMM_MODEL, "mode": args.mode, "res": args.res, "threads": args.threads,
+        "model": TIMM_MODEL, "mode": args.mode, "train": bool(args.train), "res": args.res, "threads": args.threads,
         "torch": torch.__version__, "images_per_s": statistics.median(rates),
         "images_per_s_min": min(rates), "images_per_s_max": max(rates), "iterations": len(times),
         "compile_s": compile_s, "base_mib": base_kib / 1024.0,
@@ -162,6 +177,8 @@ def linvis_bench(args, res):
            "--format", "json", "--no-gemm"]
     if args.impl:
         cmd += ["--impl", args.impl]
+    if args.train:
+        cmd += ["--train"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
@@ -190,7 +207,8 @@ def linvis_isa(linvis):
 
 
 def markdown(rows, meta):
-    lines = [f"Machine: {meta['cpu']} ({meta['isa']}), {meta['threads']} threads, batch 1, float32, "
+    what = "training step (forward + cross-entropy + backward)" if meta.get("train") else "inference"
+    lines = [f"Machine: {meta['cpu']} ({meta['isa']}), {meta['threads']} threads, batch 1, float32, {what}, "
              f"{meta['date']}. torch {meta['torch']} + timm {meta['timm']} from PyPI; linvis {meta['linvis_rev']}. "
              f"SGEMM 2048^2 in this run: torch {meta['torch_sgemm']:.0f} GFLOP/s, linvis "
              f"{meta['linvis_sgemm']:.0f} GFLOP/s. Same DeiT weights, same input: linvis vs timm logits "
@@ -228,6 +246,7 @@ def main():
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--max-seconds", type=float, default=60.0)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--train", action="store_true", help="time training steps instead of inference")
     parser.add_argument("--check-tol", type=float, default=1e-4)
     parser.add_argument("--json", help="write all raw results here")
     parser.add_argument("--markdown", help="write the table here")
@@ -254,13 +273,13 @@ def main():
     meta = {"cpu": cpu_model(), "isa": linvis_isa(args.linvis), "threads": args.threads,
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "timm": timm.__version__,
             "linvis_rev": rev or "unknown", "torch_sgemm": sgemm_gflops(args.threads),
-            "linvis_sgemm": linvis_sgemm(args), "check_rel_err": check["rel_err"]}
+            "linvis_sgemm": linvis_sgemm(args), "check_rel_err": check["rel_err"], "train": bool(args.train)}
     rows = []
     for res in [int(r) for r in args.res.split(",")]:
         print(f"res {res}: linvis bench", file=sys.stderr)
         row = {"res": res, "linvis": linvis_bench(args, res)}
         common = ["--res", str(res), "--warmup", str(args.warmup), "--iters", str(args.iters),
-                  "--max-seconds", str(args.max_seconds), "--child", "time"]
+                  "--max-seconds", str(args.max_seconds), "--child", "time"] + (["--train"] if args.train else [])
         print(f"res {res}: timm eager", file=sys.stderr)
         row["timm_eager"] = run_child(common + ["--mode", "eager"], args, 3600)
         if not args.no_compile:
