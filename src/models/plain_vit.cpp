@@ -6,6 +6,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "linvis/nn/checkpoint.h"
 #include "linvis/nn/common.h"
 #include "linvis/nn/vil.h"
 
@@ -35,6 +36,7 @@ PlainVitOptions read_plain_vit_options(const ModelConfig& config, PlainVitOption
     if (o.pos_embed == PosEmbedKind::Tokens)
         o.pos_embed_antialias = config.get_bool("pos_embed_antialias", o.pos_embed_antialias);
     o.impl = ops::parse_impl(config.get_string("impl", ops::impl_name(o.impl)));
+    o.grad_checkpointing = config.get_bool("grad_checkpointing", o.grad_checkpointing);
     o.features = read_feature_options(config);
     if (o.features.features_only) {
         o.num_classes = 0;
@@ -191,7 +193,14 @@ torch::Tensor PlainVit::forward_block(int64_t index, const torch::Tensor& tokens
 torch::Tensor PlainVit::forward_features(const torch::Tensor& images) {
     Embedding e = embed(images);
     torch::Tensor x = e.tokens;
-    for (auto& block : blocks_) x = block->forward(x, e.height, e.width);
+    for (auto& block : blocks_) {
+        if (!o_.grad_checkpointing) {
+            x = block->forward(x, e.height, e.width);
+            continue;
+        }
+        const int64_t h = e.height, w = e.width;
+        x = nn::checkpoint([block, h, w](const torch::Tensor& t) { return block->forward(t, h, w); }, x);
+    }
     return norm.forward(x);
 }
 
@@ -234,7 +243,13 @@ std::vector<torch::Tensor> PlainVit::forward_intermediates(const torch::Tensor& 
     int64_t tap = 0;
     for (auto& block : blocks_) {
         for (int64_t s = 0; s < block->num_sub_blocks() && tap <= last; ++s, ++tap) {
-            x = block->forward_sub_block(s, x, e.height, e.width);
+            if (o_.grad_checkpointing) {
+                const int64_t h = e.height, w = e.width;
+                x = nn::checkpoint(
+                    [block, s, h, w](const torch::Tensor& t) { return block->forward_sub_block(s, t, h, w); }, x);
+            } else {
+                x = block->forward_sub_block(s, x, e.height, e.width);
+            }
             for (size_t k = 0; k < wanted.size(); ++k)
                 if (wanted[k] == tap) outputs[k] = x.narrow(1, e.prefix, e.height * e.width);
         }

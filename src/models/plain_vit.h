@@ -45,13 +45,16 @@ struct PlainVitOptions {
     Pooling pooling = Pooling::Mean;
     double head_init_std = 0.02;  // trunc_normal std of head.weight (bias 0)
     ops::Impl impl = ops::Impl::Auto;
+    // Activation checkpointing of every block while a graph is recorded (nn::checkpoint; timm's
+    // set_grad_checkpointing): training keeps one block's intermediates at a time.
+    bool grad_checkpointing = false;
     // features_only: no head, any input size (padded to the patch); out_indices count sub-blocks and
     // default to four evenly spaced ones ending with the last (2, 5, 8, 11 of 12: the ViT UperNet setting).
     FeatureOptions features;
 };
 
 // Reads the options every family takes from `config` over the family's `defaults`: num_classes,
-// img_size, in_chans, patch_size, embed_dim, depth, drop_path_rate, impl, features_only, out_indices,
+// img_size, in_chans, patch_size, embed_dim, depth, drop_path_rate, impl, grad_checkpointing, features_only, out_indices,
 // and pos_embed_antialias when the position embedding is Tokens; checks them (errors name the model).
 PlainVitOptions read_plain_vit_options(const ModelConfig& config, PlainVitOptions defaults);
 

@@ -1,0 +1,24 @@
+// Activation checkpointing (timm's set_grad_checkpointing, torch.utils.checkpoint in its reentrant form):
+// a block runs without keeping its intermediate tensors for the backward pass, which runs the block
+// again from its saved input. A training step then holds one block's intermediates at a time instead of
+// every block's, for about one more forward pass of compute: the memory a 1024-px or 2048-px training
+// step needs (docs/performance.md).
+#pragma once
+
+#include <functional>
+
+#include <torch/torch.h>
+
+namespace linvis::nn {
+
+using BlockFn = std::function<torch::Tensor(const torch::Tensor&)>;
+
+// fn(x), computed so that its backward recomputes fn from x. The parameters fn uses receive their
+// gradients during that recomputation (accumulated into their .grad as leaves), x its gradient through
+// the returned tensor. The CPU random generator is restored for the recomputation, so random ops in fn
+// (drop path) draw the same values twice. Plain fn(x) when no graph is being recorded or x does not
+// require grad (the checkpoint could then not route gradients to fn's parameters); fn must not change
+// module state that its second run would change again (BatchNorm running statistics do).
+torch::Tensor checkpoint(BlockFn fn, const torch::Tensor& x);
+
+}  // namespace linvis::nn

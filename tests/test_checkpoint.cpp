@@ -1,0 +1,94 @@
+// Activation checkpointing (nn::checkpoint and the models' grad_checkpointing option): the same loss and
+// gradients as the plain graph, random ops replayed identically, the caller's random stream undisturbed.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "linvis/models/registry.h"
+#include "linvis/nn/checkpoint.h"
+#include "support/testing.h"
+
+namespace {
+
+struct Gradients {
+    torch::Tensor loss, dx, dw, db, next_random;
+};
+
+// A block with parameters and a random mask (as drop path draws one), run plain or checkpointed.
+Gradients run_block(bool checkpointed, bool input_requires_grad) {
+    torch::manual_seed(21);
+    torch::Tensor x = torch::randn({5, 7}).requires_grad_(input_requires_grad);
+    torch::Tensor w = torch::randn({7, 7}, torch::requires_grad()), b = torch::randn({7}, torch::requires_grad());
+    const linvis::nn::BlockFn block = [&](const torch::Tensor& t) {
+        const torch::Tensor keep = (torch::rand({5, 1}) > 0.3).to(t.scalar_type());
+        return torch::gelu(torch::addmm(b, t, w)) * keep + t;
+    };
+    torch::Tensor y = checkpointed ? linvis::nn::checkpoint(block, x) : block(x);
+    y = checkpointed ? linvis::nn::checkpoint(block, y) : block(y);  // two in a row, as blocks of a model
+    torch::Tensor loss = (y * y).sum();
+    loss.backward();
+    return {loss.detach(), input_requires_grad ? x.grad() : torch::Tensor(), w.grad(), b.grad(), torch::rand({3})};
+}
+
+TEST(ActivationCheckpoint, SameLossAndGradientsAsThePlainGraph) {
+    for (bool input_requires_grad : {true, false}) {
+        const Gradients plain = run_block(false, input_requires_grad);
+        const Gradients ckpt = run_block(true, input_requires_grad);
+        EXPECT_TRUE(torch::equal(plain.loss, ckpt.loss));
+        ASSERT_TRUE(ckpt.dw.defined() && ckpt.db.defined()) << "parameters got no gradient";
+        EXPECT_TRUE(linvis::testing::all_close(ckpt.dw, plain.dw, 1e-6, 1e-6));
+        EXPECT_TRUE(linvis::testing::all_close(ckpt.db, plain.db, 1e-6, 1e-6));
+        if (input_requires_grad) EXPECT_TRUE(linvis::testing::all_close(ckpt.dx, plain.dx, 1e-6, 1e-6));
+        // The recomputation replays the masks and leaves the caller's random stream where the plain run left it.
+        EXPECT_TRUE(torch::equal(plain.next_random, ckpt.next_random));
+    }
+}
+
+TEST(ActivationCheckpoint, NoGraphMeansAPlainCall) {
+    torch::Tensor x = torch::randn({4}, torch::requires_grad());
+    int calls = 0;
+    const linvis::nn::BlockFn twice = [&](const torch::Tensor& t) {
+        ++calls;
+        return t * 2;
+    };
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::equal(linvis::nn::checkpoint(twice, x), x.detach() * 2));
+    EXPECT_EQ(calls, 1);
+}
+
+class ActivationCheckpointFamily : public ::testing::TestWithParam<std::string> {};
+
+// A training step of a small model with drop path: grad_checkpointing=true gives the plain step's loss and
+// gradients (the recomputed blocks draw the same drop-path masks).
+TEST_P(ActivationCheckpointFamily, ModelGradientsUnchanged) {
+    const auto step = [&](bool checkpointing) {
+        torch::manual_seed(31);
+        auto model = linvis::models::create_model(GetParam(), linvis::models::ModelConfig()
+                                                                  .set("img_size", int64_t{64})
+                                                                  .set("depth", int64_t{2})
+                                                                  .set("num_classes", int64_t{5})
+                                                                  .set("drop_path_rate", 0.2)
+                                                                  .set("grad_checkpointing", std::string(checkpointing ? "true" : "false")));
+        model->train();
+        torch::manual_seed(32);
+        const torch::Tensor images = torch::randn({2, 3, 64, 64});
+        torch::Tensor loss = torch::nn::functional::cross_entropy(model->forward(images), torch::tensor({1, 3}));
+        loss.backward();
+        std::vector<torch::Tensor> out = {loss.detach()};
+        for (const auto& p : model->parameters()) out.push_back(p.grad().defined() ? p.grad() : torch::zeros_like(p));
+        return out;
+    };
+    const auto plain = step(false);
+    const auto ckpt = step(true);
+    ASSERT_EQ(plain.size(), ckpt.size());
+    EXPECT_TRUE(linvis::testing::all_close(ckpt[0], plain[0], 1e-5, 1e-6)) << "loss";
+    for (size_t i = 1; i < plain.size(); ++i)
+        EXPECT_TRUE(linvis::testing::all_close(ckpt[i], plain[i], 1e-4, 1e-6)) << "parameter " << i - 1;
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, ActivationCheckpointFamily,
+                         ::testing::Values("deit_tiny", "vit3_tiny", "t5_tiny", "vittt_tiny", "vil_tiny"));
+
+}  // namespace
