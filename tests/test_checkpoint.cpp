@@ -65,12 +65,12 @@ class ActivationCheckpointFamily : public ::testing::TestWithParam<std::string> 
 TEST_P(ActivationCheckpointFamily, ModelGradientsUnchanged) {
     const auto step = [&](bool checkpointing) {
         torch::manual_seed(31);
-        auto model = linvis::models::create_model(GetParam(), linvis::models::ModelConfig()
-                                                                  .set("img_size", int64_t{64})
-                                                                  .set("depth", int64_t{2})
-                                                                  .set("num_classes", int64_t{5})
-                                                                  .set("drop_path_rate", 0.2)
-                                                                  .set("grad_checkpointing", std::string(checkpointing ? "true" : "false")));
+        linvis::models::ModelConfig config;
+        config.set("img_size", int64_t{64}).set("num_classes", int64_t{5}).set("drop_path_rate", 0.2);
+        config.set("grad_checkpointing", std::string(checkpointing ? "true" : "false"));
+        if (GetParam() == "hvit3_tiny") config.set("depths", std::string("1,1,2,1"));  // stages, not blocks
+        else config.set("depth", int64_t{2});
+        auto model = linvis::models::create_model(GetParam(), config);
         model->train();
         torch::manual_seed(32);
         const torch::Tensor images = torch::randn({2, 3, 64, 64});
@@ -89,6 +89,6 @@ TEST_P(ActivationCheckpointFamily, ModelGradientsUnchanged) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, ActivationCheckpointFamily,
-                         ::testing::Values("deit_tiny", "vit3_tiny", "t5_tiny", "vittt_tiny", "vil_tiny"));
+                         ::testing::Values("deit_tiny", "vit3_tiny", "t5_tiny", "vittt_tiny", "vil_tiny", "hvit3_tiny"));
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "linvis/nn/batch_norm.h"
+#include "linvis/nn/checkpoint.h"
 #include "linvis/nn/common.h"
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
@@ -115,6 +116,7 @@ struct HVit3Options {
     std::vector<int64_t> dims, depths, heads;  // per stage
     double mlp_ratio = 4.0, drop_path_rate = 0.0;
     ops::Impl impl = ops::Impl::Auto;
+    bool grad_checkpointing = false;  // nn::checkpoint around every TTT block (see PlainVitOptions)
     // features_only: the official detection/segmentation backbone (spec A6): a LayerNorm norm{i} per
     // reported stage, no BatchNorm or head, RoPE under attn and recomputed for every grid, the Stem
     // and PatchMerging padding for any input size.
@@ -144,6 +146,7 @@ HVit3Options read_hvit3_options(const ModelConfig& config, const HVit3Config& ba
     o.mlp_ratio = config.get_double("mlp_ratio", o.mlp_ratio);
     o.drop_path_rate = config.get_double("drop_path_rate", o.drop_path_rate);
     o.impl = ops::parse_impl(config.get_string("impl", ops::impl_name(o.impl)));
+    o.grad_checkpointing = config.get_bool("grad_checkpointing", o.grad_checkpointing);
     LINVIS_CHECK(o.num_classes >= 0 && o.in_chans > 0 && o.img_size >= 32, "hvit3: bad options num_classes=",
                  o.num_classes, " in_chans=", o.in_chans, " img_size=", o.img_size);
     LINVIS_CHECK(o.drop_path_rate >= 0.0 && o.drop_path_rate < 1.0, "hvit3: drop_path_rate must be in [0, 1), got ",
@@ -171,6 +174,7 @@ public:
           in_chans_(o.in_chans),
           dims_(o.dims),
           backbone_(o.features.features_only),
+          grad_checkpointing_(o.grad_checkpointing),
           out_indices_(o.out_indices) {
         const auto& depths = o.depths;
         // The backbone registers its output norms first, as the official ViTTT backbone does.
@@ -283,7 +287,14 @@ private:
             auto* layer = layers[s]->as<BasicLayerImpl>();
             const int64_t H = map.size(2), W = map.size(3);
             Tensor x = lnn::map_to_tokens(map);
-            for (const auto& block : *layer->blocks) x = block->as<HVit3BlockImpl>()->forward(x, H, W);
+            for (const auto& block : *layer->blocks) {
+                if (!grad_checkpointing_) {
+                    x = block->as<HVit3BlockImpl>()->forward(x, H, W);
+                    continue;
+                }
+                x = lnn::checkpoint(
+                    [block, H, W](const Tensor& t) { return block->as<HVit3BlockImpl>()->forward(t, H, W); }, x);
+            }
             map = lnn::tokens_to_map(x, H, W);
             if (stages) stages->push_back(map);
             if (layer->downsample) map = layer->downsample->forward(backbone_ ? lnn::pad_to_multiple(map, 2) : map);
@@ -300,6 +311,7 @@ private:
     int64_t num_classes_, img_size_, in_chans_;
     std::vector<int64_t> dims_;
     bool backbone_;
+    bool grad_checkpointing_;
     std::vector<int64_t> out_indices_;
     std::map<int64_t, torch::nn::LayerNorm> stage_norms_;
     ConvStack patch_embed{nullptr};
