@@ -179,6 +179,8 @@ def linvis_bench(args, res):
         cmd += ["--impl", args.impl]
     if args.train:
         cmd += ["--train"]
+    if args.model_kwargs:
+        cmd += ["--model-kwargs"] + args.model_kwargs.split()
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
@@ -208,6 +210,8 @@ def linvis_isa(linvis):
 
 def markdown(rows, meta):
     what = "training step (forward + cross-entropy + backward)" if meta.get("train") else "inference"
+    if meta.get("linvis_model_kwargs"):
+        what += f", linvis models with {meta['linvis_model_kwargs']}"
     lines = [f"Machine: {meta['cpu']} ({meta['isa']}), {meta['threads']} threads, batch 1, float32, {what}, "
              f"{meta['date']}. torch {meta['torch']} + timm {meta['timm']} from PyPI; linvis {meta['linvis_rev']}. "
              f"SGEMM 2048^2 in this run: torch {meta['torch_sgemm']:.0f} GFLOP/s, linvis "
@@ -247,6 +251,7 @@ def main():
     parser.add_argument("--max-seconds", type=float, default=60.0)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--train", action="store_true", help="time training steps instead of inference")
+    parser.add_argument("--model-kwargs", default="", help="passed to linvis bench, e.g. 'grad_checkpointing=true'")
     parser.add_argument("--check-tol", type=float, default=1e-4)
     parser.add_argument("--json", help="write all raw results here")
     parser.add_argument("--markdown", help="write the table here")
@@ -273,7 +278,8 @@ def main():
     meta = {"cpu": cpu_model(), "isa": linvis_isa(args.linvis), "threads": args.threads,
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "timm": timm.__version__,
             "linvis_rev": rev or "unknown", "torch_sgemm": sgemm_gflops(args.threads),
-            "linvis_sgemm": linvis_sgemm(args), "check_rel_err": check["rel_err"], "train": bool(args.train)}
+            "linvis_sgemm": linvis_sgemm(args), "check_rel_err": check["rel_err"], "train": bool(args.train),
+            "linvis_model_kwargs": args.model_kwargs}
     rows = []
     for res in [int(r) for r in args.res.split(",")]:
         print(f"res {res}: linvis bench", file=sys.stderr)
