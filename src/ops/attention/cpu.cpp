@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -153,68 +155,70 @@ void backward_rows_target(simd::Target t, T* s, T* dp, int64_t rows, int64_t n, 
     }
 }
 
-// OpenBLAS at one thread while a parallel kernel runs (see the file comment); a no-op when LibTorch runs
-// one thread, inside an outer parallel region, or when the BLAS is not OpenBLAS.
-class BlasThreadsGuard {
-public:
-    BlasThreadsGuard() {
-        if (at::get_num_threads() > 1 && !at::in_parallel_region()) {
-            saved_ = runtime::blas_threads();
-            if (saved_ > 1) runtime::set_blas_threads(1);
-        }
-    }
-    ~BlasThreadsGuard() {
-        if (saved_ > 1) runtime::set_blas_threads(saved_);
-    }
-    BlasThreadsGuard(const BlasThreadsGuard&) = delete;
-    BlasThreadsGuard& operator=(const BlasThreadsGuard&) = delete;
-
-private:
-    int saved_ = -1;
-};
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// TEMPORARY tuning knob: LINVIS_ATTN_TILES=fq,fk,bq,bk.
+int64_t tile_size(int which, int64_t fallback) {
+    const char* env = std::getenv("LINVIS_ATTN_TILES");
+    if (env == nullptr) return fallback;
+    int64_t v[4] = {fallback, fallback, fallback, fallback};
+    std::sscanf(env, "%ld,%ld,%ld,%ld", &v[0], &v[1], &v[2], &v[3]);
+    return v[which] > 0 ? v[which] : fallback;
+}
+
+// Query rows per block: at most `max_rows`, the N rows split evenly over the blocks (rounded up to 8), so
+// the tasks of a short sequence are of one size (197 tokens: 2 blocks of 104 and 93 rows, not 128 and 69).
+int64_t block_rows(int64_t N, int64_t max_rows) {
+    const int64_t blocks = ceil_div(N, max_rows);
+    return std::min(max_rows, ceil_div(ceil_div(N, blocks), 8) * 8);
+}
+
+// The operands every tile product reads, laid out once per call: qs = q * scale (BH, N, d) and
+// kt = k^T (BH, d, M) so that S = qs kt is a row-major product (ops/simd GEMM: B row-major); vt = v^T
+// (BH, dv, M) for the backward's dP = dO v^T.
+template <typename T>
+T* ptr(const torch::Tensor& t) {
+    return t.data_ptr<T>();
+}
 
 // q (BH, N, d), k (BH, M, d), v (BH, M, dv), contiguous, one floating type T. Returns out (BH, N, dv) and
 // the row logsumexp lse (BH, N).
 template <typename T>
 void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
              const torch::Tensor& out, const torch::Tensor& lse) {
-    const int64_t BH = q.size(0), N = q.size(1), M = k.size(1), dv = v.size(2);
-    const int64_t blocks = ceil_div(N, kForwardQueries);
+    const int64_t BH = q.size(0), N = q.size(1), M = k.size(1), d = q.size(2), dv = v.size(2);
+    const int64_t QB = block_rows(N, tile_size(0, kForwardQueries)), KB = tile_size(1, kForwardKeys);
+    const int64_t blocks = ceil_div(N, QB);
     const simd::Target target = simd::active_target();
-    const auto opts = q.options();
-    BlasThreadsGuard blas_guard;
+    const simd::Kernels& kern = simd::kernels(target);
+    at::NoGradGuard no_grad;
+    const torch::Tensor qs = q * scale, kt = k.transpose(1, 2).contiguous();
+    const T *qs_p = ptr<T>(qs), *kt_p = ptr<T>(kt), *v_p = ptr<T>(v);
+    T *out_p = ptr<T>(out), *lse_p = ptr<T>(lse);
     at::parallel_for(0, BH * blocks, 1, [&](int64_t begin, int64_t end) {
-        at::NoGradGuard no_grad;
-        torch::Tensor tile = torch::empty({kForwardQueries, kForwardKeys}, opts);
-        torch::Tensor acc = torch::empty({kForwardQueries, dv}, opts);
-        std::vector<T> m(kForwardQueries), l(kForwardQueries);
+        std::vector<T> tile(QB * KB), acc(QB * dv), m(QB), l(QB);
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t bh = task / blocks, i0 = (task % blocks) * kForwardQueries;
-            const int64_t rows = std::min(kForwardQueries, N - i0);
-            const torch::Tensor qi = q[bh].narrow(0, i0, rows);
-            const torch::Tensor kb = k[bh], vb = v[bh];
-            torch::Tensor o = acc.narrow(0, 0, rows);
-            o.zero_();
+            const int64_t bh = task / blocks, i0 = (task % blocks) * QB;
+            const int64_t rows = std::min(QB, N - i0);
+            const T* qi = qs_p + (bh * N + i0) * d;
+            const T* ktb = kt_p + bh * d * M;
+            const T* vb = v_p + bh * M * dv;
             std::fill(m.begin(), m.end(), -std::numeric_limits<T>::infinity());
             std::fill(l.begin(), l.end(), T(0));
-            for (int64_t j0 = 0; j0 < M; j0 += kForwardKeys) {
-                const int64_t cols = std::min(kForwardKeys, M - j0);
-                torch::Tensor s = tile.narrow(0, 0, rows).narrow(1, 0, cols);
-                // (q k^T) * scale as the reference: the product, then the scale (BLAS's alpha).
-                s.addmm_(qi, kb.narrow(0, j0, cols).t(), /*beta=*/0, /*alpha=*/scale);
-                T* sp = tile.data_ptr<T>();
-                T* op = acc.data_ptr<T>();
-                forward_rows<T>(target, sp, rows, cols, kForwardKeys, m.data(), l.data(), op, dv);
-                o.addmm_(s, vb.narrow(0, j0, cols));
+            for (int64_t j0 = 0; j0 < M; j0 += KB) {
+                const int64_t cols = std::min(KB, M - j0);
+                // S = (q * scale) k^T, then exp(S - m) in place and the rescaled accumulator, then O += P v.
+                simd::gemm(kern, rows, cols, d, qi, d, 1, ktb + j0, M, tile.data(), KB, /*accumulate=*/false);
+                if (j0 == 0) std::fill(acc.begin(), acc.begin() + rows * dv, T(0));
+                forward_rows<T>(target, tile.data(), rows, cols, KB, m.data(), l.data(), acc.data(), dv);
+                simd::gemm(kern, rows, dv, cols, tile.data(), KB, 1, vb + j0 * dv, dv, acc.data(), dv,
+                           /*accumulate=*/true);
             }
-            T* dst = out.data_ptr<T>() + (bh * N + i0) * dv;
-            T* lse_dst = lse.data_ptr<T>() + bh * N + i0;
-            const T* src = acc.data_ptr<T>();
+            T* dst = out_p + (bh * N + i0) * dv;
+            T* lse_dst = lse_p + bh * N + i0;
             for (int64_t r = 0; r < rows; ++r) {
                 const T inv = T(1) / l[r];
-                for (int64_t c = 0; c < dv; ++c) dst[r * dv + c] = src[r * dv + c] * inv;
+                for (int64_t c = 0; c < dv; ++c) dst[r * dv + c] = acc[r * dv + c] * inv;
                 lse_dst[r] = m[r] + std::log(l[r]);
             }
         }
@@ -222,70 +226,71 @@ void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
 }
 
 // Key segments per (sample, head) in the backward: enough tasks for a few threads when there are few
-// (sample, head) pairs (batch 1, 3 heads), one segment otherwise. It depends on the shapes only, never on
-// the thread count, so the sums - and the gradients - are the same on any number of threads.
-constexpr int64_t kBackwardMinTasks = 8;
+// (sample, head) pairs (batch 1, 3 heads: 4 segments, 12 tasks, an even split on 2, 3, 4 or 6 threads),
+// one segment otherwise. It depends on the shapes only, never on the thread count, so the sums - and the
+// gradients - are the same on any number of threads.
+constexpr int64_t kBackwardMinTasks = 12;
 
 // Gradients of forward: dq, dk, dv (outputs, same shapes as q, k, v) from dout (BH, N, dv), the forward's
 // out and lse. One task per (sample*head, key segment): it owns dK and dV of its keys, and adds its part of
 // dQ into its own (N, d) buffer (dq itself when there is one segment); the parts are summed in segment
-// order afterwards.
+// order afterwards. dK = dS^T (q * scale) uses the pre-scaled q; dQ = scale dS k is scaled once at the end.
 template <typename T>
 void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
               const torch::Tensor& lse, const torch::Tensor& dout, double scale, const torch::Tensor& dq,
               const torch::Tensor& dk, const torch::Tensor& dv) {
-    const int64_t BH = q.size(0), N = q.size(1), M = k.size(1);
-    const int64_t key_blocks = ceil_div(M, kBackwardKeys);
+    const int64_t BH = q.size(0), N = q.size(1), M = k.size(1), d = q.size(2), dvs = v.size(2);
+    const int64_t QB = block_rows(N, tile_size(2, kBackwardQueries)), KB = tile_size(3, kBackwardKeys);
+    const int64_t key_blocks = ceil_div(M, KB);
     const int64_t segments = std::min(key_blocks, std::max<int64_t>(1, ceil_div(kBackwardMinTasks, BH)));
     const simd::Target target = simd::active_target();
-    const auto opts = q.options();
+    const simd::Kernels& kern = simd::kernels(target);
+    at::NoGradGuard no_grad;
     const torch::Tensor D = (dout * out).sum(-1);  // (BH, N)
+    const torch::Tensor qs = q * scale, kt = k.transpose(1, 2).contiguous(), vt = v.transpose(1, 2).contiguous();
     // dQ parts (BH, segments, N, d), or dq itself.
-    const torch::Tensor dq_parts = segments > 1 ? torch::zeros({BH, segments, N, q.size(2)}, opts) : dq.unsqueeze(1);
-    if (segments == 1) dq.zero_();
-    dk.zero_();
-    dv.zero_();
-    {
-        BlasThreadsGuard blas_guard;
-        at::parallel_for(0, BH * segments, 1, [&](int64_t begin, int64_t end) {
-            at::NoGradGuard no_grad;
-            torch::Tensor s_tile = torch::empty({kBackwardQueries, kBackwardKeys}, opts);
-            torch::Tensor dp_tile = torch::empty({kBackwardQueries, kBackwardKeys}, opts);
-            for (int64_t task = begin; task < end; ++task) {
-                const int64_t bh = task / segments, segment = task % segments;
-                const int64_t first_block = segment * key_blocks / segments;
-                const int64_t last_block = (segment + 1) * key_blocks / segments;
-                const torch::Tensor qb = q[bh], kb = k[bh], vb = v[bh], gb = dout[bh];
-                const torch::Tensor dqb = dq_parts[bh][segment], dkb = dk[bh], dvb = dv[bh];
-                const T* lse_b = lse.data_ptr<T>() + bh * N;
-                const T* D_b = D.data_ptr<T>() + bh * N;
-                for (int64_t j0 = first_block * kBackwardKeys; j0 < std::min(M, last_block * kBackwardKeys);
-                     j0 += kBackwardKeys) {
-                    const int64_t cols = std::min(kBackwardKeys, M - j0);
-                    const torch::Tensor kj = kb.narrow(0, j0, cols), vj = vb.narrow(0, j0, cols);
-                    torch::Tensor dkj = dkb.narrow(0, j0, cols), dvj = dvb.narrow(0, j0, cols);
-                    for (int64_t i0 = 0; i0 < N; i0 += kBackwardQueries) {
-                        const int64_t rows = std::min(kBackwardQueries, N - i0);
-                        const torch::Tensor qi = qb.narrow(0, i0, rows), gi = gb.narrow(0, i0, rows);
-                        torch::Tensor s = s_tile.narrow(0, 0, rows).narrow(1, 0, cols);
-                        torch::Tensor dp = dp_tile.narrow(0, 0, rows).narrow(1, 0, cols);
-                        s.addmm_(qi, kj.t(), /*beta=*/0, /*alpha=*/scale);
-                        dp.addmm_(gi, vj.t(), /*beta=*/0, /*alpha=*/1);
-                        backward_rows_target<T>(target, s_tile.data_ptr<T>(), dp_tile.data_ptr<T>(), rows, cols,
-                                                kBackwardKeys, lse_b + i0, D_b + i0);
-                        dvj.addmm_(s.t(), gi);                                // dV += P^T dO
-                        dkj.addmm_(dp.t(), qi, /*beta=*/1, /*alpha=*/scale);  // dK += scale dS^T Q
-                        dqb.narrow(0, i0, rows).addmm_(dp, kj, /*beta=*/1, /*alpha=*/scale);  // dQ += scale dS K
-                    }
+    const torch::Tensor dq_parts =
+        segments > 1 ? torch::empty({BH, segments, N, d}, q.options()) : dq.unsqueeze(1);
+    const T *qs_p = ptr<T>(qs), *k_p = ptr<T>(k), *kt_p = ptr<T>(kt), *vt_p = ptr<T>(vt), *g_p = ptr<T>(dout);
+    const T *lse_p = ptr<T>(lse), *D_p = ptr<T>(D);
+    T *dq_p = ptr<T>(dq_parts), *dk_p = ptr<T>(dk), *dv_p = ptr<T>(dv);
+    at::parallel_for(0, BH * segments, 1, [&](int64_t begin, int64_t end) {
+        std::vector<T> s_tile(QB * KB), dp_tile(QB * KB);
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bh = task / segments, segment = task % segments;
+            const int64_t first_block = segment * key_blocks / segments;
+            const int64_t last_block = (segment + 1) * key_blocks / segments;
+            const T *qb = qs_p + bh * N * d, *kb = k_p + bh * M * d, *ktb = kt_p + bh * d * M;
+            const T *vtb = vt_p + bh * dvs * M, *gb = g_p + bh * N * dvs;
+            const T *lse_b = lse_p + bh * N, *D_b = D_p + bh * N;
+            T* dqb = dq_p + (bh * segments + segment) * N * d;
+            T *dkb = dk_p + bh * M * d, *dvb = dv_p + bh * M * dvs;
+            const int64_t j_begin = first_block * KB, j_end = std::min(M, last_block * KB);
+            std::fill(dqb, dqb + N * d, T(0));
+            std::fill(dkb + j_begin * d, dkb + j_end * d, T(0));
+            std::fill(dvb + j_begin * dvs, dvb + j_end * dvs, T(0));
+            for (int64_t j0 = j_begin; j0 < j_end; j0 += KB) {
+                const int64_t cols = std::min(KB, M - j0);
+                for (int64_t i0 = 0; i0 < N; i0 += QB) {
+                    const int64_t rows = std::min(QB, N - i0);
+                    const T *qi = qb + i0 * d, *gi = gb + i0 * dvs;
+                    simd::gemm(kern, rows, cols, d, qi, d, 1, ktb + j0, M, s_tile.data(), KB, false);     // S
+                    simd::gemm(kern, rows, cols, dvs, gi, dvs, 1, vtb + j0, M, dp_tile.data(), KB, false);  // dP
+                    backward_rows_target<T>(target, s_tile.data(), dp_tile.data(), rows, cols, KB, lse_b + i0,
+                                            D_b + i0);
+                    // dV += P^T dO, dK += dS^T (q * scale), dQ += dS k (scaled at the end).
+                    simd::gemm(kern, cols, dvs, rows, s_tile.data(), 1, KB, gi, dvs, dvb + j0 * dvs, dvs, true);
+                    simd::gemm(kern, cols, d, rows, dp_tile.data(), 1, KB, qi, d, dkb + j0 * d, d, true);
+                    simd::gemm(kern, rows, d, cols, dp_tile.data(), KB, 1, kb + j0 * d, d, dqb + i0 * d, d, true);
                 }
             }
-        });
-    }
+        }
+    });
     if (segments > 1) {
-        at::NoGradGuard no_grad;
         dq.copy_(dq_parts.select(1, 0));
         for (int64_t segment = 1; segment < segments; ++segment) dq.add_(dq_parts.select(1, segment));
     }
+    dq.mul_(scale);
 }
 
 class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttentionFunction> {
