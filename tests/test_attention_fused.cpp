@@ -1,7 +1,8 @@
 // The fused flash-style softmax attention (src/ops/attention/cpu.cpp) against the reference
 // (src/ops/attention/reference.cpp: q k^T, softmax, @ v with autograd): outputs and the gradients of q, k
-// and v in float64, float32 and bfloat16; N != M, token counts that are not multiples of the tiles (64 / 256
-// queries x keys forward, 64 x 128 backward): 1, 65, 197, 257, 300, 513; head dims 32, 64, 72 and dv != d;
+// and v in float64, float32 and bfloat16; N != M, token counts that are not multiples of the tiles (at most
+// 128 queries x 512 keys forward, 128 x 256 backward, query blocks split evenly): 1, 3, 5, 7, 65, 129, 197,
+// 257, 300, 513, 1025, one key; head dims 8, 16, 32, 64, 72 and dv != d;
 // several samples and heads; large logits (the online softmax's rescaling); float32 on every SIMD target the
 // CPU runs (LINVIS_SIMD=avx512|avx2|scalar: the row loops' clones); the same bits on 1 and 2 threads.
 //
@@ -85,6 +86,10 @@ const Shape kShapes[] = {
     {2, 3, 65, 257, 32, 48},   // dv != d, one query past a tile, one key past a tile
     {1, 1, 300, 513, 64, 64},  // more keys than queries
     {3, 2, 64, 128, 64, 64},   // exact tiles
+    {1, 2, 7, 1, 16, 16},      // one key
+    {1, 3, 3, 5, 8, 8},        // odd token counts below every tile and below one GEMM register tile
+    {1, 1, 129, 1025, 64, 64},  // 2 uneven query blocks; 1 key past the last forward and backward key tile,
+                                // 5 backward key segments (summed dQ parts)
 };
 
 void all_shapes_f32() {

@@ -63,34 +63,48 @@ LINVIS_INLINE float exp_approx(float x) {
 }
 LINVIS_INLINE double exp_approx(double x) { return std::exp(x); }
 
-// One row of a forward tile: s (n scaled logits) becomes exp(s - m_new), the row maximum m and normaliser
-// l are updated, and the accumulated output row o (dv) is rescaled by exp(m_old - m_new).
+// One forward tile, transposed: s (n keys x rows queries, row stride ld) holds the raw logits q k^T of the
+// block's queries (columns); they become exp(scale s - m_new), and per query the running maximum m and
+// normaliser l are updated and its accumulated output column of o (dv x rows, row stride ld) is rescaled
+// by exp(m_old - m_new). Every loop runs along the queries, contiguous, so it vectorises. `first`: the
+// block's first key tile (m, l and o hold nothing yet). mx, alpha: rows of scratch.
 template <typename T>
-LINVIS_INLINE void online_softmax_row(T* s, int64_t n, T& m, T& l, T* o, int64_t dv) {
-    T mx = -std::numeric_limits<T>::infinity();
-#pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
-    const T m_new = std::max(m, mx);
-    const T alpha = m == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(m - m_new);
-    T sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) {
-        const T e = exp_approx(s[j] - m_new);
-        s[j] = e;
-        sum += e;
-    }
-    l = l * alpha + sum;
-    m = m_new;
-    if (alpha != T(1)) {
+LINVIS_INLINE void online_softmax_cols(T* s, int64_t n, int64_t rows, int64_t ld, T scale, T* m, T* l, T* o,
+                                       int64_t dv, bool first, T* mx, T* alpha) {
 #pragma omp simd
-        for (int64_t c = 0; c < dv; ++c) o[c] *= alpha;
+    for (int64_t i = 0; i < rows; ++i) mx[i] = s[i] * scale;
+    for (int64_t j = 1; j < n; ++j) {
+        const T* sj = s + j * ld;
+#pragma omp simd
+        for (int64_t i = 0; i < rows; ++i) {
+            const T x = sj[i] * scale;  // a plain select: GCC vectorises it, not std::max
+            mx[i] = x > mx[i] ? x : mx[i];
+        }
     }
-}
-
-// Rows of a forward tile (rows x n, row stride lds).
-template <typename T>
-LINVIS_INLINE void online_softmax_rows(T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o, int64_t dv) {
-    for (int64_t r = 0; r < rows; ++r) online_softmax_row(s + r * lds, n, m[r], l[r], o + r * dv, dv);
+#pragma omp simd
+    for (int64_t i = 0; i < rows; ++i) {
+        const T m_new = first || mx[i] > m[i] ? mx[i] : m[i];
+        alpha[i] = first ? T(0) : exp_approx(m[i] - m_new);
+        m[i] = m_new;
+        mx[i] = 0;  // now the sums of the exponentials
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        T* sj = s + j * ld;
+#pragma omp simd
+        for (int64_t i = 0; i < rows; ++i) {
+            const T e = exp_approx(sj[i] * scale - m[i]);
+            sj[i] = e;
+            mx[i] += e;
+        }
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < rows; ++i) l[i] = first ? mx[i] : l[i] * alpha[i] + mx[i];
+    if (!first)
+        for (int64_t c = 0; c < dv; ++c) {
+            T* oc = o + c * ld;
+#pragma omp simd
+            for (int64_t i = 0; i < rows; ++i) oc[i] *= alpha[i];
+        }
 }
 
 // Rows of a backward tile: p = exp(s - lse) in place in s, then ds = p * (dp - D) in place in dp.
@@ -109,29 +123,32 @@ LINVIS_INLINE void backward_rows(T* s, T* dp, int64_t rows, int64_t n, int64_t l
     }
 }
 
-// The row loops for every SIMD target (templates, so LINVIS_SIMD_CLONES is written out) and the choice.
+// The tile loops for every SIMD target (templates, so LINVIS_SIMD_CLONES is written out) and the choice.
+#define LINVIS_FORWARD_PARAMS \
+    T *s, int64_t n, int64_t rows, int64_t ld, T scale, T *m, T *l, T *o, int64_t dv, bool first, T *mx, T *alpha
+#define LINVIS_FORWARD_ARGS s, n, rows, ld, scale, m, l, o, dv, first, mx, alpha
 template <typename T>
-void forward_rows_scalar(T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o, int64_t dv) {
-    online_softmax_rows(s, rows, n, lds, m, l, o, dv);
+void forward_cols_scalar(LINVIS_FORWARD_PARAMS) {
+    online_softmax_cols(LINVIS_FORWARD_ARGS);
 }
 template <typename T>
-LINVIS_SIMD_ATTR_AVX2 void forward_rows_avx2(T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o,
-                                             int64_t dv) {
-    online_softmax_rows(s, rows, n, lds, m, l, o, dv);
+LINVIS_SIMD_ATTR_AVX2 void forward_cols_avx2(LINVIS_FORWARD_PARAMS) {
+    online_softmax_cols(LINVIS_FORWARD_ARGS);
 }
 template <typename T>
-LINVIS_SIMD_ATTR_AVX512 void forward_rows_avx512(T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o,
-                                                 int64_t dv) {
-    online_softmax_rows(s, rows, n, lds, m, l, o, dv);
+LINVIS_SIMD_ATTR_AVX512 void forward_cols_avx512(LINVIS_FORWARD_PARAMS) {
+    online_softmax_cols(LINVIS_FORWARD_ARGS);
 }
 template <typename T>
-void forward_rows(simd::Target t, T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o, int64_t dv) {
+void forward_cols(simd::Target t, LINVIS_FORWARD_PARAMS) {
     switch (t) {
-        case simd::Target::Avx512: forward_rows_avx512<T>(s, rows, n, lds, m, l, o, dv); break;
-        case simd::Target::Avx2: forward_rows_avx2<T>(s, rows, n, lds, m, l, o, dv); break;
-        default: forward_rows_scalar<T>(s, rows, n, lds, m, l, o, dv); break;
+        case simd::Target::Avx512: forward_cols_avx512<T>(LINVIS_FORWARD_ARGS); break;
+        case simd::Target::Avx2: forward_cols_avx2<T>(LINVIS_FORWARD_ARGS); break;
+        default: forward_cols_scalar<T>(LINVIS_FORWARD_ARGS); break;
     }
 }
+#undef LINVIS_FORWARD_PARAMS
+#undef LINVIS_FORWARD_ARGS
 template <typename T>
 void backward_rows_scalar(T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse, const T* D) {
     backward_rows(s, dp, rows, n, ld, lse, D);
@@ -173,52 +190,70 @@ int64_t block_rows(int64_t N, int64_t max_rows) {
     return std::min(max_rows, ceil_div(ceil_div(N, blocks), 8) * 8);
 }
 
-// The operands every tile product reads, laid out once per call: qs = q * scale (BH, N, d) and
-// kt = k^T (BH, d, M) so that S = qs kt is a row-major product (ops/simd GEMM: B row-major); vt = v^T
-// (BH, dv, M) for the backward's dP = dO v^T.
+// x (BH, M, c) as blocks of KB rows transposed, (BH, ceil(M / KB), c, KB), zero past M: the B operand
+// (row-major, ldb = KB) of S = (q * scale) k^T and of the backward's dP = dO v^T for key block j0 / KB,
+// contiguous so a tile product's B panel is a few consecutive pages, not c rows M floats apart.
+torch::Tensor transposed_blocks(const torch::Tensor& x, int64_t KB) {
+    const int64_t BH = x.size(0), M = x.size(1), c = x.size(2), blocks = ceil_div(M, KB);
+    const torch::Tensor padded = blocks * KB == M ? x : torch::constant_pad_nd(x, {0, 0, 0, blocks * KB - M}, 0.0);
+    return padded.view({BH, blocks, KB, c}).transpose(2, 3).contiguous();
+}
+
 template <typename T>
 T* ptr(const torch::Tensor& t) {
     return t.data_ptr<T>();
 }
 
-// q (BH, N, d), k (BH, M, d), v (BH, M, dv), contiguous, one floating type T. Returns out (BH, N, dv) and
-// the row logsumexp lse (BH, N).
+// A (B, h, T, c) tensor with unit stride along c: where (sample*head) bh starts and the row stride.
+template <typename T>
+struct Heads {
+    const T* base;
+    int64_t h, sample_stride, head_stride, row;
+    explicit Heads(const torch::Tensor& t)
+        : base(t.data_ptr<T>()), h(t.size(1)), sample_stride(t.stride(0)), head_stride(t.stride(1)), row(t.stride(2)) {}
+    const T* at(int64_t bh) const { return base + (bh / h) * sample_stride + (bh % h) * head_stride; }
+};
+
+// q (B, h, N, d), k (B, h, M, d), v (B, h, M, dv), one floating type T, unit stride along the last dim
+// (any other strides: deit's q, k, v are views of one qkv tensor). Writes out (B*h, N, dv) and the row
+// logsumexp lse (B*h, N), contiguous. One parallel region, nothing else: per (sample*head, query block) the
+// block's q^T (d x rows) is copied once, then per key tile S^T = k_j q^T (keys x queries; k is read in
+// place as the GEMM's A), the online softmax along the queries, and O^T += v_j^T P^T (v read in place).
 template <typename T>
 void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
              const torch::Tensor& out, const torch::Tensor& lse) {
-    const int64_t BH = q.size(0), N = q.size(1), M = k.size(1), d = q.size(2), dv = v.size(2);
+    const int64_t BH = q.size(0) * q.size(1), N = q.size(2), M = k.size(2), d = q.size(3), dv = v.size(3);
     const int64_t QB = block_rows(N, tile_size(0, kForwardQueries)), KB = tile_size(1, kForwardKeys);
     const int64_t blocks = ceil_div(N, QB);
     const simd::Target target = simd::active_target();
     const simd::Kernels& kern = simd::kernels(target);
-    at::NoGradGuard no_grad;
-    const torch::Tensor qs = q * scale, kt = k.transpose(1, 2).contiguous();
-    const T *qs_p = ptr<T>(qs), *kt_p = ptr<T>(kt), *v_p = ptr<T>(v);
+    const Heads<T> Q(q), K(k), V(v);
     T *out_p = ptr<T>(out), *lse_p = ptr<T>(lse);
+    const T sc = static_cast<T>(scale);
     at::parallel_for(0, BH * blocks, 1, [&](int64_t begin, int64_t end) {
-        std::vector<T> tile(QB * KB), acc(QB * dv), m(QB), l(QB);
+        // Row stride QB for q^T, S^T and O^T.
+        std::vector<T> qt(d * QB), st(KB * QB), ot(dv * QB), m(QB), l(QB), mx(QB), alpha(QB);
         for (int64_t task = begin; task < end; ++task) {
             const int64_t bh = task / blocks, i0 = (task % blocks) * QB;
             const int64_t rows = std::min(QB, N - i0);
-            const T* qi = qs_p + (bh * N + i0) * d;
-            const T* ktb = kt_p + bh * d * M;
-            const T* vb = v_p + bh * M * dv;
-            std::fill(m.begin(), m.end(), -std::numeric_limits<T>::infinity());
-            std::fill(l.begin(), l.end(), T(0));
+            const T* qi = Q.at(bh) + i0 * Q.row;
+            for (int64_t r = 0; r < rows; ++r)
+                for (int64_t x = 0; x < d; ++x) qt[x * QB + r] = qi[r * Q.row + x];
+            const T *kb = K.at(bh), *vb = V.at(bh);
             for (int64_t j0 = 0; j0 < M; j0 += KB) {
                 const int64_t cols = std::min(KB, M - j0);
-                // S = (q * scale) k^T, then exp(S - m) in place and the rescaled accumulator, then O += P v.
-                simd::gemm(kern, rows, cols, d, qi, d, 1, ktb + j0, M, tile.data(), KB, /*accumulate=*/false);
-                if (j0 == 0) std::fill(acc.begin(), acc.begin() + rows * dv, T(0));
-                forward_rows<T>(target, tile.data(), rows, cols, KB, m.data(), l.data(), acc.data(), dv);
-                simd::gemm(kern, rows, dv, cols, tile.data(), KB, 1, vb + j0 * dv, dv, acc.data(), dv,
-                           /*accumulate=*/true);
+                const bool first = j0 == 0;
+                simd::gemm(kern, cols, rows, d, kb + j0 * K.row, K.row, 1, qt.data(), QB, st.data(), QB, false);
+                forward_cols<T>(target, st.data(), cols, rows, QB, sc, m.data(), l.data(), ot.data(), dv, first,
+                                mx.data(), alpha.data());
+                simd::gemm(kern, dv, rows, cols, vb + j0 * V.row, 1, V.row, st.data(), QB, ot.data(), QB,
+                           /*accumulate=*/!first);
             }
             T* dst = out_p + (bh * N + i0) * dv;
             T* lse_dst = lse_p + bh * N + i0;
             for (int64_t r = 0; r < rows; ++r) {
                 const T inv = T(1) / l[r];
-                for (int64_t c = 0; c < dv; ++c) dst[r * dv + c] = acc[r * dv + c] * inv;
+                for (int64_t c = 0; c < dv; ++c) dst[r * dv + c] = ot[c * QB + r] * inv;
                 lse_dst[r] = m[r] + std::log(l[r]);
             }
         }
@@ -247,7 +282,7 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
     const simd::Kernels& kern = simd::kernels(target);
     at::NoGradGuard no_grad;
     const torch::Tensor D = (dout * out).sum(-1);  // (BH, N)
-    const torch::Tensor qs = q * scale, kt = k.transpose(1, 2).contiguous(), vt = v.transpose(1, 2).contiguous();
+    const torch::Tensor qs = q * scale, kt = transposed_blocks(k, KB), vt = transposed_blocks(v, KB);
     // dQ parts (BH, segments, N, d), or dq itself.
     const torch::Tensor dq_parts =
         segments > 1 ? torch::empty({BH, segments, N, d}, q.options()) : dq.unsqueeze(1);
@@ -260,8 +295,8 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
             const int64_t bh = task / segments, segment = task % segments;
             const int64_t first_block = segment * key_blocks / segments;
             const int64_t last_block = (segment + 1) * key_blocks / segments;
-            const T *qb = qs_p + bh * N * d, *kb = k_p + bh * M * d, *ktb = kt_p + bh * d * M;
-            const T *vtb = vt_p + bh * dvs * M, *gb = g_p + bh * N * dvs;
+            const T *qb = qs_p + bh * N * d, *kb = k_p + bh * M * d, *ktb = kt_p + bh * key_blocks * d * KB;
+            const T *vtb = vt_p + bh * key_blocks * dvs * KB, *gb = g_p + bh * N * dvs;
             const T *lse_b = lse_p + bh * N, *D_b = D_p + bh * N;
             T* dqb = dq_p + (bh * segments + segment) * N * d;
             T *dkb = dk_p + bh * M * d, *dvb = dv_p + bh * M * dvs;
@@ -274,8 +309,8 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
                 for (int64_t i0 = 0; i0 < N; i0 += QB) {
                     const int64_t rows = std::min(QB, N - i0);
                     const T *qi = qb + i0 * d, *gi = gb + i0 * dvs;
-                    simd::gemm(kern, rows, cols, d, qi, d, 1, ktb + j0, M, s_tile.data(), KB, false);     // S
-                    simd::gemm(kern, rows, cols, dvs, gi, dvs, 1, vtb + j0, M, dp_tile.data(), KB, false);  // dP
+                    simd::gemm(kern, rows, cols, d, qi, d, 1, ktb + j0 * d, KB, s_tile.data(), KB, false);       // S
+                    simd::gemm(kern, rows, cols, dvs, gi, dvs, 1, vtb + j0 * dvs, KB, dp_tile.data(), KB, false);  // dP
                     backward_rows_target<T>(target, s_tile.data(), dp_tile.data(), rows, cols, KB, lse_b + i0,
                                             D_b + i0);
                     // dV += P^T dO, dK += dS^T (q * scale), dQ += dS k (scaled at the end).
@@ -295,11 +330,12 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
 
 class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttentionFunction> {
 public:
-    // q, k, v: (BH, N, d), (BH, M, d), (BH, M, dv), contiguous, float32 or float64.
+    // q, k, v: (B, h, N, d), (B, h, M, d), (B, h, M, dv), float32 or float64, unit stride along the last dim.
     static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                  const torch::Tensor& v, double scale) {
-        torch::Tensor out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
-        torch::Tensor lse = torch::empty({q.size(0), q.size(1)}, q.options());
+        const int64_t B = q.size(0), H = q.size(1), N = q.size(2);
+        torch::Tensor out = torch::empty({B, H, N, v.size(3)}, q.options());
+        torch::Tensor lse = torch::empty({B * H, N}, q.options());
         if (q.scalar_type() == torch::kFloat64)
             cpu::forward<double>(q, k, v, scale, out, lse);
         else
@@ -312,15 +348,20 @@ public:
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                    torch::autograd::variable_list grad_outputs) {
         const auto saved = ctx->get_saved_variables();
-        const torch::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+        const torch::Tensor &q4 = saved[0], &k4 = saved[1], &v4 = saved[2], &out4 = saved[3], &lse = saved[4];
         const double scale = ctx->saved_data["scale"].toDouble();
-        torch::Tensor dout = grad_outputs[0].to(q.scalar_type()).contiguous();
+        const int64_t BH = q4.size(0) * q4.size(1), N = q4.size(2), M = k4.size(2);
+        auto flat = [&](const torch::Tensor& t, int64_t tokens) {
+            return t.reshape({BH, tokens, t.size(3)}).contiguous();
+        };
+        const torch::Tensor q = flat(q4, N), k = flat(k4, M), v = flat(v4, M), out = flat(out4, N);
+        torch::Tensor dout = flat(grad_outputs[0].to(q.scalar_type()), N);
         torch::Tensor dq = torch::empty_like(q), dk = torch::empty_like(k), dv = torch::empty_like(v);
         if (q.scalar_type() == torch::kFloat64)
             cpu::backward<double>(q, k, v, out, lse, dout, scale, dq, dk, dv);
         else
             cpu::backward<float>(q, k, v, out, lse, dout, scale, dq, dk, dv);
-        return {dq, dk, dv, torch::Tensor()};
+        return {dq.view(q4.sizes()), dk.view(k4.sizes()), dv.view(v4.sizes()), torch::Tensor()};
     }
 };
 
@@ -331,12 +372,14 @@ torch::Tensor softmax_attention_fused(const torch::Tensor& q, const torch::Tenso
     LINVIS_CHECK(k.size(2) >= 1, "softmax_attention: the fused kernel needs at least one key, got k ",
                  shape_string(k.sizes()));
     const torch::ScalarType type = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
-    const int64_t B = q.size(0), H = q.size(1), N = q.size(2), M = k.size(2);
-    auto flat = [&](const torch::Tensor& t, int64_t tokens) {
-        return t.to(type).reshape({B * H, tokens, t.size(3)}).contiguous();
+    // Views are used in place (deit's q, k, v are slices of one qkv tensor); a copy only for another dtype
+    // or a last dim that is not contiguous.
+    auto prepare = [&](const torch::Tensor& t) {
+        const torch::Tensor x = t.scalar_type() == type ? t : t.to(type);
+        return x.stride(3) == 1 || x.size(3) == 1 ? x : x.contiguous();
     };
-    torch::Tensor out = SoftmaxAttentionFunction::apply(flat(q, N), flat(k, M), flat(v, M), scale);
-    return out.view({B, H, N, v.size(3)}).to(q.scalar_type());
+    torch::Tensor out = SoftmaxAttentionFunction::apply(prepare(q), prepare(k), prepare(v), scale);
+    return out.to(q.scalar_type());
 }
 
 }  // namespace linvis::ops::cpu
