@@ -67,38 +67,46 @@ LINVIS_INLINE double exp_approx(double x) { return std::exp(x); }
 // block's queries (columns); they become exp(scale s - m_new), and per query the running maximum m and
 // normaliser l are updated and its accumulated output column of o (dv x rows, row stride ld) is rescaled
 // by exp(m_old - m_new). Every loop runs along the queries, contiguous, so it vectorises. `first`: the
-// block's first key tile (m, l and o hold nothing yet). mx, alpha: rows of scratch.
+// block's first key tile (m, l and o hold nothing yet). alpha: scratch of ld.
+constexpr int64_t kColumns = 16;
 template <typename T>
 LINVIS_INLINE void online_softmax_cols(T* s, int64_t n, int64_t rows, int64_t ld, T scale, T* m, T* l, T* o,
-                                       int64_t dv, bool first, T* mx, T* alpha) {
+                                       int64_t dv, bool first, T* alpha) {
+    // kColumns queries at a time, their maxima and sums in registers over the n keys; the last group may
+    // run past `rows` into the tile's padding (ld >= rows rounded up to kColumns; finite values, unused).
+    for (int64_t i0 = 0; i0 < rows; i0 += kColumns) {
+        T mx[kColumns], sum[kColumns];
 #pragma omp simd
-    for (int64_t i = 0; i < rows; ++i) mx[i] = s[i] * scale;
-    for (int64_t j = 1; j < n; ++j) {
-        const T* sj = s + j * ld;
+        for (int64_t i = 0; i < kColumns; ++i) mx[i] = s[i0 + i] * scale;
+        for (int64_t j = 1; j < n; ++j) {
+            const T* sj = s + j * ld + i0;
 #pragma omp simd
-        for (int64_t i = 0; i < rows; ++i) {
-            const T x = sj[i] * scale;  // a plain select: GCC vectorises it, not std::max
-            mx[i] = x > mx[i] ? x : mx[i];
+            for (int64_t i = 0; i < kColumns; ++i) {
+                const T x = sj[i] * scale;  // a plain select: GCC vectorises it, not std::max
+                mx[i] = x > mx[i] ? x : mx[i];
+            }
         }
-    }
+        T* mi = m + i0;
 #pragma omp simd
-    for (int64_t i = 0; i < rows; ++i) {
-        const T m_new = first || mx[i] > m[i] ? mx[i] : m[i];
-        alpha[i] = first ? T(0) : exp_approx(m[i] - m_new);
-        m[i] = m_new;
-        mx[i] = 0;  // now the sums of the exponentials
-    }
-    for (int64_t j = 0; j < n; ++j) {
-        T* sj = s + j * ld;
-#pragma omp simd
-        for (int64_t i = 0; i < rows; ++i) {
-            const T e = exp_approx(sj[i] * scale - m[i]);
-            sj[i] = e;
-            mx[i] += e;
+        for (int64_t i = 0; i < kColumns; ++i) {
+            const T m_new = first || mx[i] > mi[i] ? mx[i] : mi[i];
+            alpha[i0 + i] = first ? T(0) : exp_approx(mi[i] - m_new);
+            mi[i] = m_new;
+            sum[i] = 0;
         }
-    }
+        for (int64_t j = 0; j < n; ++j) {
+            T* sj = s + j * ld + i0;
 #pragma omp simd
-    for (int64_t i = 0; i < rows; ++i) l[i] = first ? mx[i] : l[i] * alpha[i] + mx[i];
+            for (int64_t i = 0; i < kColumns; ++i) {
+                const T e = exp_approx(sj[i] * scale - mi[i]);
+                sj[i] = e;
+                sum[i] += e;
+            }
+        }
+        T* li = l + i0;
+#pragma omp simd
+        for (int64_t i = 0; i < kColumns; ++i) li[i] = first ? sum[i] : li[i] * alpha[i0 + i] + sum[i];
+    }
     if (!first)
         for (int64_t c = 0; c < dv; ++c) {
             T* oc = o + c * ld;
@@ -125,8 +133,8 @@ LINVIS_INLINE void backward_rows(T* s, T* dp, int64_t rows, int64_t n, int64_t l
 
 // The tile loops for every SIMD target (templates, so LINVIS_SIMD_CLONES is written out) and the choice.
 #define LINVIS_FORWARD_PARAMS \
-    T *s, int64_t n, int64_t rows, int64_t ld, T scale, T *m, T *l, T *o, int64_t dv, bool first, T *mx, T *alpha
-#define LINVIS_FORWARD_ARGS s, n, rows, ld, scale, m, l, o, dv, first, mx, alpha
+    T *s, int64_t n, int64_t rows, int64_t ld, T scale, T *m, T *l, T *o, int64_t dv, bool first, T *alpha
+#define LINVIS_FORWARD_ARGS s, n, rows, ld, scale, m, l, o, dv, first, alpha
 template <typename T>
 void forward_cols_scalar(LINVIS_FORWARD_PARAMS) {
     online_softmax_cols(LINVIS_FORWARD_ARGS);
@@ -190,13 +198,14 @@ int64_t block_rows(int64_t N, int64_t max_rows) {
     return std::min(max_rows, ceil_div(ceil_div(N, blocks), 8) * 8);
 }
 
-// x (BH, M, c) as blocks of KB rows transposed, (BH, ceil(M / KB), c, KB), zero past M: the B operand
-// (row-major, ldb = KB) of S = (q * scale) k^T and of the backward's dP = dO v^T for key block j0 / KB,
-// contiguous so a tile product's B panel is a few consecutive pages, not c rows M floats apart.
-torch::Tensor transposed_blocks(const torch::Tensor& x, int64_t KB) {
+// x (BH, M, c) as blocks of KB rows transposed, (BH, ceil(M / KB), c, ld), zero past M and past KB in each
+// row: the B operand (row-major, ldb = ld) of the backward's S = (q * scale) k^T and dP = dO v^T for key
+// block b, contiguous (a tile product's B panel is a few consecutive pages, not c rows M floats apart).
+torch::Tensor transposed_blocks(const torch::Tensor& x, int64_t KB, int64_t ld) {
     const int64_t BH = x.size(0), M = x.size(1), c = x.size(2), blocks = ceil_div(M, KB);
     const torch::Tensor padded = blocks * KB == M ? x : torch::constant_pad_nd(x, {0, 0, 0, blocks * KB - M}, 0.0);
-    return padded.view({BH, blocks, KB, c}).transpose(2, 3).contiguous();
+    const torch::Tensor t = padded.view({BH, blocks, KB, c}).transpose(2, 3);
+    return (ld == KB ? t : torch::constant_pad_nd(t, {0, ld - KB}, 0.0)).contiguous();
 }
 
 template <typename T>
@@ -223,8 +232,9 @@ template <typename T>
 void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
              const torch::Tensor& out, const torch::Tensor& lse) {
     const int64_t BH = q.size(0) * q.size(1), N = q.size(2), M = k.size(2), d = q.size(3), dv = v.size(3);
-    const int64_t QB = block_rows(N, tile_size(0, kForwardQueries)), KB = tile_size(1, kForwardKeys);
-    const int64_t blocks = ceil_div(N, QB);
+    const int64_t KB = tile_size(1, kForwardKeys);
+    const int64_t rows_max = block_rows(N, tile_size(0, kForwardQueries)), blocks = ceil_div(N, rows_max);
+    const int64_t QB = ceil_div(rows_max, kColumns) * kColumns;  // the tiles' row stride
     const simd::Target target = simd::active_target();
     const simd::Kernels& kern = simd::kernels(target);
     const Heads<T> Q(q), K(k), V(v);
@@ -232,10 +242,10 @@ void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
     const T sc = static_cast<T>(scale);
     at::parallel_for(0, BH * blocks, 1, [&](int64_t begin, int64_t end) {
         // Row stride QB for q^T, S^T and O^T.
-        std::vector<T> qt(d * QB), st(KB * QB), ot(dv * QB), m(QB), l(QB), mx(QB), alpha(QB);
+        std::vector<T> qt(d * QB), st(KB * QB), ot(dv * QB), m(QB), l(QB), alpha(QB);
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t bh = task / blocks, i0 = (task % blocks) * QB;
-            const int64_t rows = std::min(QB, N - i0);
+            const int64_t bh = task / blocks, i0 = (task % blocks) * rows_max;
+            const int64_t rows = std::min(rows_max, N - i0);
             const T* qi = Q.at(bh) + i0 * Q.row;
             for (int64_t r = 0; r < rows; ++r)
                 for (int64_t x = 0; x < d; ++x) qt[x * QB + r] = qi[r * Q.row + x];
@@ -245,7 +255,7 @@ void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
                 const bool first = j0 == 0;
                 simd::gemm(kern, cols, rows, d, kb + j0 * K.row, K.row, 1, qt.data(), QB, st.data(), QB, false);
                 forward_cols<T>(target, st.data(), cols, rows, QB, sc, m.data(), l.data(), ot.data(), dv, first,
-                                mx.data(), alpha.data());
+                                alpha.data());
                 simd::gemm(kern, dv, rows, cols, vb + j0 * V.row, 1, V.row, st.data(), QB, ot.data(), QB,
                            /*accumulate=*/!first);
             }
@@ -275,14 +285,19 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
               const torch::Tensor& lse, const torch::Tensor& dout, double scale, const torch::Tensor& dq,
               const torch::Tensor& dk, const torch::Tensor& dv) {
     const int64_t BH = q.size(0), N = q.size(1), M = k.size(1), d = q.size(2), dvs = v.size(2);
-    const int64_t QB = block_rows(N, tile_size(2, kBackwardQueries)), KB = tile_size(3, kBackwardKeys);
+    const int64_t QB = block_rows(N, tile_size(2, kBackwardQueries));
+    // Segments of equal length (to one key): ceil(M / segments) keys each, in key blocks of at most
+    // kBackwardKeys; the tiles' row stride LD is the block length rounded up to 16 (aligned rows).
+    const int64_t segments = std::min(M, std::max<int64_t>(1, ceil_div(kBackwardMinTasks, BH)));
+    const int64_t segment_keys = ceil_div(M, segments);
+    const int64_t segment_blocks = ceil_div(segment_keys, tile_size(3, kBackwardKeys));
+    const int64_t KB = ceil_div(segment_keys, segment_blocks), LD = ceil_div(KB, 16) * 16;
     const int64_t key_blocks = ceil_div(M, KB);
-    const int64_t segments = std::min(key_blocks, std::max<int64_t>(1, ceil_div(kBackwardMinTasks, BH)));
     const simd::Target target = simd::active_target();
     const simd::Kernels& kern = simd::kernels(target);
     at::NoGradGuard no_grad;
     const torch::Tensor D = (dout * out).sum(-1);  // (BH, N)
-    const torch::Tensor qs = q * scale, kt = transposed_blocks(k, KB), vt = transposed_blocks(v, KB);
+    const torch::Tensor qs = q * scale, kt = transposed_blocks(k, KB, LD), vt = transposed_blocks(v, KB, LD);
     // dQ parts (BH, segments, N, d), or dq itself.
     const torch::Tensor dq_parts =
         segments > 1 ? torch::empty({BH, segments, N, d}, q.options()) : dq.unsqueeze(1);
@@ -290,17 +305,17 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
     const T *lse_p = ptr<T>(lse), *D_p = ptr<T>(D);
     T *dq_p = ptr<T>(dq_parts), *dk_p = ptr<T>(dk), *dv_p = ptr<T>(dv);
     at::parallel_for(0, BH * segments, 1, [&](int64_t begin, int64_t end) {
-        std::vector<T> s_tile(QB * KB), dp_tile(QB * KB);
+        std::vector<T> s_tile(QB * LD), dp_tile(QB * LD);
         for (int64_t task = begin; task < end; ++task) {
             const int64_t bh = task / segments, segment = task % segments;
-            const int64_t first_block = segment * key_blocks / segments;
-            const int64_t last_block = (segment + 1) * key_blocks / segments;
-            const T *qb = qs_p + bh * N * d, *kb = k_p + bh * M * d, *ktb = kt_p + bh * key_blocks * d * KB;
-            const T *vtb = vt_p + bh * key_blocks * dvs * KB, *gb = g_p + bh * N * dvs;
+            const int64_t first_block = std::min(key_blocks, segment * segment_blocks);
+            const int64_t last_block = std::min(key_blocks, (segment + 1) * segment_blocks);
+            const T *qb = qs_p + bh * N * d, *kb = k_p + bh * M * d, *ktb = kt_p + bh * key_blocks * d * LD;
+            const T *vtb = vt_p + bh * key_blocks * dvs * LD, *gb = g_p + bh * N * dvs;
             const T *lse_b = lse_p + bh * N, *D_b = D_p + bh * N;
             T* dqb = dq_p + (bh * segments + segment) * N * d;
             T *dkb = dk_p + bh * M * d, *dvb = dv_p + bh * M * dvs;
-            const int64_t j_begin = first_block * KB, j_end = std::min(M, last_block * KB);
+            const int64_t j_begin = std::min(M, first_block * KB), j_end = std::min(M, last_block * KB);
             std::fill(dqb, dqb + N * d, T(0));
             std::fill(dkb + j_begin * d, dkb + j_end * d, T(0));
             std::fill(dvb + j_begin * dvs, dvb + j_end * dvs, T(0));
@@ -309,14 +324,16 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
                 for (int64_t i0 = 0; i0 < N; i0 += QB) {
                     const int64_t rows = std::min(QB, N - i0);
                     const T *qi = qb + i0 * d, *gi = gb + i0 * dvs;
-                    simd::gemm(kern, rows, cols, d, qi, d, 1, ktb + j0 * d, KB, s_tile.data(), KB, false);       // S
-                    simd::gemm(kern, rows, cols, dvs, gi, dvs, 1, vtb + j0 * dvs, KB, dp_tile.data(), KB, false);  // dP
-                    backward_rows_target<T>(target, s_tile.data(), dp_tile.data(), rows, cols, KB, lse_b + i0,
+                    const int64_t b = j0 / KB;
+                    simd::gemm(kern, rows, cols, d, qi, d, 1, ktb + b * d * LD, LD, s_tile.data(), LD, false);  // S
+                    simd::gemm(kern, rows, cols, dvs, gi, dvs, 1, vtb + b * dvs * LD, LD, dp_tile.data(), LD,
+                               false);  // dP
+                    backward_rows_target<T>(target, s_tile.data(), dp_tile.data(), rows, cols, LD, lse_b + i0,
                                             D_b + i0);
                     // dV += P^T dO, dK += dS^T (q * scale), dQ += dS k (scaled at the end).
-                    simd::gemm(kern, cols, dvs, rows, s_tile.data(), 1, KB, gi, dvs, dvb + j0 * dvs, dvs, true);
-                    simd::gemm(kern, cols, d, rows, dp_tile.data(), 1, KB, qi, d, dkb + j0 * d, d, true);
-                    simd::gemm(kern, rows, d, cols, dp_tile.data(), KB, 1, kb + j0 * d, d, dqb + i0 * d, d, true);
+                    simd::gemm(kern, cols, dvs, rows, s_tile.data(), 1, LD, gi, dvs, dvb + j0 * dvs, dvs, true);
+                    simd::gemm(kern, cols, d, rows, dp_tile.data(), 1, LD, qi, d, dkb + j0 * d, d, true);
+                    simd::gemm(kern, rows, d, cols, dp_tile.data(), LD, 1, kb + j0 * d, d, dqb + i0 * d, d, true);
                 }
             }
         }
