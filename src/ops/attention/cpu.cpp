@@ -1,29 +1,29 @@
-// Fused CPU softmax attention, flash style (src/ops/attention/cpu.h): tile products are LibTorch matrix
-// products (OpenBLAS sgemm / dgemm on views of the inputs and of per-thread tiles); the row work between
-// them (row maxima, exponentials, sums, rescaling) is plain loops the compiler vectorises, compiled for
-// every target of the SIMD layer (AVX-512, AVX2, scalar; ops/simd/simd.h, LINVIS_SIMD selects a lower one).
+// Fused CPU softmax attention, flash style (src/ops/attention/cpu.h). The tile products are the SIMD
+// layer's register-blocked GEMM (ops/simd/gemm-inl.h through simd::gemm, float or double), called on raw
+// pointers: no LibTorch dispatch, no BLAS, no allocation per tile. The work between them (maxima,
+// exponentials, sums, rescaling) is plain loops the compiler vectorises, compiled for every target of the
+// SIMD layer (AVX-512, AVX2, scalar; ops/simd/simd.h, LINVIS_SIMD selects a lower one).
 //
-// Threads: the work is split over (sample*head, query block) in the forward and over (sample*head, key
-// segment) in the backward with at::parallel_for, and every tile product runs on the calling thread:
-// OpenBLAS (pthreads build) keeps its own pool, and LibTorch 1.13 does not limit it inside at::parallel_for (ATen's
-// ParallelOpenMP.cpp set_num_threads sets OpenMP's and, with MKL, MKL's thread counts only), so two OpenMP
-// workers would each start a 2-thread sgemm on 2 cores. BlasThreadsGuard sets OpenBLAS to one thread for
-// the duration of a parallel kernel and restores it: without it the forward at 4097 tokens took 3740 ms
-// instead of 767 ms (bench_ops attention, 2 threads, 64x256 tiles).
+// Forward: per (sample*head, query block) the block's q^T is copied once; per key tile S^T = k_j q^T
+// (keys x queries, k read in place as the GEMM's A, so deit's q, k, v views of one qkv tensor are never
+// copied), the online softmax runs along the queries (contiguous: 16 queries' maxima and sums stay in
+// registers over the tile's keys), and O^T += v_j^T P^T. The scale is applied in the softmax loops, the
+// reference's order ((q k^T) * scale). One at::parallel_for and nothing else per call.
+// Backward (FlashAttention-2 order, row-major tiles): q * scale, and k, v as transposed key blocks, are laid
+// out once per call; tasks are (sample*head, key segment).
+//
+// Threads: the work is split with at::parallel_for and every tile product runs on the calling thread.
 #include "ops/attention/cpu.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <cmath>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "linvis/core/error.h"
-#include "linvis/core/runtime.h"
 #include "ops/simd/simd.h"
 
 #define LINVIS_INLINE LINVIS_SIMD_INLINE
@@ -31,11 +31,14 @@
 namespace linvis::ops::cpu {
 namespace {
 
-// Tile sizes (rows = queries, columns = keys); any size is correct. Measured with `bench_ops attention`
-// (T = 4097, 3 heads of 64, 2 threads, AVX-512 Xeon): forward 64x256 367 ms, 128x256 341, 128x512 337,
-// 256x512 308 (but 256-row blocks leave 2 threads 3 tasks at 224 px); forward+backward with backward
-// tiles 64x128 1259 ms, 128x128 1181, 128x256 1088. Noisy machine (load 6-7), so differences under 10 %
-// are not significant.
+// Tile sizes (rows = queries, columns = keys); any size is correct. The forward's query blocks split N
+// evenly (197 tokens: 2 blocks of 104 and 93, so 3 heads give 2 threads 3 equal tasks each); the backward's
+// key blocks split each key segment evenly (below). Measured (AVX-512 Xeon, T = 4097, 3 heads of 64,
+// `bench_ops attention --threads 1`, CPU time per pass from the difference of two --reps counts, because
+// wall times on the shared 2-core machine (load 5-6) varied 2x): forward 128x512 115-116 ms, 64x512
+// 112-116, 128x256 116-122, 256x256 110-114, 64x1024 107-115; forward+backward with backward tiles
+// 128x256 350-377 ms, 256x256 333, 128x512 373, 64x256 353, 256x128 347: all within the noise (~7 %), so
+// the tiles that keep a 197-token image in 2 query blocks and a 256-key tile near the L2 stayed.
 constexpr int64_t kForwardQueries = 128;
 constexpr int64_t kForwardKeys = 512;
 constexpr int64_t kBackwardQueries = 128;
@@ -182,15 +185,6 @@ void backward_rows_target(simd::Target t, T* s, T* dp, int64_t rows, int64_t n, 
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// TEMPORARY tuning knob: LINVIS_ATTN_TILES=fq,fk,bq,bk.
-int64_t tile_size(int which, int64_t fallback) {
-    const char* env = std::getenv("LINVIS_ATTN_TILES");
-    if (env == nullptr) return fallback;
-    int64_t v[4] = {fallback, fallback, fallback, fallback};
-    std::sscanf(env, "%ld,%ld,%ld,%ld", &v[0], &v[1], &v[2], &v[3]);
-    return v[which] > 0 ? v[which] : fallback;
-}
-
 // Query rows per block: at most `max_rows`, the N rows split evenly over the blocks (rounded up to 8), so
 // the tasks of a short sequence are of one size (197 tokens: 2 blocks of 104 and 93 rows, not 128 and 69).
 int64_t block_rows(int64_t N, int64_t max_rows) {
@@ -232,8 +226,8 @@ template <typename T>
 void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
              const torch::Tensor& out, const torch::Tensor& lse) {
     const int64_t BH = q.size(0) * q.size(1), N = q.size(2), M = k.size(2), d = q.size(3), dv = v.size(3);
-    const int64_t KB = tile_size(1, kForwardKeys);
-    const int64_t rows_max = block_rows(N, tile_size(0, kForwardQueries)), blocks = ceil_div(N, rows_max);
+    const int64_t KB = kForwardKeys;
+    const int64_t rows_max = block_rows(N, kForwardQueries), blocks = ceil_div(N, rows_max);
     const int64_t QB = ceil_div(rows_max, kColumns) * kColumns;  // the tiles' row stride
     const simd::Target target = simd::active_target();
     const simd::Kernels& kern = simd::kernels(target);
@@ -285,12 +279,12 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
               const torch::Tensor& lse, const torch::Tensor& dout, double scale, const torch::Tensor& dq,
               const torch::Tensor& dk, const torch::Tensor& dv) {
     const int64_t BH = q.size(0), N = q.size(1), M = k.size(1), d = q.size(2), dvs = v.size(2);
-    const int64_t QB = block_rows(N, tile_size(2, kBackwardQueries));
+    const int64_t QB = block_rows(N, kBackwardQueries);
     // Segments of equal length (to one key): ceil(M / segments) keys each, in key blocks of at most
     // kBackwardKeys; the tiles' row stride LD is the block length rounded up to 16 (aligned rows).
     const int64_t segments = std::min(M, std::max<int64_t>(1, ceil_div(kBackwardMinTasks, BH)));
     const int64_t segment_keys = ceil_div(M, segments);
-    const int64_t segment_blocks = ceil_div(segment_keys, tile_size(3, kBackwardKeys));
+    const int64_t segment_blocks = ceil_div(segment_keys, kBackwardKeys);
     const int64_t KB = ceil_div(segment_keys, segment_blocks), LD = ceil_div(KB, 16) * 16;
     const int64_t key_blocks = ceil_div(M, KB);
     const simd::Target target = simd::active_target();
