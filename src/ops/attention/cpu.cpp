@@ -266,7 +266,8 @@ void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
 
 // Key segments per (sample, head) in the backward: enough tasks for a few threads when there are few
 // (sample, head) pairs (batch 1, 3 heads: 4 segments, 12 tasks, an even split on 2, 3, 4 or 6 threads),
-// one segment otherwise. It depends on the shapes only, never on the thread count, so the sums - and the
+// one segment otherwise, and never more segments than key tiles of kBackwardKeys (at 197 tokens the dQ
+// parts, their sum and the extra parallel regions are not worth the better split). It depends on the shapes only, never on the thread count, so the sums - and the
 // gradients - are the same on any number of threads.
 constexpr int64_t kBackwardMinTasks = 12;
 
@@ -282,7 +283,7 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
     const int64_t QB = block_rows(N, kBackwardQueries);
     // Segments of equal length (to one key): ceil(M / segments) keys each, in key blocks of at most
     // kBackwardKeys; the tiles' row stride LD is the block length rounded up to 16 (aligned rows).
-    const int64_t segments = std::min(M, std::max<int64_t>(1, ceil_div(kBackwardMinTasks, BH)));
+    const int64_t segments = std::min(ceil_div(M, kBackwardKeys), std::max<int64_t>(1, ceil_div(kBackwardMinTasks, BH)));
     const int64_t segment_keys = ceil_div(M, segments);
     const int64_t segment_blocks = ceil_div(segment_keys, kBackwardKeys);
     const int64_t KB = ceil_div(segment_keys, segment_blocks), LD = ceil_div(KB, 16) * 16;
