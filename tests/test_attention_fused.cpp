@@ -124,6 +124,18 @@ TEST(AttentionFused, OneKey) {
     }
 }
 
+// No queries: an empty output and gradients of the inputs' shapes (zeros for k and v).
+TEST(AttentionFused, NoQueries) {
+    auto q = torch::randn({1, 2, 0, 8}).requires_grad_(), k = torch::randn({1, 2, 5, 8}).requires_grad_(),
+         v = torch::randn({1, 2, 5, 8}).requires_grad_();
+    const torch::Tensor out = softmax_attention(q, k, v, 0.5, {}, Impl::Fused);
+    EXPECT_EQ(out.sizes(), (std::vector<int64_t>{1, 2, 0, 8}));
+    out.sum().backward();
+    EXPECT_EQ(q.grad().sizes(), q.sizes());
+    EXPECT_TRUE(torch::equal(k.grad(), torch::zeros_like(k)));
+    EXPECT_TRUE(torch::equal(v.grad(), torch::zeros_like(v)));
+}
+
 // Logits up to a few hundred: every row's maximum moves between key tiles, so the accumulator is rescaled
 // many times; exp of large negative differences must give 0, not NaN.
 TEST(AttentionFused, LargeLogitsStable) {

@@ -188,6 +188,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Query rows per block: at most `max_rows`, the N rows split evenly over the blocks (rounded up to 8), so
 // the tasks of a short sequence are of one size (197 tokens: 2 blocks of 104 and 93 rows, not 128 and 69).
 int64_t block_rows(int64_t N, int64_t max_rows) {
+    if (N == 0) return max_rows;  // no queries: no tasks
     const int64_t blocks = ceil_div(N, max_rows);
     return std::min(max_rows, ceil_div(ceil_div(N, blocks), 8) * 8);
 }
