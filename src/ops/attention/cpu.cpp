@@ -193,6 +193,18 @@ int64_t block_rows(int64_t N, int64_t max_rows) {
     return std::min(max_rows, ceil_div(ceil_div(N, blocks), 8) * 8);
 }
 
+// Per-thread scratch that outlives the call (the pool's threads are reused): no allocation per call (a
+// fresh tile above glibc's 128 KiB mmap threshold is an mmap/munmap pair per task chunk). Slot s of type T
+// holds at least n elements (a few hundred KiB per thread at most, kept); their contents are whatever the
+// last use left.
+template <typename T>
+T* scratch(int slot, int64_t n) {
+    thread_local std::vector<T> buffers[3];
+    std::vector<T>& b = buffers[slot];
+    if (static_cast<int64_t>(b.size()) < n) b.resize(static_cast<size_t>(n));
+    return b.data();
+}
+
 // x (BH, M, c) as blocks of KB rows transposed, (BH, ceil(M / KB), c, ld), zero past M and past KB in each
 // row: the B operand (row-major, ldb = ld) of the backward's S = (q * scale) k^T and dP = dO v^T for key
 // block b, contiguous (a tile product's B panel is a few consecutive pages, not c rows M floats apart).
@@ -237,7 +249,11 @@ void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
     const T sc = static_cast<T>(scale);
     at::parallel_for(0, BH * blocks, 1, [&](int64_t begin, int64_t end) {
         // Row stride QB for q^T, S^T and O^T.
-        std::vector<T> qt(d * QB), st(KB * QB), ot(dv * QB), m(QB), l(QB), alpha(QB);
+        T* const st = scratch<T>(0, std::min(KB, M) * QB);
+        T* const qt = scratch<T>(1, (d + dv) * QB);
+        T* const ot = qt + d * QB;
+        T* const m = scratch<T>(2, 3 * QB);
+        T *const l = m + QB, *const alpha = m + 2 * QB;
         for (int64_t task = begin; task < end; ++task) {
             const int64_t bh = task / blocks, i0 = (task % blocks) * rows_max;
             const int64_t rows = std::min(rows_max, N - i0);
@@ -248,10 +264,10 @@ void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
             for (int64_t j0 = 0; j0 < M; j0 += KB) {
                 const int64_t cols = std::min(KB, M - j0);
                 const bool first = j0 == 0;
-                simd::gemm(kern, cols, rows, d, kb + j0 * K.row, K.row, 1, qt.data(), QB, st.data(), QB, false);
-                forward_cols<T>(target, st.data(), cols, rows, QB, sc, m.data(), l.data(), ot.data(), dv, first,
-                                alpha.data());
-                simd::gemm(kern, dv, rows, cols, vb + j0 * V.row, 1, V.row, st.data(), QB, ot.data(), QB,
+                simd::gemm(kern, cols, rows, d, kb + j0 * K.row, K.row, 1, qt, QB, st, QB, false);
+                forward_cols<T>(target, st, cols, rows, QB, sc, m, l, ot, dv, first,
+                                alpha);
+                simd::gemm(kern, dv, rows, cols, vb + j0 * V.row, 1, V.row, st, QB, ot, QB,
                            /*accumulate=*/!first);
             }
             T* dst = out_p + (bh * N + i0) * dv;
@@ -301,7 +317,8 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
     const T *lse_p = ptr<T>(lse), *D_p = ptr<T>(D);
     T *dq_p = ptr<T>(dq_parts), *dk_p = ptr<T>(dk), *dv_p = ptr<T>(dv);
     at::parallel_for(0, BH * segments, 1, [&](int64_t begin, int64_t end) {
-        std::vector<T> s_tile(QB * LD), dp_tile(QB * LD);
+        T* const s_tile = scratch<T>(0, QB * LD);
+        T* const dp_tile = scratch<T>(1, QB * LD);
         for (int64_t task = begin; task < end; ++task) {
             const int64_t bh = task / segments, segment = task % segments;
             const int64_t first_block = std::min(key_blocks, segment * segment_blocks);
@@ -321,15 +338,15 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
                     const int64_t rows = std::min(QB, N - i0);
                     const T *qi = qb + i0 * d, *gi = gb + i0 * dvs;
                     const int64_t b = j0 / KB;
-                    simd::gemm(kern, rows, cols, d, qi, d, 1, ktb + b * d * LD, LD, s_tile.data(), LD, false);  // S
-                    simd::gemm(kern, rows, cols, dvs, gi, dvs, 1, vtb + b * dvs * LD, LD, dp_tile.data(), LD,
+                    simd::gemm(kern, rows, cols, d, qi, d, 1, ktb + b * d * LD, LD, s_tile, LD, false);  // S
+                    simd::gemm(kern, rows, cols, dvs, gi, dvs, 1, vtb + b * dvs * LD, LD, dp_tile, LD,
                                false);  // dP
-                    backward_rows_target<T>(target, s_tile.data(), dp_tile.data(), rows, cols, LD, lse_b + i0,
+                    backward_rows_target<T>(target, s_tile, dp_tile, rows, cols, LD, lse_b + i0,
                                             D_b + i0);
                     // dV += P^T dO, dK += dS^T (q * scale), dQ += dS k (scaled at the end).
-                    simd::gemm(kern, cols, dvs, rows, s_tile.data(), 1, LD, gi, dvs, dvb + j0 * dvs, dvs, true);
-                    simd::gemm(kern, cols, d, rows, dp_tile.data(), 1, LD, qi, d, dkb + j0 * d, d, true);
-                    simd::gemm(kern, rows, d, cols, dp_tile.data(), LD, 1, kb + j0 * d, d, dqb + i0 * d, d, true);
+                    simd::gemm(kern, cols, dvs, rows, s_tile, 1, LD, gi, dvs, dvb + j0 * dvs, dvs, true);
+                    simd::gemm(kern, cols, d, rows, dp_tile, 1, LD, qi, d, dkb + j0 * d, d, true);
+                    simd::gemm(kern, rows, d, cols, dp_tile, LD, 1, kb + j0 * d, d, dqb + i0 * d, d, true);
                 }
             }
         }
