@@ -1,7 +1,8 @@
 // The fused flash-style softmax attention (src/ops/attention/cpu.cpp) against the reference
 // (src/ops/attention/reference.cpp: q k^T, softmax, @ v with autograd): outputs and the gradients of q, k
-// and v in float64, float32 and bfloat16; N != M, token counts that are not multiples of the tiles (64 / 256
-// queries x keys forward, 64 x 128 backward): 1, 65, 197, 257, 300, 513; head dims 32, 64, 72 and dv != d;
+// and v in float64, float32 and bfloat16; N != M, token counts that are not multiples of the tiles (at most
+// 128 queries x 512 keys forward, 128 x 256 backward, query blocks split evenly): 1, 3, 5, 7, 65, 129, 197,
+// 257, 300, 513, 1025, one key (its own test); head dims 8, 16, 32, 64, 72 and dv != d;
 // several samples and heads; large logits (the online softmax's rescaling); float32 on every SIMD target the
 // CPU runs (LINVIS_SIMD=avx512|avx2|scalar: the row loops' clones); the same bits on 1 and 2 threads.
 //
@@ -85,6 +86,9 @@ const Shape kShapes[] = {
     {2, 3, 65, 257, 32, 48},   // dv != d, one query past a tile, one key past a tile
     {1, 1, 300, 513, 64, 64},  // more keys than queries
     {3, 2, 64, 128, 64, 64},   // exact tiles
+    {1, 3, 3, 5, 8, 8},        // odd token counts below every tile and below one GEMM register tile
+    {1, 1, 129, 1025, 64, 64},  // 2 uneven query blocks; 1 key past the last forward and backward key tile,
+                                // 5 backward key segments (summed dQ parts)
 };
 
 void all_shapes_f32() {
@@ -103,6 +107,33 @@ TEST(AttentionFused, MatchesReferenceFloat32EveryTarget) {
         all_shapes_f32();
         compare({1, 2, 197, 197, 64, 64}, torch::kFloat64, 1e-10, 1e-12);
     });
+}
+
+// One key: every weight is 1, so the output is v's row for every query, dv is the probe summed over the
+// queries, and dq, dk are 0 up to rounding (dS = P (dP - D) with D = dP); not in kShapes, whose tolerance is
+// relative to the largest |reference|, which is rounding noise here.
+TEST(AttentionFused, OneKey) {
+    for (const torch::ScalarType type : {torch::kFloat32, torch::kFloat64}) {
+        const Inputs in = make_inputs({1, 2, 7, 1, 16, 16}, type);
+        const auto fused = run(in.q, in.k, in.v, in.probe, 0.25, Impl::Fused);
+        const double tol = type == torch::kFloat32 ? 1e-5 : 1e-12;
+        EXPECT_TRUE(all_close(fused[0], in.v.expand({1, 2, 7, 16}), tol, tol));
+        EXPECT_TRUE(all_close(fused[3], in.probe.sum(2, /*keepdim=*/true), tol, tol));
+        EXPECT_LT(fused[1].abs().max().item<double>(), tol);
+        EXPECT_LT(fused[2].abs().max().item<double>(), tol);
+    }
+}
+
+// No queries: an empty output and gradients of the inputs' shapes (zeros for k and v).
+TEST(AttentionFused, NoQueries) {
+    auto q = torch::randn({1, 2, 0, 8}).requires_grad_(), k = torch::randn({1, 2, 5, 8}).requires_grad_(),
+         v = torch::randn({1, 2, 5, 8}).requires_grad_();
+    const torch::Tensor out = softmax_attention(q, k, v, 0.5, {}, Impl::Fused);
+    EXPECT_EQ(out.sizes(), (std::vector<int64_t>{1, 2, 0, 8}));
+    out.sum().backward();
+    EXPECT_EQ(q.grad().sizes(), q.sizes());
+    EXPECT_TRUE(torch::equal(k.grad(), torch::zeros_like(k)));
+    EXPECT_TRUE(torch::equal(v.grad(), torch::zeros_like(v)));
 }
 
 // Logits up to a few hundred: every row's maximum moves between key tiles, so the accumulator is rescaled

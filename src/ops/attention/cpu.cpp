@@ -1,15 +1,18 @@
-// Fused CPU softmax attention, flash style (src/ops/attention/cpu.h): tile products are LibTorch matrix
-// products (OpenBLAS sgemm / dgemm on views of the inputs and of per-thread tiles); the row work between
-// them (row maxima, exponentials, sums, rescaling) is plain loops the compiler vectorises, compiled for
-// every target of the SIMD layer (AVX-512, AVX2, scalar; ops/simd/simd.h, LINVIS_SIMD selects a lower one).
+// Fused CPU softmax attention, flash style (src/ops/attention/cpu.h). The tile products are the SIMD
+// layer's register-blocked GEMM (ops/simd/gemm-inl.h through simd::gemm, float or double), called on raw
+// pointers: no LibTorch dispatch, no BLAS, no allocation per tile. The work between them (maxima,
+// exponentials, sums, rescaling) is plain loops the compiler vectorises, compiled for every target of the
+// SIMD layer (AVX-512, AVX2, scalar; ops/simd/simd.h, LINVIS_SIMD selects a lower one).
 //
-// Threads: the work is split over (sample*head, query block) in the forward and over (sample*head, key
-// segment) in the backward with at::parallel_for, and every tile product runs on the calling thread:
-// OpenBLAS (pthreads build) keeps its own pool, and LibTorch 1.13 does not limit it inside at::parallel_for (ATen's
-// ParallelOpenMP.cpp set_num_threads sets OpenMP's and, with MKL, MKL's thread counts only), so two OpenMP
-// workers would each start a 2-thread sgemm on 2 cores. BlasThreadsGuard sets OpenBLAS to one thread for
-// the duration of a parallel kernel and restores it: without it the forward at 4097 tokens took 3740 ms
-// instead of 767 ms (bench_ops attention, 2 threads, 64x256 tiles).
+// Forward: per (sample*head, query block) the block's q^T is copied once; per key tile S^T = k_j q^T
+// (keys x queries, k read in place as the GEMM's A, so deit's q, k, v views of one qkv tensor are never
+// copied), the online softmax runs along the queries (contiguous: 16 queries' maxima and sums stay in
+// registers over the tile's keys), and O^T += v_j^T P^T. The scale is applied in the softmax loops, the
+// reference's order ((q k^T) * scale). One at::parallel_for and nothing else per call.
+// Backward (FlashAttention-2 order, row-major tiles): q * scale, and k, v as transposed key blocks, are laid
+// out once per call; tasks are (sample*head, key segment).
+//
+// Threads: the work is split with at::parallel_for and every tile product runs on the calling thread.
 #include "ops/attention/cpu.h"
 
 #include <ATen/Parallel.h>
@@ -21,7 +24,6 @@
 #include <vector>
 
 #include "linvis/core/error.h"
-#include "linvis/core/runtime.h"
 #include "ops/simd/simd.h"
 
 #define LINVIS_INLINE LINVIS_SIMD_INLINE
@@ -29,11 +31,14 @@
 namespace linvis::ops::cpu {
 namespace {
 
-// Tile sizes (rows = queries, columns = keys); any size is correct. Measured with `bench_ops attention`
-// (T = 4097, 3 heads of 64, 2 threads, AVX-512 Xeon): forward 64x256 367 ms, 128x256 341, 128x512 337,
-// 256x512 308 (but 256-row blocks leave 2 threads 3 tasks at 224 px); forward+backward with backward
-// tiles 64x128 1259 ms, 128x128 1181, 128x256 1088. Noisy machine (load 6-7), so differences under 10 %
-// are not significant.
+// Tile sizes (rows = queries, columns = keys); any size is correct. The forward's query blocks split N
+// evenly (197 tokens: 2 blocks of 104 and 93, so 3 heads give 2 threads 3 equal tasks each); the backward's
+// key blocks split each key segment evenly (below). Measured (AVX-512 Xeon, T = 4097, 3 heads of 64,
+// `bench_ops attention --threads 1`, CPU time per pass from the difference of two --reps counts, because
+// wall times on the shared 2-core machine (load 5-6) varied 2x): forward 128x512 115-116 ms, 64x512
+// 112-116, 128x256 116-122, 256x256 110-114, 64x1024 107-115; forward+backward with backward tiles
+// 128x256 350-377 ms, 256x256 333, 128x512 373, 64x256 353, 256x128 347: all within the noise (~7 %), so
+// the tiles that keep a 197-token image in 2 query blocks and a 256-key tile near the L2 stayed.
 constexpr int64_t kForwardQueries = 128;
 constexpr int64_t kForwardKeys = 512;
 constexpr int64_t kBackwardQueries = 128;
@@ -61,34 +66,56 @@ LINVIS_INLINE float exp_approx(float x) {
 }
 LINVIS_INLINE double exp_approx(double x) { return std::exp(x); }
 
-// One row of a forward tile: s (n scaled logits) becomes exp(s - m_new), the row maximum m and normaliser
-// l are updated, and the accumulated output row o (dv) is rescaled by exp(m_old - m_new).
+// One forward tile, transposed: s (n keys x rows queries, row stride ld) holds the raw logits q k^T of the
+// block's queries (columns); they become exp(scale s - m_new), and per query the running maximum m and
+// normaliser l are updated and its accumulated output column of o (dv x rows, row stride ld) is rescaled
+// by exp(m_old - m_new). Every loop runs along the queries, contiguous, so it vectorises. `first`: the
+// block's first key tile (m, l and o hold nothing yet). alpha: scratch of ld.
+constexpr int64_t kColumns = 16;
 template <typename T>
-LINVIS_INLINE void online_softmax_row(T* s, int64_t n, T& m, T& l, T* o, int64_t dv) {
-    T mx = -std::numeric_limits<T>::infinity();
-#pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
-    const T m_new = std::max(m, mx);
-    const T alpha = m == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(m - m_new);
-    T sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) {
-        const T e = exp_approx(s[j] - m_new);
-        s[j] = e;
-        sum += e;
-    }
-    l = l * alpha + sum;
-    m = m_new;
-    if (alpha != T(1)) {
+LINVIS_INLINE void online_softmax_cols(T* s, int64_t n, int64_t rows, int64_t ld, T scale, T* m, T* l, T* o,
+                                       int64_t dv, bool first, T* alpha) {
+    // kColumns queries at a time, their maxima and sums in registers over the n keys; the last group may
+    // run past `rows` into the tile's padding (ld >= rows rounded up to kColumns; finite values, unused).
+    for (int64_t i0 = 0; i0 < rows; i0 += kColumns) {
+        T mx[kColumns], sum[kColumns];
 #pragma omp simd
-        for (int64_t c = 0; c < dv; ++c) o[c] *= alpha;
+        for (int64_t i = 0; i < kColumns; ++i) mx[i] = s[i0 + i] * scale;
+        for (int64_t j = 1; j < n; ++j) {
+            const T* sj = s + j * ld + i0;
+#pragma omp simd
+            for (int64_t i = 0; i < kColumns; ++i) {
+                const T x = sj[i] * scale;  // a plain select: GCC vectorises it, not std::max
+                mx[i] = x > mx[i] ? x : mx[i];
+            }
+        }
+        T* mi = m + i0;
+#pragma omp simd
+        for (int64_t i = 0; i < kColumns; ++i) {
+            const T m_new = first || mx[i] > mi[i] ? mx[i] : mi[i];
+            alpha[i0 + i] = first ? T(0) : exp_approx(mi[i] - m_new);
+            mi[i] = m_new;
+            sum[i] = 0;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            T* sj = s + j * ld + i0;
+#pragma omp simd
+            for (int64_t i = 0; i < kColumns; ++i) {
+                const T e = exp_approx(sj[i] * scale - mi[i]);
+                sj[i] = e;
+                sum[i] += e;
+            }
+        }
+        T* li = l + i0;
+#pragma omp simd
+        for (int64_t i = 0; i < kColumns; ++i) li[i] = first ? sum[i] : li[i] * alpha[i0 + i] + sum[i];
     }
-}
-
-// Rows of a forward tile (rows x n, row stride lds).
-template <typename T>
-LINVIS_INLINE void online_softmax_rows(T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o, int64_t dv) {
-    for (int64_t r = 0; r < rows; ++r) online_softmax_row(s + r * lds, n, m[r], l[r], o + r * dv, dv);
+    if (!first)
+        for (int64_t c = 0; c < dv; ++c) {
+            T* oc = o + c * ld;
+#pragma omp simd
+            for (int64_t i = 0; i < rows; ++i) oc[i] *= alpha[i];
+        }
 }
 
 // Rows of a backward tile: p = exp(s - lse) in place in s, then ds = p * (dp - D) in place in dp.
@@ -107,29 +134,32 @@ LINVIS_INLINE void backward_rows(T* s, T* dp, int64_t rows, int64_t n, int64_t l
     }
 }
 
-// The row loops for every SIMD target (templates, so LINVIS_SIMD_CLONES is written out) and the choice.
+// The tile loops for every SIMD target (templates, so LINVIS_SIMD_CLONES is written out) and the choice.
+#define LINVIS_FORWARD_PARAMS \
+    T *s, int64_t n, int64_t rows, int64_t ld, T scale, T *m, T *l, T *o, int64_t dv, bool first, T *alpha
+#define LINVIS_FORWARD_ARGS s, n, rows, ld, scale, m, l, o, dv, first, alpha
 template <typename T>
-void forward_rows_scalar(T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o, int64_t dv) {
-    online_softmax_rows(s, rows, n, lds, m, l, o, dv);
+void forward_cols_scalar(LINVIS_FORWARD_PARAMS) {
+    online_softmax_cols(LINVIS_FORWARD_ARGS);
 }
 template <typename T>
-LINVIS_SIMD_ATTR_AVX2 void forward_rows_avx2(T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o,
-                                             int64_t dv) {
-    online_softmax_rows(s, rows, n, lds, m, l, o, dv);
+LINVIS_SIMD_ATTR_AVX2 void forward_cols_avx2(LINVIS_FORWARD_PARAMS) {
+    online_softmax_cols(LINVIS_FORWARD_ARGS);
 }
 template <typename T>
-LINVIS_SIMD_ATTR_AVX512 void forward_rows_avx512(T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o,
-                                                 int64_t dv) {
-    online_softmax_rows(s, rows, n, lds, m, l, o, dv);
+LINVIS_SIMD_ATTR_AVX512 void forward_cols_avx512(LINVIS_FORWARD_PARAMS) {
+    online_softmax_cols(LINVIS_FORWARD_ARGS);
 }
 template <typename T>
-void forward_rows(simd::Target t, T* s, int64_t rows, int64_t n, int64_t lds, T* m, T* l, T* o, int64_t dv) {
+void forward_cols(simd::Target t, LINVIS_FORWARD_PARAMS) {
     switch (t) {
-        case simd::Target::Avx512: forward_rows_avx512<T>(s, rows, n, lds, m, l, o, dv); break;
-        case simd::Target::Avx2: forward_rows_avx2<T>(s, rows, n, lds, m, l, o, dv); break;
-        default: forward_rows_scalar<T>(s, rows, n, lds, m, l, o, dv); break;
+        case simd::Target::Avx512: forward_cols_avx512<T>(LINVIS_FORWARD_ARGS); break;
+        case simd::Target::Avx2: forward_cols_avx2<T>(LINVIS_FORWARD_ARGS); break;
+        default: forward_cols_scalar<T>(LINVIS_FORWARD_ARGS); break;
     }
 }
+#undef LINVIS_FORWARD_PARAMS
+#undef LINVIS_FORWARD_ARGS
 template <typename T>
 void backward_rows_scalar(T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse, const T* D) {
     backward_rows(s, dp, rows, n, ld, lse, D);
@@ -153,68 +183,98 @@ void backward_rows_target(simd::Target t, T* s, T* dp, int64_t rows, int64_t n, 
     }
 }
 
-// OpenBLAS at one thread while a parallel kernel runs (see the file comment); a no-op when LibTorch runs
-// one thread, inside an outer parallel region, or when the BLAS is not OpenBLAS.
-class BlasThreadsGuard {
-public:
-    BlasThreadsGuard() {
-        if (at::get_num_threads() > 1 && !at::in_parallel_region()) {
-            saved_ = runtime::blas_threads();
-            if (saved_ > 1) runtime::set_blas_threads(1);
-        }
-    }
-    ~BlasThreadsGuard() {
-        if (saved_ > 1) runtime::set_blas_threads(saved_);
-    }
-    BlasThreadsGuard(const BlasThreadsGuard&) = delete;
-    BlasThreadsGuard& operator=(const BlasThreadsGuard&) = delete;
-
-private:
-    int saved_ = -1;
-};
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// q (BH, N, d), k (BH, M, d), v (BH, M, dv), contiguous, one floating type T. Returns out (BH, N, dv) and
-// the row logsumexp lse (BH, N).
+// Query rows per block: at most `max_rows`, the N rows split evenly over the blocks (rounded up to 8), so
+// the tasks of a short sequence are of one size (197 tokens: 2 blocks of 104 and 93 rows, not 128 and 69).
+int64_t block_rows(int64_t N, int64_t max_rows) {
+    if (N == 0) return max_rows;  // no queries: no tasks
+    const int64_t blocks = ceil_div(N, max_rows);
+    return std::min(max_rows, ceil_div(ceil_div(N, blocks), 8) * 8);
+}
+
+// Per-thread scratch that outlives the call (the pool's threads are reused): no allocation per call (a
+// fresh tile above glibc's 128 KiB mmap threshold is an mmap/munmap pair per task chunk). Slot s of type T
+// holds at least n elements (a few hundred KiB per thread at most, kept); their contents are whatever the
+// last use left.
+template <typename T>
+T* scratch(int slot, int64_t n) {
+    thread_local std::vector<T> buffers[3];
+    std::vector<T>& b = buffers[slot];
+    if (static_cast<int64_t>(b.size()) < n) b.resize(static_cast<size_t>(n));
+    return b.data();
+}
+
+// x (BH, M, c) as blocks of KB rows transposed, (BH, ceil(M / KB), c, ld), zero past M and past KB in each
+// row: the B operand (row-major, ldb = ld) of the backward's S = (q * scale) k^T and dP = dO v^T for key
+// block b, contiguous (a tile product's B panel is a few consecutive pages, not c rows M floats apart).
+torch::Tensor transposed_blocks(const torch::Tensor& x, int64_t KB, int64_t ld) {
+    const int64_t BH = x.size(0), M = x.size(1), c = x.size(2), blocks = ceil_div(M, KB);
+    const torch::Tensor padded = blocks * KB == M ? x : torch::constant_pad_nd(x, {0, 0, 0, blocks * KB - M}, 0.0);
+    const torch::Tensor t = padded.view({BH, blocks, KB, c}).transpose(2, 3);
+    return (ld == KB ? t : torch::constant_pad_nd(t, {0, ld - KB}, 0.0)).contiguous();
+}
+
+template <typename T>
+T* ptr(const torch::Tensor& t) {
+    return t.data_ptr<T>();
+}
+
+// A (B, h, T, c) tensor with unit stride along c: where (sample*head) bh starts and the row stride.
+template <typename T>
+struct Heads {
+    const T* base;
+    int64_t h, sample_stride, head_stride, row;
+    explicit Heads(const torch::Tensor& t)
+        : base(t.data_ptr<T>()), h(t.size(1)), sample_stride(t.stride(0)), head_stride(t.stride(1)), row(t.stride(2)) {}
+    const T* at(int64_t bh) const { return base + (bh / h) * sample_stride + (bh % h) * head_stride; }
+};
+
+// q (B, h, N, d), k (B, h, M, d), v (B, h, M, dv), one floating type T, unit stride along the last dim
+// (any other strides: deit's q, k, v are views of one qkv tensor). Writes out (B*h, N, dv) and the row
+// logsumexp lse (B*h, N), contiguous. One parallel region, nothing else: per (sample*head, query block) the
+// block's q^T (d x rows) is copied once, then per key tile S^T = k_j q^T (keys x queries; k is read in
+// place as the GEMM's A), the online softmax along the queries, and O^T += v_j^T P^T (v read in place).
 template <typename T>
 void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
              const torch::Tensor& out, const torch::Tensor& lse) {
-    const int64_t BH = q.size(0), N = q.size(1), M = k.size(1), dv = v.size(2);
-    const int64_t blocks = ceil_div(N, kForwardQueries);
+    const int64_t BH = q.size(0) * q.size(1), N = q.size(2), M = k.size(2), d = q.size(3), dv = v.size(3);
+    const int64_t KB = kForwardKeys;
+    const int64_t rows_max = block_rows(N, kForwardQueries), blocks = ceil_div(N, rows_max);
+    const int64_t QB = ceil_div(rows_max, kColumns) * kColumns;  // the tiles' row stride
     const simd::Target target = simd::active_target();
-    const auto opts = q.options();
-    BlasThreadsGuard blas_guard;
+    const simd::Kernels& kern = simd::kernels(target);
+    const Heads<T> Q(q), K(k), V(v);
+    T *out_p = ptr<T>(out), *lse_p = ptr<T>(lse);
+    const T sc = static_cast<T>(scale);
     at::parallel_for(0, BH * blocks, 1, [&](int64_t begin, int64_t end) {
-        at::NoGradGuard no_grad;
-        torch::Tensor tile = torch::empty({kForwardQueries, kForwardKeys}, opts);
-        torch::Tensor acc = torch::empty({kForwardQueries, dv}, opts);
-        std::vector<T> m(kForwardQueries), l(kForwardQueries);
+        // Row stride QB for q^T, S^T and O^T.
+        T* const st = scratch<T>(0, std::min(KB, M) * QB);
+        T* const qt = scratch<T>(1, (d + dv) * QB);
+        T* const ot = qt + d * QB;
+        T* const m = scratch<T>(2, 3 * QB);
+        T *const l = m + QB, *const alpha = m + 2 * QB;
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t bh = task / blocks, i0 = (task % blocks) * kForwardQueries;
-            const int64_t rows = std::min(kForwardQueries, N - i0);
-            const torch::Tensor qi = q[bh].narrow(0, i0, rows);
-            const torch::Tensor kb = k[bh], vb = v[bh];
-            torch::Tensor o = acc.narrow(0, 0, rows);
-            o.zero_();
-            std::fill(m.begin(), m.end(), -std::numeric_limits<T>::infinity());
-            std::fill(l.begin(), l.end(), T(0));
-            for (int64_t j0 = 0; j0 < M; j0 += kForwardKeys) {
-                const int64_t cols = std::min(kForwardKeys, M - j0);
-                torch::Tensor s = tile.narrow(0, 0, rows).narrow(1, 0, cols);
-                // (q k^T) * scale as the reference: the product, then the scale (BLAS's alpha).
-                s.addmm_(qi, kb.narrow(0, j0, cols).t(), /*beta=*/0, /*alpha=*/scale);
-                T* sp = tile.data_ptr<T>();
-                T* op = acc.data_ptr<T>();
-                forward_rows<T>(target, sp, rows, cols, kForwardKeys, m.data(), l.data(), op, dv);
-                o.addmm_(s, vb.narrow(0, j0, cols));
+            const int64_t bh = task / blocks, i0 = (task % blocks) * rows_max;
+            const int64_t rows = std::min(rows_max, N - i0);
+            const T* qi = Q.at(bh) + i0 * Q.row;
+            for (int64_t r = 0; r < rows; ++r)
+                for (int64_t x = 0; x < d; ++x) qt[x * QB + r] = qi[r * Q.row + x];
+            const T *kb = K.at(bh), *vb = V.at(bh);
+            for (int64_t j0 = 0; j0 < M; j0 += KB) {
+                const int64_t cols = std::min(KB, M - j0);
+                const bool first = j0 == 0;
+                simd::gemm(kern, cols, rows, d, kb + j0 * K.row, K.row, 1, qt, QB, st, QB, false);
+                forward_cols<T>(target, st, cols, rows, QB, sc, m, l, ot, dv, first,
+                                alpha);
+                simd::gemm(kern, dv, rows, cols, vb + j0 * V.row, 1, V.row, st, QB, ot, QB,
+                           /*accumulate=*/!first);
             }
-            T* dst = out.data_ptr<T>() + (bh * N + i0) * dv;
-            T* lse_dst = lse.data_ptr<T>() + bh * N + i0;
-            const T* src = acc.data_ptr<T>();
+            T* dst = out_p + (bh * N + i0) * dv;
+            T* lse_dst = lse_p + bh * N + i0;
             for (int64_t r = 0; r < rows; ++r) {
                 const T inv = T(1) / l[r];
-                for (int64_t c = 0; c < dv; ++c) dst[r * dv + c] = src[r * dv + c] * inv;
+                for (int64_t c = 0; c < dv; ++c) dst[r * dv + c] = ot[c * QB + r] * inv;
                 lse_dst[r] = m[r] + std::log(l[r]);
             }
         }
@@ -222,79 +282,90 @@ void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
 }
 
 // Key segments per (sample, head) in the backward: enough tasks for a few threads when there are few
-// (sample, head) pairs (batch 1, 3 heads), one segment otherwise. It depends on the shapes only, never on
-// the thread count, so the sums - and the gradients - are the same on any number of threads.
-constexpr int64_t kBackwardMinTasks = 8;
+// (sample, head) pairs (batch 1, 3 heads: 4 segments, 12 tasks, an even split on 2, 3, 4 or 6 threads),
+// one segment otherwise, and never more segments than key tiles of kBackwardKeys (at 197 tokens the dQ
+// parts, their sum and the extra parallel regions are not worth the better split). It depends on the shapes only, never on the thread count, so the sums - and the
+// gradients - are the same on any number of threads.
+constexpr int64_t kBackwardMinTasks = 12;
 
 // Gradients of forward: dq, dk, dv (outputs, same shapes as q, k, v) from dout (BH, N, dv), the forward's
 // out and lse. One task per (sample*head, key segment): it owns dK and dV of its keys, and adds its part of
 // dQ into its own (N, d) buffer (dq itself when there is one segment); the parts are summed in segment
-// order afterwards.
+// order afterwards. dK = dS^T (q * scale) uses the pre-scaled q; dQ = scale dS k is scaled once at the end.
 template <typename T>
 void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
               const torch::Tensor& lse, const torch::Tensor& dout, double scale, const torch::Tensor& dq,
               const torch::Tensor& dk, const torch::Tensor& dv) {
-    const int64_t BH = q.size(0), N = q.size(1), M = k.size(1);
-    const int64_t key_blocks = ceil_div(M, kBackwardKeys);
-    const int64_t segments = std::min(key_blocks, std::max<int64_t>(1, ceil_div(kBackwardMinTasks, BH)));
+    const int64_t BH = q.size(0), N = q.size(1), M = k.size(1), d = q.size(2), dvs = v.size(2);
+    const int64_t QB = block_rows(N, kBackwardQueries);
+    // Segments of equal length (to one key): ceil(M / segments) keys each, in key blocks of at most
+    // kBackwardKeys; the tiles' row stride LD is the block length rounded up to 16 (aligned rows).
+    const int64_t segments = std::min(ceil_div(M, kBackwardKeys), std::max<int64_t>(1, ceil_div(kBackwardMinTasks, BH)));
+    const int64_t segment_keys = ceil_div(M, segments);
+    const int64_t segment_blocks = ceil_div(segment_keys, kBackwardKeys);
+    const int64_t KB = ceil_div(segment_keys, segment_blocks), LD = ceil_div(KB, 16) * 16;
+    const int64_t key_blocks = ceil_div(M, KB);
     const simd::Target target = simd::active_target();
-    const auto opts = q.options();
+    const simd::Kernels& kern = simd::kernels(target);
+    at::NoGradGuard no_grad;
     const torch::Tensor D = (dout * out).sum(-1);  // (BH, N)
+    const torch::Tensor qs = q * scale, kt = transposed_blocks(k, KB, LD), vt = transposed_blocks(v, KB, LD);
     // dQ parts (BH, segments, N, d), or dq itself.
-    const torch::Tensor dq_parts = segments > 1 ? torch::zeros({BH, segments, N, q.size(2)}, opts) : dq.unsqueeze(1);
-    if (segments == 1) dq.zero_();
-    dk.zero_();
-    dv.zero_();
-    {
-        BlasThreadsGuard blas_guard;
-        at::parallel_for(0, BH * segments, 1, [&](int64_t begin, int64_t end) {
-            at::NoGradGuard no_grad;
-            torch::Tensor s_tile = torch::empty({kBackwardQueries, kBackwardKeys}, opts);
-            torch::Tensor dp_tile = torch::empty({kBackwardQueries, kBackwardKeys}, opts);
-            for (int64_t task = begin; task < end; ++task) {
-                const int64_t bh = task / segments, segment = task % segments;
-                const int64_t first_block = segment * key_blocks / segments;
-                const int64_t last_block = (segment + 1) * key_blocks / segments;
-                const torch::Tensor qb = q[bh], kb = k[bh], vb = v[bh], gb = dout[bh];
-                const torch::Tensor dqb = dq_parts[bh][segment], dkb = dk[bh], dvb = dv[bh];
-                const T* lse_b = lse.data_ptr<T>() + bh * N;
-                const T* D_b = D.data_ptr<T>() + bh * N;
-                for (int64_t j0 = first_block * kBackwardKeys; j0 < std::min(M, last_block * kBackwardKeys);
-                     j0 += kBackwardKeys) {
-                    const int64_t cols = std::min(kBackwardKeys, M - j0);
-                    const torch::Tensor kj = kb.narrow(0, j0, cols), vj = vb.narrow(0, j0, cols);
-                    torch::Tensor dkj = dkb.narrow(0, j0, cols), dvj = dvb.narrow(0, j0, cols);
-                    for (int64_t i0 = 0; i0 < N; i0 += kBackwardQueries) {
-                        const int64_t rows = std::min(kBackwardQueries, N - i0);
-                        const torch::Tensor qi = qb.narrow(0, i0, rows), gi = gb.narrow(0, i0, rows);
-                        torch::Tensor s = s_tile.narrow(0, 0, rows).narrow(1, 0, cols);
-                        torch::Tensor dp = dp_tile.narrow(0, 0, rows).narrow(1, 0, cols);
-                        s.addmm_(qi, kj.t(), /*beta=*/0, /*alpha=*/scale);
-                        dp.addmm_(gi, vj.t(), /*beta=*/0, /*alpha=*/1);
-                        backward_rows_target<T>(target, s_tile.data_ptr<T>(), dp_tile.data_ptr<T>(), rows, cols,
-                                                kBackwardKeys, lse_b + i0, D_b + i0);
-                        dvj.addmm_(s.t(), gi);                                // dV += P^T dO
-                        dkj.addmm_(dp.t(), qi, /*beta=*/1, /*alpha=*/scale);  // dK += scale dS^T Q
-                        dqb.narrow(0, i0, rows).addmm_(dp, kj, /*beta=*/1, /*alpha=*/scale);  // dQ += scale dS K
-                    }
+    const torch::Tensor dq_parts =
+        segments > 1 ? torch::empty({BH, segments, N, d}, q.options()) : dq.unsqueeze(1);
+    const T *qs_p = ptr<T>(qs), *k_p = ptr<T>(k), *kt_p = ptr<T>(kt), *vt_p = ptr<T>(vt), *g_p = ptr<T>(dout);
+    const T *lse_p = ptr<T>(lse), *D_p = ptr<T>(D);
+    T *dq_p = ptr<T>(dq_parts), *dk_p = ptr<T>(dk), *dv_p = ptr<T>(dv);
+    at::parallel_for(0, BH * segments, 1, [&](int64_t begin, int64_t end) {
+        T* const s_tile = scratch<T>(0, QB * LD);
+        T* const dp_tile = scratch<T>(1, QB * LD);
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bh = task / segments, segment = task % segments;
+            const int64_t first_block = std::min(key_blocks, segment * segment_blocks);
+            const int64_t last_block = std::min(key_blocks, (segment + 1) * segment_blocks);
+            const T *qb = qs_p + bh * N * d, *kb = k_p + bh * M * d, *ktb = kt_p + bh * key_blocks * d * LD;
+            const T *vtb = vt_p + bh * key_blocks * dvs * LD, *gb = g_p + bh * N * dvs;
+            const T *lse_b = lse_p + bh * N, *D_b = D_p + bh * N;
+            T* dqb = dq_p + (bh * segments + segment) * N * d;
+            T *dkb = dk_p + bh * M * d, *dvb = dv_p + bh * M * dvs;
+            const int64_t j_begin = std::min(M, first_block * KB), j_end = std::min(M, last_block * KB);
+            std::fill(dqb, dqb + N * d, T(0));
+            std::fill(dkb + j_begin * d, dkb + j_end * d, T(0));
+            std::fill(dvb + j_begin * dvs, dvb + j_end * dvs, T(0));
+            for (int64_t j0 = j_begin; j0 < j_end; j0 += KB) {
+                const int64_t cols = std::min(KB, M - j0);
+                for (int64_t i0 = 0; i0 < N; i0 += QB) {
+                    const int64_t rows = std::min(QB, N - i0);
+                    const T *qi = qb + i0 * d, *gi = gb + i0 * dvs;
+                    const int64_t b = j0 / KB;
+                    simd::gemm(kern, rows, cols, d, qi, d, 1, ktb + b * d * LD, LD, s_tile, LD, false);  // S
+                    simd::gemm(kern, rows, cols, dvs, gi, dvs, 1, vtb + b * dvs * LD, LD, dp_tile, LD,
+                               false);  // dP
+                    backward_rows_target<T>(target, s_tile, dp_tile, rows, cols, LD, lse_b + i0,
+                                            D_b + i0);
+                    // dV += P^T dO, dK += dS^T (q * scale), dQ += dS k (scaled at the end).
+                    simd::gemm(kern, cols, dvs, rows, s_tile, 1, LD, gi, dvs, dvb + j0 * dvs, dvs, true);
+                    simd::gemm(kern, cols, d, rows, dp_tile, 1, LD, qi, d, dkb + j0 * d, d, true);
+                    simd::gemm(kern, rows, d, cols, dp_tile, LD, 1, kb + j0 * d, d, dqb + i0 * d, d, true);
                 }
             }
-        });
-    }
+        }
+    });
     if (segments > 1) {
-        at::NoGradGuard no_grad;
         dq.copy_(dq_parts.select(1, 0));
         for (int64_t segment = 1; segment < segments; ++segment) dq.add_(dq_parts.select(1, segment));
     }
+    dq.mul_(scale);
 }
 
 class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttentionFunction> {
 public:
-    // q, k, v: (BH, N, d), (BH, M, d), (BH, M, dv), contiguous, float32 or float64.
+    // q, k, v: (B, h, N, d), (B, h, M, d), (B, h, M, dv), float32 or float64, unit stride along the last dim.
     static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                  const torch::Tensor& v, double scale) {
-        torch::Tensor out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
-        torch::Tensor lse = torch::empty({q.size(0), q.size(1)}, q.options());
+        const int64_t B = q.size(0), H = q.size(1), N = q.size(2);
+        torch::Tensor out = torch::empty({B, H, N, v.size(3)}, q.options());
+        torch::Tensor lse = torch::empty({B * H, N}, q.options());
         if (q.scalar_type() == torch::kFloat64)
             cpu::forward<double>(q, k, v, scale, out, lse);
         else
@@ -307,15 +378,20 @@ public:
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                    torch::autograd::variable_list grad_outputs) {
         const auto saved = ctx->get_saved_variables();
-        const torch::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+        const torch::Tensor &q4 = saved[0], &k4 = saved[1], &v4 = saved[2], &out4 = saved[3], &lse = saved[4];
         const double scale = ctx->saved_data["scale"].toDouble();
-        torch::Tensor dout = grad_outputs[0].to(q.scalar_type()).contiguous();
+        const int64_t BH = q4.size(0) * q4.size(1), N = q4.size(2), M = k4.size(2);
+        auto flat = [&](const torch::Tensor& t, int64_t tokens) {
+            return t.reshape({BH, tokens, t.size(3)}).contiguous();
+        };
+        const torch::Tensor q = flat(q4, N), k = flat(k4, M), v = flat(v4, M), out = flat(out4, N);
+        torch::Tensor dout = flat(grad_outputs[0].to(q.scalar_type()), N);
         torch::Tensor dq = torch::empty_like(q), dk = torch::empty_like(k), dv = torch::empty_like(v);
         if (q.scalar_type() == torch::kFloat64)
             cpu::backward<double>(q, k, v, out, lse, dout, scale, dq, dk, dv);
         else
             cpu::backward<float>(q, k, v, out, lse, dout, scale, dq, dk, dv);
-        return {dq, dk, dv, torch::Tensor()};
+        return {dq.view(q4.sizes()), dk.view(k4.sizes()), dv.view(v4.sizes()), torch::Tensor()};
     }
 };
 
@@ -326,12 +402,14 @@ torch::Tensor softmax_attention_fused(const torch::Tensor& q, const torch::Tenso
     LINVIS_CHECK(k.size(2) >= 1, "softmax_attention: the fused kernel needs at least one key, got k ",
                  shape_string(k.sizes()));
     const torch::ScalarType type = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
-    const int64_t B = q.size(0), H = q.size(1), N = q.size(2), M = k.size(2);
-    auto flat = [&](const torch::Tensor& t, int64_t tokens) {
-        return t.to(type).reshape({B * H, tokens, t.size(3)}).contiguous();
+    // Views are used in place (deit's q, k, v are slices of one qkv tensor); a copy only for another dtype
+    // or a last dim that is not contiguous.
+    auto prepare = [&](const torch::Tensor& t) {
+        const torch::Tensor x = t.scalar_type() == type ? t : t.to(type);
+        return x.stride(3) == 1 || x.size(3) == 1 ? x : x.contiguous();
     };
-    torch::Tensor out = SoftmaxAttentionFunction::apply(flat(q, N), flat(k, M), flat(v, M), scale);
-    return out.view({B, H, N, v.size(3)}).to(q.scalar_type());
+    torch::Tensor out = SoftmaxAttentionFunction::apply(prepare(q), prepare(k), prepare(v), scale);
+    return out.to(q.scalar_type());
 }
 
 }  // namespace linvis::ops::cpu

@@ -14,14 +14,16 @@ namespace linvis::ops::cpu {
 //
 // Forward: per (sample*head, block of queries) an online softmax over blocks of keys - the running row
 // maximum m and normaliser l, the output accumulator rescaled by exp(m_old - m_new) - so the (N, M)
-// weights never exist; memory is the output plus one (queries x keys) tile per thread. It keeps the
-// per-row logsumexp (B*h*N numbers) for the backward.
+// weights never exist; memory is the output plus a few (queries x keys) tiles per thread. q, k, v are read
+// in place (any strides with a unit stride along the last dim; other dtypes are converted to float32). It
+// keeps the per-row logsumexp (B*h*N numbers) for the backward.
 // Backward (FlashAttention-2): D = rowsum(dO * O); per (sample*head), for each key block and each query
 // block, S and P = exp(S - logsumexp) are recomputed and dV += P^T dO, dS = P * (dO V^T - D),
-// dK += scale dS^T Q, dQ += scale dS K. Tasks are (sample*head, key segment), the segment count set by the
-// shapes (at least 8 tasks when there are enough key blocks); each segment's dQ part has its own (N, d)
-// buffer and the parts are summed in order, so the gradients do not depend on the thread count.
-// The tile products are LibTorch matrix products (OpenBLAS).
+// dK += scale dS^T Q, dQ += scale dS K. Tasks are (sample*head, key segment), the segments of equal length
+// and their count set by the shapes (at least 12 tasks when there are enough keys); each segment's dQ part
+// has its own (N, d) buffer and the parts are summed in order, so the gradients do not depend on the
+// thread count.
+// The tile products are the SIMD layer's register-blocked GEMM (ops/simd), see cpu.cpp.
 torch::Tensor softmax_attention_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                       double scale);
 

@@ -53,6 +53,16 @@ struct Kernels {
 const Kernels& kernels();
 const Kernels& kernels(Target t);
 
+// The GEMM of a kernel table for float or double, so templates over the element type call one name.
+inline void gemm(const Kernels& k, int64_t M, int64_t N, int64_t K, const float* A, int64_t a_row, int64_t a_col,
+                 const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+    k.gemm(M, N, K, A, a_row, a_col, B, ldb, C, ldc, accumulate);
+}
+inline void gemm(const Kernels& k, int64_t M, int64_t N, int64_t K, const double* A, int64_t a_row, int64_t a_col,
+                 const double* B, int64_t ldb, double* C, int64_t ldc, bool accumulate) {
+    k.gemm_f64(M, N, K, A, a_row, a_col, B, ldb, C, ldc, accumulate);
+}
+
 // Where the register-blocked GEMM's accumulators start (gemm-inl.h): C itself (C += A B), zero
 // (C = A B), or one row broadcast to every row (C = row + A B).
 enum class GemmInit { Accumulate, Zero, Row };
