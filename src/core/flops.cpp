@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/onednn_matmul.h"
 #include "linvis/core/error.h"
 #include "linvis/core/precision.h"
 
@@ -27,17 +28,32 @@ bool torch_gemm_forced() {
     return value != nullptr && std::strcmp(value, "torch") == 0;
 }
 
+// Which library computes a linear product.
+enum class Backend { Torch, Sgemm, Bf16Matmul };
+
 // oneDNN's sgemm takes every float32 CPU product. It opens an OpenMP region per call: with passive
 // OpenMP workers the wake-up cost more than oneDNN gained on a 224-px ViT-T's products, with the CLI's
-// short spin (runtime::configure_threads) it wins at every size (docs/performance.md).
-bool takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
-    const auto f32_cpu = [](const torch::Tensor& t) {
-        return t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && !t.is_sparse() && !t.is_mkldnn();
+// short spin (runtime::configure_threads) it wins at every size (docs/performance.md). bf16 CPU products
+// go to oneDNN's matmul primitive (float32 accumulation, one rounding) where oneDNN has a non-reference
+// bf16 kernel (AVX-512; core/onednn_matmul.h), else to LibTorch as before.
+Backend backend(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+    const auto on_cpu = [](const torch::Tensor& t, torch::ScalarType type) {
+        return t.scalar_type() == type && t.device().is_cpu() && !t.is_sparse() && !t.is_mkldnn();
     };
-    if (!f32_cpu(x) || !f32_cpu(weight) || weight.dim() != 2 || x.dim() < 1 || x.size(-1) != weight.size(1)) return false;
-    if (bias.defined() && (!f32_cpu(bias) || bias.dim() != 1 || bias.size(0) != weight.size(0))) return false;
+    if (weight.dim() != 2 || x.dim() < 1 || x.size(-1) != weight.size(1)) return Backend::Torch;
+    if (bias.defined() && (bias.dim() != 1 || bias.size(0) != weight.size(0))) return Backend::Torch;
     // Empty products (no rows or K = 0) stay with LibTorch, which defines them (zeros plus bias).
-    return x.numel() > 0 && weight.numel() > 0 && !torch_gemm_forced();
+    if (x.numel() == 0 || weight.numel() == 0 || torch_gemm_forced()) return Backend::Torch;
+    for (torch::ScalarType type : {torch::kFloat32, torch::kBFloat16}) {
+        if (!on_cpu(x, type) || !on_cpu(weight, type) || (bias.defined() && !on_cpu(bias, type))) continue;
+        if (type == torch::kFloat32) return Backend::Sgemm;
+        return onednn::bf16_matmul_available() ? Backend::Bf16Matmul : Backend::Torch;
+    }
+    return Backend::Torch;
+}
+
+bool takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+    return backend(x, weight, bias) != Backend::Torch;
 }
 
 // Row-major C (M x N) = op(A) . op(B) through oneDNN (op = transpose for 'T'); lda/ldb are the stored rows' lengths.
@@ -48,16 +64,45 @@ void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const floa
                  M, " x ", K, ") . (", K, " x ", N, ")");
 }
 
-// x (..., K) . w^T (w: N x K) + b, no graph.
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+using onednn::Activation;
+
+torch::Tensor activate(const torch::Tensor& y, Activation activation) {
+    if (activation == Activation::None) return y;
+    return torch::gelu(y, activation == Activation::GeluTanh ? "tanh" : "none");
+}
+
+// a (M x K) . b (K x N) [+ bias], then `activation`, for 2-D CPU tensors of one dtype through oneDNN: its sgemm
+// for float32, its bf16 matmul primitive (activation on the float32 accumulator) for bf16. A bf16 case the
+// primitive has no kernel for goes to LibTorch.
+torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias,
+                        Activation activation = Activation::None) {
+    const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+    torch::Tensor c = torch::empty({M, N}, a.options());
+    if (a.scalar_type() == torch::kBFloat16) {
+        if (onednn::bf16_matmul(a, b, bias, c, activation)) return c;
+        return activate(bias.defined() ? torch::addmm(bias, a, b) : a.mm(b), activation);
+    }
+    // Row-major storage is 'N' with the row length as ld, a transposed contiguous tensor is 'T'.
+    const auto layout = [](const torch::Tensor& t) -> std::pair<torch::Tensor, char> {
+        if (t.is_contiguous()) return {t, 'N'};
+        if (t.t().is_contiguous()) return {t, 'T'};
+        return {t.contiguous(), 'N'};
+    };
+    const auto [A, ta] = layout(a);
+    const auto [B, tb] = layout(b);
+    sgemm(ta, tb, M, N, K, A.data_ptr<float>(), ta == 'N' ? K : M, B.data_ptr<float>(), tb == 'N' ? N : K,
+          c.data_ptr<float>());
+    if (bias.defined()) c.add_(bias);
+    return activate(c, activation);
+}
+
+// x (..., K) . w^T (w: N x K) + b, then `activation`, no graph.
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                            Activation activation = Activation::None) {
     const int64_t K = x.size(-1), N = weight.size(0), M = x.numel() / K;
-    const torch::Tensor a = x.contiguous(), w = weight.contiguous();
     std::vector<int64_t> shape = x.sizes().vec();
     shape.back() = N;
-    torch::Tensor y = torch::empty({M, N}, x.options());
-    sgemm('N', 'T', M, N, K, a.data_ptr<float>(), K, w.data_ptr<float>(), K, y.data_ptr<float>());
-    if (bias.defined()) y.add_(bias);
-    return y.view(shape);
+    return onednn_mm(x.reshape({M, K}), weight.t(), bias, activation).view(shape);
 }
 
 // The same product inside an autograd graph: dx = g . w, dw = g^T . x, db = sum of g over rows, each through
@@ -82,17 +127,8 @@ public:
             if (ctx->needs_input_grad(0)) dx = g.matmul(weight).view(x.sizes());
             if (ctx->needs_input_grad(1)) dw = g.t().matmul(x.reshape({M, K}));
         } else {
-            if (ctx->needs_input_grad(0)) {
-                const torch::Tensor w = weight.contiguous();
-                dx = torch::empty({M, K}, g.options());
-                sgemm('N', 'N', M, K, N, g.data_ptr<float>(), N, w.data_ptr<float>(), K, dx.data_ptr<float>());
-                dx = dx.view(x.sizes());
-            }
-            if (ctx->needs_input_grad(1)) {
-                const torch::Tensor a = x.contiguous();
-                dw = torch::empty({N, K}, g.options());
-                sgemm('T', 'N', N, K, M, g.data_ptr<float>(), N, a.data_ptr<float>(), K, dw.data_ptr<float>());
-            }
+            if (ctx->needs_input_grad(0)) dx = onednn_mm(g, weight, {}).view(x.sizes());
+            if (ctx->needs_input_grad(1)) dw = onednn_mm(g.t(), x.reshape({M, K}), {});
         }
         if (ctx->needs_input_grad(2)) db = g.sum(0);
         return {dx, dw, db};
@@ -127,6 +163,17 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const 
     });
 }
 
+torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                          const std::string& approximate) {
+    LINVIS_CHECK(approximate == "none" || approximate == "tanh", "linear_gelu: approximate: expected none or tanh, got '",
+                 approximate, "'");
+    const bool graph = torch::GradMode::is_enabled() &&
+                       (x.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
+    if (graph || backend(x, weight, bias) != Backend::Bf16Matmul) return torch::gelu(linear(x, weight, bias), approximate);
+    if (counting()) add(x.numel() / x.size(-1) * weight.size(0) * weight.size(1));
+    return onednn_linear(x, weight, bias, approximate == "tanh" ? Activation::GeluTanh : Activation::GeluErf);
+}
+
 bool linear_takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
     return takes_onednn(x, weight, bias);
 }
@@ -134,8 +181,10 @@ bool linear_takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, co
 std::string linear_backend() {
     if (torch_gemm_forced()) return "LibTorch";
     const dnnl_version_t* v = dnnl_version();
-    return "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch) +
-           " sgemm";
+    std::string name = "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
+                       std::to_string(v->patch) + " sgemm";
+    if (onednn::bf16_matmul_available()) name += ", bf16 matmul (" + onednn::bf16_matmul_implementation() + ")";
+    return name;
 }
 
 torch::Tensor matmul(const torch::Tensor& a, const torch::Tensor& b) {

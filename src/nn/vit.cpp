@@ -108,7 +108,7 @@ MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool with_dwc) {
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x, int64_t height, int64_t width) {
-    torch::Tensor y = torch::gelu(flops::linear(x, fc1->weight, fc1->bias));
+    torch::Tensor y = flops::linear_gelu(x, fc1->weight, fc1->bias);
     if (dwc) {
         y = y + map_to_tokens(conv_forward(dwc, tokens_to_map(y, height, width)));
         y = torch::gelu(y);

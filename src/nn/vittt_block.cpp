@@ -172,7 +172,7 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
     torch::Tensor y = y_in + conv.flatten(2).transpose(1, 2);
 
     torch::Tensor x = layer_norm(norm1, y);
-    torch::Tensor gate = torch::gelu(linear(g_proj, x), "tanh");
+    torch::Tensor gate = flops::linear_gelu(x, g_proj->weight, g_proj->bias, "tanh");
     nn::Probe* probe_forth = probing("ttt.grad_norms.forth");
     nn::Probe* probe_back = probing("ttt.grad_norms.back");
     torch::Tensor norms_forth, norms_back;
