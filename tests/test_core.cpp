@@ -112,10 +112,11 @@ TEST(Flops, OnednnLinearMatchesLibTorch) {
     unsetenv("LINVIS_GEMM");
 }
 
-// bf16 products: oneDNN's matmul primitive where this CPU has a bf16 kernel (AVX-512), LibTorch otherwise and
-// under LINVIS_GEMM=torch. Judged against float64 products of the same bf16 values: float32 accumulation
-// (at most K * 2^-23 of sum |a_i b_i|, generous for K <= 400) plus one rounding of the output to bf16 (half
-// an ulp: 2^-8 relative, 2^-7 for LibTorch, which rounds the product and then the sum with the bias).
+// bf16 products go to oneDNN on every CPU: its bf16 matmul primitive (LINVIS_BF16_GEMM=matmul, the default
+// with AMX) or its sgemm on float32 copies (=sgemm, the default without AMX); LibTorch under LINVIS_GEMM=torch.
+// Judged against float64 products of the same bf16 values: float32 accumulation (at most K * 2^-23 of
+// sum |a_i b_i|, generous for K <= 1200) plus one rounding of the output to bf16 (half an ulp: 2^-8 relative;
+// 2^-7 for LibTorch, which may round the product and then the sum with the bias).
 namespace {
 bool bf16_within_bound(const torch::Tensor& y, const torch::Tensor& judge, const torch::Tensor& abs_judge,
                        int64_t k, int roundings, const std::string& what) {
@@ -127,12 +128,25 @@ bool bf16_within_bound(const torch::Tensor& y, const torch::Tensor& judge, const
     EXPECT_LE(worst, 0.0) << what << ": max error over bound " << worst << ", max error " << err.max().item<double>();
     return worst <= 0.0;
 }
+
+// Sets LINVIS_BF16_GEMM / LINVIS_GEMM for one of "matmul", "sgemm", "torch" and clears them when it ends.
+struct Bf16GemmMode {
+    explicit Bf16GemmMode(const std::string& mode) {
+        if (mode == "torch") setenv("LINVIS_GEMM", "torch", 1);
+        else setenv("LINVIS_BF16_GEMM", mode.c_str(), 1);
+    }
+    ~Bf16GemmMode() {
+        unsetenv("LINVIS_GEMM");
+        unsetenv("LINVIS_BF16_GEMM");
+    }
+};
 }  // namespace
 
 TEST(Flops, Bf16LinearOnOnednnMatchesFloat64) {
     using linvis::flops::linear;
     const auto bf16 = [](const torch::Tensor& t) { return t.to(torch::kBFloat16); };
     const auto f64 = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kFloat64) : t; };
+    EXPECT_NE(linvis::flops::linear_backend().find(", bf16 "), std::string::npos) << linvis::flops::linear_backend();
     torch::manual_seed(11);
     struct Case { std::vector<int64_t> x; int64_t n; bool bias, transposed_x, transposed_w; };
     for (const Case& c : {Case{{7}, 5, true, false, false}, Case{{197, 192}, 576, true, false, false},
@@ -146,46 +160,39 @@ TEST(Flops, Bf16LinearOnOnednnMatchesFloat64) {
         torch::Tensor b = c.bias ? bf16(torch::randn({c.n})) : torch::Tensor();
         const torch::Tensor judge = torch::nn::functional::linear(f64(x), f64(w), f64(b));
         const torch::Tensor abs_judge = torch::nn::functional::linear(f64(x).abs(), f64(w).abs(), c.bias ? f64(b).abs() : torch::Tensor());
-        const std::string what = "x " + linvis::shape_string(x.sizes().vec()) + " n " + std::to_string(c.n);
-        // On AVX-512 oneDNN takes every bf16 product, and the backend names its bf16 kernel.
-        const bool onednn = linvis::flops::linear_takes_onednn(x, w, b);
-        __builtin_cpu_init();
-        if (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
-            EXPECT_TRUE(onednn) << what;
-            EXPECT_NE(linvis::flops::linear_backend().find("bf16 matmul"), std::string::npos) << linvis::flops::linear_backend();
-        }
-        {
-            torch::NoGradGuard no_grad;
-            bf16_within_bound(linear(x, w, b), judge, abs_judge, k, onednn ? 1 : 2, what + " (inference)");
-            bf16_within_bound(linear(x, w, b), judge, abs_judge, k, onednn ? 1 : 2, what + " (cached primitive)");
-        }
-        setenv("LINVIS_GEMM", "torch", 1);
-        EXPECT_FALSE(linvis::flops::linear_takes_onednn(x, w, b));
-        bf16_within_bound(linear(x, w, b), judge, abs_judge, k, 2, what + " (LINVIS_GEMM=torch)");
-        unsetenv("LINVIS_GEMM");
-        // Gradients in a graph: dx = g . w and dw = g^T . x each round once; db = sum of g over rows.
-        for (bool torch_gemm : {false, true}) {
-            if (torch_gemm) setenv("LINVIS_GEMM", "torch", 1);
+        for (const std::string mode : {"matmul", "sgemm", "torch"}) {
+            const Bf16GemmMode set_mode(mode);
+            const std::string what = "x " + linvis::shape_string(x.sizes().vec()) + " n " + std::to_string(c.n) + " " + mode;
+            const bool onednn = mode != "torch";
+            EXPECT_EQ(linvis::flops::linear_takes_onednn(x, w, b), onednn) << what;
+            {
+                torch::NoGradGuard no_grad;
+                bf16_within_bound(linear(x, w, b), judge, abs_judge, k, onednn ? 1 : 2, what + " (inference)");
+                bf16_within_bound(linear(x, w, b), judge, abs_judge, k, onednn ? 1 : 2, what + " (again: cached primitive)");
+            }
+            // Gradients in a graph: dx = g . w and dw = g^T . x each round once; db = sum of g over rows.
             const torch::Tensor xg = x.detach().requires_grad_(true), wg = w.detach().requires_grad_(true);
             const torch::Tensor bg = c.bias ? b.detach().requires_grad_(true) : torch::Tensor();
             const torch::Tensor y = linear(xg, wg, bg);
             const torch::Tensor probe = bf16(torch::randn(y.sizes()));
             y.backward(probe);
-            if (torch_gemm) unsetenv("LINVIS_GEMM");
             const int64_t rows = x.numel() / k;
             const torch::Tensor g = f64(probe).reshape({rows, c.n}), x2 = f64(x).reshape({rows, k});
-            const std::string how = what + (torch_gemm ? " (LINVIS_GEMM=torch)" : "");
-            const int roundings = onednn && !torch_gemm ? 1 : 2;
             bf16_within_bound(xg.grad(), g.matmul(f64(w)).view(x.sizes()), g.abs().matmul(f64(w).abs()).view(x.sizes()),
-                              c.n, roundings, how + " dx");
-            bf16_within_bound(wg.grad(), g.t().matmul(x2), g.abs().t().matmul(x2.abs()), rows, roundings, how + " dw");
-            if (c.bias) bf16_within_bound(bg.grad(), g.sum(0), g.abs().sum(0), rows, 2, how + " db");
+                              c.n, onednn ? 1 : 2, what + " dx");
+            bf16_within_bound(wg.grad(), g.t().matmul(x2), g.abs().t().matmul(x2.abs()), rows, onednn ? 1 : 2, what + " dw");
+            if (c.bias) bf16_within_bound(bg.grad(), g.sum(0), g.abs().sum(0), rows, 2, what + " db");
         }
+    }
+    {
+        const Bf16GemmMode set_mode("fastest");
+        const torch::Tensor x = bf16(torch::randn({2, 3})), w = bf16(torch::randn({4, 3}));
+        EXPECT_THROW(linear(x, w), linvis::Error);
     }
 }
 
-// linear_gelu: in bf16 inference the GELU (erf and tanh forms) runs on oneDNN's float32 accumulator and the
-// result rounds once; judged like the products above, the accumulation error passed through GELU's slope
+// linear_gelu: in bf16 inference the GELU (erf and tanh forms) runs on the float32 product (oneDNN's
+// accumulator, or sgemm's float32 output) and the result rounds once; judged like the products above, the accumulation error passed through GELU's slope
 // (at most 1.13), plus 1e-6 for oneDNN's float32 GELU. In a graph and in float32 it is gelu(linear).
 TEST(Flops, Bf16LinearGeluMatchesFloat64) {
     torch::manual_seed(12);
@@ -199,16 +206,19 @@ TEST(Flops, Bf16LinearGeluMatchesFloat64) {
             const torch::Tensor pre = torch::nn::functional::linear(f64(x), f64(w), f64(b));
             const torch::Tensor judge = torch::gelu(pre, approximate);
             const torch::Tensor abs_pre = torch::nn::functional::linear(f64(x).abs(), f64(w).abs(), f64(b).abs());
-            torch::Tensor y;
-            {
-                torch::NoGradGuard no_grad;
-                y = linvis::flops::linear_gelu(x, w, b, approximate);
+            for (const std::string mode : {"matmul", "sgemm"}) {
+                const Bf16GemmMode set_mode(mode);
+                torch::Tensor y;
+                {
+                    torch::NoGradGuard no_grad;
+                    y = linvis::flops::linear_gelu(x, w, b, approximate);
+                }
+                ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
+                ASSERT_EQ(y.sizes(), judge.sizes());
+                const torch::Tensor bound = std::ldexp(1.0, -8) * judge.abs() + 1.13 * k * std::ldexp(1.0, -23) * abs_pre + 1e-6;
+                const double worst = ((f64(y) - judge).abs() - bound).max().item<double>();
+                EXPECT_LE(worst, 0.0) << approximate << " " << linvis::shape_string(shape) << " " << mode;
             }
-            ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
-            ASSERT_EQ(y.sizes(), judge.sizes());
-            const torch::Tensor bound = std::ldexp(1.0, -8) * judge.abs() + 1.13 * k * std::ldexp(1.0, -23) * abs_pre + 1e-6;
-            const double worst = ((f64(y) - judge).abs() - bound).max().item<double>();
-            EXPECT_LE(worst, 0.0) << approximate << " " << linvis::shape_string(shape);
             // float32, and bf16 in a graph: exactly gelu(linear).
             const torch::Tensor xf = x.to(torch::kFloat32), wf = w.to(torch::kFloat32), bf = b.to(torch::kFloat32);
             EXPECT_TRUE(torch::equal(linvis::flops::linear_gelu(xf, wf, bf, approximate),

@@ -29,13 +29,31 @@ bool torch_gemm_forced() {
 }
 
 // Which library computes a linear product.
-enum class Backend { Torch, Sgemm, Bf16Matmul };
+enum class Backend { Torch, Sgemm, Bf16 };
+
+// How bf16 products run on oneDNN. Its bf16 matmul primitive accumulates in float32 and rounds once, but
+// on a CPU without AMX its AVX512-BF16 kernel (brg:avx512_core_bf16) ran at half the float32 rate: 88
+// against 175 GFLOP/s for one thread on the 2-core AVX-512 Xeon (Sapphire Rapids class, AMX not exposed;
+// (197 x 192) . (192 x 576) to (4097 x 192) . (192 x 768)). float32 sgemm on widened copies of the operands
+// computes the same thing (float32 accumulation, one rounding) at 135 GFLOP/s. So the primitive takes bf16
+// products where oneDNN can use AMX, sgemm on widened operands elsewhere (every CPU, AVX2 included);
+// LINVIS_BF16_GEMM=matmul or =sgemm (read on every call) picks one, for comparisons and tests.
+bool bf16_on_matmul_primitive() {
+    const char* value = std::getenv("LINVIS_BF16_GEMM");
+    if (value == nullptr || *value == '\0') {
+        static const bool amx = (dnnl_get_effective_cpu_isa() & dnnl_cpu_isa_avx512_core_amx) ==
+                                dnnl_cpu_isa_avx512_core_amx;
+        return amx && onednn::bf16_matmul_available();
+    }
+    LINVIS_CHECK(std::strcmp(value, "matmul") == 0 || std::strcmp(value, "sgemm") == 0,
+                 "LINVIS_BF16_GEMM: expected matmul or sgemm, got '", value, "'");
+    return std::strcmp(value, "matmul") == 0 && onednn::bf16_matmul_available();
+}
 
 // oneDNN's sgemm takes every float32 CPU product. It opens an OpenMP region per call: with passive
 // OpenMP workers the wake-up cost more than oneDNN gained on a 224-px ViT-T's products, with the CLI's
 // short spin (runtime::configure_threads) it wins at every size (docs/performance.md). bf16 CPU products
-// go to oneDNN's matmul primitive (float32 accumulation, one rounding) where oneDNN has a non-reference
-// bf16 kernel (AVX-512; core/onednn_matmul.h), else to LibTorch as before.
+// go to oneDNN as well (bf16_on_matmul_primitive says how), LibTorch's 1.13 bf16 linear being slower still.
 Backend backend(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
     const auto on_cpu = [](const torch::Tensor& t, torch::ScalarType type) {
         return t.scalar_type() == type && t.device().is_cpu() && !t.is_sparse() && !t.is_mkldnn();
@@ -46,8 +64,7 @@ Backend backend(const torch::Tensor& x, const torch::Tensor& weight, const torch
     if (x.numel() == 0 || weight.numel() == 0 || torch_gemm_forced()) return Backend::Torch;
     for (torch::ScalarType type : {torch::kFloat32, torch::kBFloat16}) {
         if (!on_cpu(x, type) || !on_cpu(weight, type) || (bias.defined() && !on_cpu(bias, type))) continue;
-        if (type == torch::kFloat32) return Backend::Sgemm;
-        return onednn::bf16_matmul_available() ? Backend::Bf16Matmul : Backend::Torch;
+        return type == torch::kFloat32 ? Backend::Sgemm : Backend::Bf16;
     }
     return Backend::Torch;
 }
@@ -72,15 +89,17 @@ torch::Tensor activate(const torch::Tensor& y, Activation activation) {
 }
 
 // a (M x K) . b (K x N) [+ bias], then `activation`, for 2-D CPU tensors of one dtype through oneDNN: its sgemm
-// for float32, its bf16 matmul primitive (activation on the float32 accumulator) for bf16. A bf16 case the
-// primitive has no kernel for goes to LibTorch.
+// for float32; for bf16 its matmul primitive (activation on the float32 accumulator) where
+// bf16_on_matmul_primitive() and the primitive has a kernel for the case, else sgemm on float32 copies.
 torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias,
                         Activation activation = Activation::None) {
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
     torch::Tensor c = torch::empty({M, N}, a.options());
     if (a.scalar_type() == torch::kBFloat16) {
-        if (onednn::bf16_matmul(a, b, bias, c, activation)) return c;
-        return activate(bias.defined() ? torch::addmm(bias, a, b) : a.mm(b), activation);
+        if (bf16_on_matmul_primitive() && onednn::bf16_matmul(a, b, bias, c, activation)) return c;
+        // sgemm on float32 copies, the activation in float32, one rounding.
+        const auto f32 = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kFloat32) : t; };
+        return onednn_mm(f32(a), f32(b), f32(bias), activation).to(torch::kBFloat16);
     }
     // Row-major storage is 'N' with the row length as ld, a transposed contiguous tensor is 'T'.
     const auto layout = [](const torch::Tensor& t) -> std::pair<torch::Tensor, char> {
@@ -169,7 +188,7 @@ torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, c
                  approximate, "'");
     const bool graph = torch::GradMode::is_enabled() &&
                        (x.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
-    if (graph || backend(x, weight, bias) != Backend::Bf16Matmul) return torch::gelu(linear(x, weight, bias), approximate);
+    if (graph || backend(x, weight, bias) != Backend::Bf16) return torch::gelu(linear(x, weight, bias), approximate);
     if (counting()) add(x.numel() / x.size(-1) * weight.size(0) * weight.size(1));
     return onednn_linear(x, weight, bias, approximate == "tanh" ? Activation::GeluTanh : Activation::GeluErf);
 }
@@ -183,7 +202,8 @@ std::string linear_backend() {
     const dnnl_version_t* v = dnnl_version();
     std::string name = "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
                        std::to_string(v->patch) + " sgemm";
-    if (onednn::bf16_matmul_available()) name += ", bf16 matmul (" + onednn::bf16_matmul_implementation() + ")";
+    name += bf16_on_matmul_primitive() ? ", bf16 matmul (" + onednn::bf16_matmul_implementation() + ")"
+                                       : ", bf16 on sgemm (float32 copies)";
     return name;
 }
 

@@ -192,6 +192,9 @@ torch::Tensor PlainVit::forward_features(const torch::Tensor& images) {
     Embedding e = embed(images);
     torch::Tensor x = e.tokens;
     for (auto& block : blocks_) x = block->forward(x, e.height, e.width);
+    // A LayerNorm (the default) normalises bf16 in float32 (nn::layer_norm); other final norms run as given.
+    if (auto* ln = norm.ptr()->as<torch::nn::LayerNormImpl>())
+        return nn::layer_norm(x, ln->options.normalized_shape(), ln->weight, ln->bias, ln->options.eps());
     return norm.forward(x);
 }
 

@@ -130,8 +130,8 @@ TransformerBlockImpl::TransformerBlockImpl(const TransformerBlockOptions& option
 torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x_in, int64_t height, int64_t width) {
     torch::Tensor x = x_in;
     if (cpe) x = x + map_to_tokens(conv_forward(cpe, tokens_to_map(x, height, width)));
-    x = x + drop_path(attn->forward(norm1->forward(x), height, width), options_.drop_path, is_training());
-    return x + drop_path(mlp->forward(norm2->forward(x)), options_.drop_path, is_training());
+    x = x + drop_path(attn->forward(nn::layer_norm(norm1, x), height, width), options_.drop_path, is_training());
+    return x + drop_path(mlp->forward(nn::layer_norm(norm2, x)), options_.drop_path, is_training());
 }
 
 }  // namespace linvis::nn
