@@ -94,9 +94,11 @@ torch::Tensor activate(const torch::Tensor& y, Activation activation) {
 torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias,
                         Activation activation = Activation::None) {
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
-    torch::Tensor c = torch::empty({M, N}, a.options());
     if (a.scalar_type() == torch::kBFloat16) {
-        if (bf16_on_matmul_primitive() && onednn::bf16_matmul(a, b, bias, c, activation)) return c;
+        if (bf16_on_matmul_primitive()) {
+            torch::Tensor c = torch::empty({M, N}, a.options());
+            if (onednn::bf16_matmul(a, b, bias, c, activation)) return c;
+        }
         // sgemm on float32 copies, the activation in float32, one rounding.
         const auto f32 = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kFloat32) : t; };
         return onednn_mm(f32(a), f32(b), f32(bias), activation).to(torch::kBFloat16);
@@ -109,6 +111,7 @@ torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const to
     };
     const auto [A, ta] = layout(a);
     const auto [B, tb] = layout(b);
+    torch::Tensor c = torch::empty({M, N}, a.options());
     sgemm(ta, tb, M, N, K, A.data_ptr<float>(), ta == 'N' ? K : M, B.data_ptr<float>(), tb == 'N' ? N : K,
           c.data_ptr<float>());
     if (bias.defined()) c.add_(bias);
