@@ -112,6 +112,128 @@ TEST(Flops, OnednnLinearMatchesLibTorch) {
     unsetenv("LINVIS_GEMM");
 }
 
+// bf16 products go to oneDNN on every CPU: its bf16 matmul primitive (LINVIS_BF16_GEMM=matmul, the default
+// with AMX) or its sgemm on float32 copies (=sgemm, the default without AMX); LibTorch under LINVIS_GEMM=torch.
+// Judged against float64 products of the same bf16 values: float32 accumulation (at most K * 2^-23 of
+// sum |a_i b_i|, generous for K <= 1200) plus one rounding of the output to bf16 (half an ulp: 2^-8 relative).
+// LibTorch (the fallback) may round more often - the product before adding the bias, and partial sums of its
+// bf16 matrix-vector backward for 1-D inputs - so its bound adds 2^-8 sum |a_i b_i| per possible rounding (K).
+namespace {
+bool bf16_within_bound(const torch::Tensor& y, const torch::Tensor& judge, const torch::Tensor& abs_judge,
+                       int64_t k, int64_t extra_roundings, const std::string& what) {
+    EXPECT_EQ(y.scalar_type(), torch::kBFloat16) << what;
+    EXPECT_EQ(y.sizes(), judge.sizes()) << what;
+    const torch::Tensor err = (y.to(torch::kFloat64) - judge).abs();
+    const torch::Tensor bound = std::ldexp(1.0, -8) * judge.abs() +
+                                (k * std::ldexp(1.0, -23) + extra_roundings * std::ldexp(1.0, -8)) * abs_judge;
+    const double worst = (err - bound).max().item<double>();
+    EXPECT_LE(worst, 0.0) << what << ": max error over bound " << worst << ", max error " << err.max().item<double>();
+    return worst <= 0.0;
+}
+
+// Sets LINVIS_BF16_GEMM / LINVIS_GEMM for one of "matmul", "sgemm", "torch" and clears them when it ends.
+struct Bf16GemmMode {
+    explicit Bf16GemmMode(const std::string& mode) {
+        if (mode == "torch") setenv("LINVIS_GEMM", "torch", 1);
+        else setenv("LINVIS_BF16_GEMM", mode.c_str(), 1);
+    }
+    ~Bf16GemmMode() {
+        unsetenv("LINVIS_GEMM");
+        unsetenv("LINVIS_BF16_GEMM");
+    }
+};
+}  // namespace
+
+TEST(Flops, Bf16LinearOnOnednnMatchesFloat64) {
+    using linvis::flops::linear;
+    const auto bf16 = [](const torch::Tensor& t) { return t.to(torch::kBFloat16); };
+    const auto f64 = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kFloat64) : t; };
+    EXPECT_NE(linvis::flops::linear_backend().find(", bf16 "), std::string::npos) << linvis::flops::linear_backend();
+    torch::manual_seed(11);
+    struct Case { std::vector<int64_t> x; int64_t n; bool bias, transposed_x, transposed_w; };
+    for (const Case& c : {Case{{7}, 5, true, false, false}, Case{{197, 192}, 576, true, false, false},
+                          Case{{1, 1, 1}, 1, true, false, true}, Case{{5, 33, 17}, 9, true, false, false},
+                          Case{{3, 341, 257}, 131, false, false, false}, Case{{3, 400, 129}, 700, true, true, false},
+                          Case{{4, 250, 96}, 150, true, false, true}, Case{{1025, 192}, 768, false, false, true}}) {
+        torch::Tensor x = bf16(torch::randn(c.x));
+        if (c.transposed_x) x = x.transpose(0, 1).contiguous().transpose(0, 1);  // same sizes, other strides
+        const int64_t k = c.x.back();
+        torch::Tensor w = c.transposed_w ? bf16(torch::randn({k, c.n})).t() : bf16(torch::randn({c.n, k}));
+        torch::Tensor b = c.bias ? bf16(torch::randn({c.n})) : torch::Tensor();
+        const torch::Tensor judge = torch::nn::functional::linear(f64(x), f64(w), f64(b));
+        const torch::Tensor abs_judge = torch::nn::functional::linear(f64(x).abs(), f64(w).abs(), c.bias ? f64(b).abs() : torch::Tensor());
+        for (const std::string mode : {"matmul", "sgemm", "torch"}) {
+            const Bf16GemmMode set_mode(mode);
+            const std::string what = "x " + linvis::shape_string(x.sizes().vec()) + " n " + std::to_string(c.n) + " " + mode;
+            const bool onednn = mode != "torch";
+            EXPECT_EQ(linvis::flops::linear_takes_onednn(x, w, b), onednn) << what;
+            {
+                torch::NoGradGuard no_grad;
+                bf16_within_bound(linear(x, w, b), judge, abs_judge, k, onednn ? 0 : k, what + " (inference)");
+                bf16_within_bound(linear(x, w, b), judge, abs_judge, k, onednn ? 0 : k, what + " (again: cached primitive)");
+            }
+            // Gradients in a graph: dx = g . w and dw = g^T . x each round once; db = sum of g over rows.
+            const torch::Tensor xg = x.detach().requires_grad_(true), wg = w.detach().requires_grad_(true);
+            const torch::Tensor bg = c.bias ? b.detach().requires_grad_(true) : torch::Tensor();
+            const torch::Tensor y = linear(xg, wg, bg);
+            const torch::Tensor probe = bf16(torch::randn(y.sizes()));
+            y.backward(probe);
+            const int64_t rows = x.numel() / k;
+            const torch::Tensor g = f64(probe).reshape({rows, c.n}), x2 = f64(x).reshape({rows, k});
+            bf16_within_bound(xg.grad(), g.matmul(f64(w)).view(x.sizes()), g.abs().matmul(f64(w).abs()).view(x.sizes()),
+                              c.n, onednn ? 0 : c.n, what + " dx");
+            bf16_within_bound(wg.grad(), g.t().matmul(x2), g.abs().t().matmul(x2.abs()), rows, onednn ? 0 : rows, what + " dw");
+            if (c.bias) bf16_within_bound(bg.grad(), g.sum(0), g.abs().sum(0), rows, 1, what + " db");
+        }
+    }
+    {
+        const Bf16GemmMode set_mode("fastest");
+        const torch::Tensor x = bf16(torch::randn({2, 3})), w = bf16(torch::randn({4, 3}));
+        EXPECT_THROW(linvis::flops::linear(x, w), linvis::Error);
+    }
+}
+
+// linear_gelu: in bf16 inference the GELU (erf and tanh forms) runs on the float32 product (oneDNN's
+// accumulator, or sgemm's float32 output) and the result rounds once; judged like the products above, the accumulation error passed through GELU's slope
+// (at most 1.13), plus 1e-6 for oneDNN's float32 GELU. In a graph and in float32 it is gelu(linear).
+TEST(Flops, Bf16LinearGeluMatchesFloat64) {
+    torch::manual_seed(12);
+    const auto f64 = [](const torch::Tensor& t) { return t.to(torch::kFloat64); };
+    for (const std::string approximate : {"none", "tanh"}) {
+        for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{{9}, {197, 192}, {2, 65, 33}}) {
+            const int64_t k = shape.back(), n = 3 * k + 1;
+            const torch::Tensor x = torch::randn(shape).to(torch::kBFloat16);
+            const torch::Tensor w = (torch::randn({n, k}) / std::sqrt(static_cast<double>(k))).to(torch::kBFloat16);
+            const torch::Tensor b = torch::randn({n}).to(torch::kBFloat16);
+            const torch::Tensor pre = torch::nn::functional::linear(f64(x), f64(w), f64(b));
+            const torch::Tensor judge = torch::gelu(pre, approximate);
+            const torch::Tensor abs_pre = torch::nn::functional::linear(f64(x).abs(), f64(w).abs(), f64(b).abs());
+            for (const std::string mode : {"matmul", "sgemm"}) {
+                const Bf16GemmMode set_mode(mode);
+                torch::Tensor y;
+                {
+                    torch::NoGradGuard no_grad;
+                    y = linvis::flops::linear_gelu(x, w, b, approximate);
+                }
+                ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
+                ASSERT_EQ(y.sizes(), judge.sizes());
+                const torch::Tensor bound = std::ldexp(1.0, -8) * judge.abs() + 1.13 * k * std::ldexp(1.0, -23) * abs_pre + 1e-6;
+                const double worst = ((f64(y) - judge).abs() - bound).max().item<double>();
+                EXPECT_LE(worst, 0.0) << approximate << " " << linvis::shape_string(shape) << " " << mode;
+            }
+            // float32, and bf16 in a graph: exactly gelu(linear).
+            const torch::Tensor xf = x.to(torch::kFloat32), wf = w.to(torch::kFloat32), bf = b.to(torch::kFloat32);
+            EXPECT_TRUE(torch::equal(linvis::flops::linear_gelu(xf, wf, bf, approximate),
+                                     torch::gelu(linvis::flops::linear(xf, wf, bf), approximate)));
+            const torch::Tensor xg = x.detach().requires_grad_(true);
+            const torch::Tensor yg = linvis::flops::linear_gelu(xg, w, b, approximate);
+            EXPECT_TRUE(yg.requires_grad());
+            EXPECT_TRUE(torch::equal(yg.detach(), torch::gelu(linvis::flops::linear(x, w, b), approximate)));
+        }
+    }
+    EXPECT_THROW(linvis::flops::linear_gelu(torch::randn({2, 3}), torch::randn({4, 3}), {}, "erf"), linvis::Error);
+}
+
 // pytorch/pytorch issue 83863: a bf16 product of ones accumulated in bf16 stops growing at 256
 // (256 + 1 rounds back to 256). Every linvis product must accumulate in float32 on every CPU.
 TEST(Precision, ReducedPrecisionProductsAccumulateInFloat32) {

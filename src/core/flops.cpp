@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/onednn_matmul.h"
 #include "linvis/core/error.h"
 #include "linvis/core/precision.h"
 
@@ -27,17 +28,49 @@ bool torch_gemm_forced() {
     return value != nullptr && std::strcmp(value, "torch") == 0;
 }
 
+// Which library computes a linear product.
+enum class Backend { Torch, Sgemm, Bf16 };
+
+// How bf16 products run on oneDNN. Its bf16 matmul primitive accumulates in float32 and rounds once, but
+// on a CPU without AMX its AVX512-BF16 kernel (brg:avx512_core_bf16) ran at half the float32 rate: 88
+// against 175 GFLOP/s for one thread on the 2-core AVX-512 Xeon (Sapphire Rapids class, AMX not exposed;
+// (197 x 192) . (192 x 576) to (4097 x 192) . (192 x 768)). float32 sgemm on widened copies of the operands
+// computes the same thing (float32 accumulation, one rounding) at 135 GFLOP/s. So the primitive takes bf16
+// products where oneDNN can use AMX, sgemm on widened operands elsewhere (every CPU, AVX2 included);
+// LINVIS_BF16_GEMM=matmul or =sgemm (read on every call) picks one, for comparisons and tests.
+bool bf16_on_matmul_primitive() {
+    const char* value = std::getenv("LINVIS_BF16_GEMM");
+    if (value == nullptr || *value == '\0') {
+        static const bool amx = (dnnl_get_effective_cpu_isa() & dnnl_cpu_isa_avx512_core_amx) ==
+                                dnnl_cpu_isa_avx512_core_amx;
+        return amx && onednn::bf16_matmul_available();
+    }
+    LINVIS_CHECK(std::strcmp(value, "matmul") == 0 || std::strcmp(value, "sgemm") == 0,
+                 "LINVIS_BF16_GEMM: expected matmul or sgemm, got '", value, "'");
+    return std::strcmp(value, "matmul") == 0 && onednn::bf16_matmul_available();
+}
+
 // oneDNN's sgemm takes every float32 CPU product. It opens an OpenMP region per call: with passive
 // OpenMP workers the wake-up cost more than oneDNN gained on a 224-px ViT-T's products, with the CLI's
-// short spin (runtime::configure_threads) it wins at every size (docs/performance.md).
-bool takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
-    const auto f32_cpu = [](const torch::Tensor& t) {
-        return t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && !t.is_sparse() && !t.is_mkldnn();
+// short spin (runtime::configure_threads) it wins at every size (docs/performance.md). bf16 CPU products
+// go to oneDNN as well (bf16_on_matmul_primitive says how), LibTorch's 1.13 bf16 linear being slower still.
+Backend backend(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+    const auto on_cpu = [](const torch::Tensor& t, torch::ScalarType type) {
+        return t.scalar_type() == type && t.device().is_cpu() && !t.is_sparse() && !t.is_mkldnn();
     };
-    if (!f32_cpu(x) || !f32_cpu(weight) || weight.dim() != 2 || x.dim() < 1 || x.size(-1) != weight.size(1)) return false;
-    if (bias.defined() && (!f32_cpu(bias) || bias.dim() != 1 || bias.size(0) != weight.size(0))) return false;
+    if (weight.dim() != 2 || x.dim() < 1 || x.size(-1) != weight.size(1)) return Backend::Torch;
+    if (bias.defined() && (bias.dim() != 1 || bias.size(0) != weight.size(0))) return Backend::Torch;
     // Empty products (no rows or K = 0) stay with LibTorch, which defines them (zeros plus bias).
-    return x.numel() > 0 && weight.numel() > 0 && !torch_gemm_forced();
+    if (x.numel() == 0 || weight.numel() == 0 || torch_gemm_forced()) return Backend::Torch;
+    for (torch::ScalarType type : {torch::kFloat32, torch::kBFloat16}) {
+        if (!on_cpu(x, type) || !on_cpu(weight, type) || (bias.defined() && !on_cpu(bias, type))) continue;
+        return type == torch::kFloat32 ? Backend::Sgemm : Backend::Bf16;
+    }
+    return Backend::Torch;
+}
+
+bool takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+    return backend(x, weight, bias) != Backend::Torch;
 }
 
 // Row-major C (M x N) = op(A) . op(B) through oneDNN (op = transpose for 'T'); lda/ldb are the stored rows' lengths.
@@ -48,16 +81,50 @@ void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const floa
                  M, " x ", K, ") . (", K, " x ", N, ")");
 }
 
-// x (..., K) . w^T (w: N x K) + b, no graph.
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+using onednn::Activation;
+
+torch::Tensor activate(const torch::Tensor& y, Activation activation) {
+    if (activation == Activation::None) return y;
+    return torch::gelu(y, activation == Activation::GeluTanh ? "tanh" : "none");
+}
+
+// a (M x K) . b (K x N) [+ bias], then `activation`, for 2-D CPU tensors of one dtype through oneDNN: its sgemm
+// for float32; for bf16 its matmul primitive (activation on the float32 accumulator) where
+// bf16_on_matmul_primitive() and the primitive has a kernel for the case, else sgemm on float32 copies.
+torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias,
+                        Activation activation = Activation::None) {
+    const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+    if (a.scalar_type() == torch::kBFloat16) {
+        if (bf16_on_matmul_primitive()) {
+            torch::Tensor c = torch::empty({M, N}, a.options());
+            if (onednn::bf16_matmul(a, b, bias, c, activation)) return c;
+        }
+        // sgemm on float32 copies, the activation in float32, one rounding.
+        const auto f32 = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kFloat32) : t; };
+        return onednn_mm(f32(a), f32(b), f32(bias), activation).to(torch::kBFloat16);
+    }
+    // Row-major storage is 'N' with the row length as ld, a transposed contiguous tensor is 'T'.
+    const auto layout = [](const torch::Tensor& t) -> std::pair<torch::Tensor, char> {
+        if (t.is_contiguous()) return {t, 'N'};
+        if (t.t().is_contiguous()) return {t, 'T'};
+        return {t.contiguous(), 'N'};
+    };
+    const auto [A, ta] = layout(a);
+    const auto [B, tb] = layout(b);
+    torch::Tensor c = torch::empty({M, N}, a.options());
+    sgemm(ta, tb, M, N, K, A.data_ptr<float>(), ta == 'N' ? K : M, B.data_ptr<float>(), tb == 'N' ? N : K,
+          c.data_ptr<float>());
+    if (bias.defined()) c.add_(bias);
+    return activate(c, activation);
+}
+
+// x (..., K) . w^T (w: N x K) + b, then `activation`, no graph.
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                            Activation activation = Activation::None) {
     const int64_t K = x.size(-1), N = weight.size(0), M = x.numel() / K;
-    const torch::Tensor a = x.contiguous(), w = weight.contiguous();
     std::vector<int64_t> shape = x.sizes().vec();
     shape.back() = N;
-    torch::Tensor y = torch::empty({M, N}, x.options());
-    sgemm('N', 'T', M, N, K, a.data_ptr<float>(), K, w.data_ptr<float>(), K, y.data_ptr<float>());
-    if (bias.defined()) y.add_(bias);
-    return y.view(shape);
+    return onednn_mm(x.reshape({M, K}), weight.t(), bias, activation).view(shape);
 }
 
 // The same product inside an autograd graph: dx = g . w, dw = g^T . x, db = sum of g over rows, each through
@@ -82,17 +149,8 @@ public:
             if (ctx->needs_input_grad(0)) dx = g.matmul(weight).view(x.sizes());
             if (ctx->needs_input_grad(1)) dw = g.t().matmul(x.reshape({M, K}));
         } else {
-            if (ctx->needs_input_grad(0)) {
-                const torch::Tensor w = weight.contiguous();
-                dx = torch::empty({M, K}, g.options());
-                sgemm('N', 'N', M, K, N, g.data_ptr<float>(), N, w.data_ptr<float>(), K, dx.data_ptr<float>());
-                dx = dx.view(x.sizes());
-            }
-            if (ctx->needs_input_grad(1)) {
-                const torch::Tensor a = x.contiguous();
-                dw = torch::empty({N, K}, g.options());
-                sgemm('T', 'N', N, K, M, g.data_ptr<float>(), N, a.data_ptr<float>(), K, dw.data_ptr<float>());
-            }
+            if (ctx->needs_input_grad(0)) dx = onednn_mm(g, weight, {}).view(x.sizes());
+            if (ctx->needs_input_grad(1)) dw = onednn_mm(g.t(), x.reshape({M, K}), {});
         }
         if (ctx->needs_input_grad(2)) db = g.sum(0);
         return {dx, dw, db};
@@ -127,6 +185,21 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const 
     });
 }
 
+torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                          const std::string& approximate) {
+    LINVIS_CHECK(approximate == "none" || approximate == "tanh", "linear_gelu: approximate: expected none or tanh, got '",
+                 approximate, "'");
+    const bool graph = torch::GradMode::is_enabled() &&
+                       (x.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
+    if (graph) return torch::gelu(linear(x, weight, bias), approximate);
+    if (backend(x, weight, bias) != Backend::Bf16) {
+        torch::Tensor y = linear(x, weight, bias);  // fresh and outside any graph: GELU in place
+        return torch::gelu_(y, approximate);
+    }
+    if (counting()) add(x.numel() / x.size(-1) * weight.size(0) * weight.size(1));
+    return onednn_linear(x, weight, bias, approximate == "tanh" ? Activation::GeluTanh : Activation::GeluErf);
+}
+
 bool linear_takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
     return takes_onednn(x, weight, bias);
 }
@@ -134,8 +207,11 @@ bool linear_takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, co
 std::string linear_backend() {
     if (torch_gemm_forced()) return "LibTorch";
     const dnnl_version_t* v = dnnl_version();
-    return "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch) +
-           " sgemm";
+    std::string name = "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
+                       std::to_string(v->patch) + " sgemm";
+    name += bf16_on_matmul_primitive() ? ", bf16 matmul (" + onednn::bf16_matmul_implementation() + ")"
+                                       : ", bf16 on sgemm (float32 copies)";
+    return name;
 }
 
 torch::Tensor matmul(const torch::Tensor& a, const torch::Tensor& b) {

@@ -150,7 +150,7 @@ public:
         fc1 = register_module("fc1", torch::nn::Linear(dim, hidden));
         fc2 = register_module("fc2", torch::nn::Linear(hidden, dim));
     }
-    torch::Tensor forward(const torch::Tensor& x) { return linear(fc2, torch::gelu(linear(fc1, x), "tanh")); }
+    torch::Tensor forward(const torch::Tensor& x) { return linear(fc2, flops::linear_gelu(x, fc1->weight, fc1->bias, "tanh")); }
     torch::nn::Linear fc1{nullptr}, fc2{nullptr};
 };
 

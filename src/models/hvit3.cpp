@@ -41,9 +41,9 @@ public:
     }
     Tensor forward(Tensor x, int64_t H, int64_t W) {
         x = x + lnn::map_to_tokens(lnn::conv_forward(cpe, lnn::tokens_to_map(x, H, W)));
-        x = x + lnn::drop_path(attn->forward_with_rope(norm1->forward(x), H, W, rope->table(H, W)), drop_path_rate,
+        x = x + lnn::drop_path(attn->forward_with_rope(lnn::layer_norm(norm1, x), H, W, rope->table(H, W)), drop_path_rate,
                                is_training());
-        x = x + lnn::drop_path(mlp->forward(norm2->forward(x), H, W), drop_path_rate, is_training());
+        x = x + lnn::drop_path(mlp->forward(lnn::layer_norm(norm2, x), H, W), drop_path_rate, is_training());
         return x;
     }
 
@@ -305,7 +305,7 @@ private:
     // norm{stage} over the channels of a stage map (B, C, H, W), as the backbone applies it to its tokens.
     Tensor normed_map(int64_t stage, const Tensor& map) const {
         torch::nn::LayerNorm norm_layer = stage_norms_.at(stage);
-        return lnn::tokens_to_map(norm_layer->forward(lnn::map_to_tokens(map)), map.size(2), map.size(3));
+        return lnn::tokens_to_map(lnn::layer_norm(norm_layer, lnn::map_to_tokens(map)), map.size(2), map.size(3));
     }
 
     int64_t num_classes_, img_size_, in_chans_;

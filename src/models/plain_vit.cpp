@@ -201,6 +201,9 @@ torch::Tensor PlainVit::forward_features(const torch::Tensor& images) {
         const int64_t h = e.height, w = e.width;
         x = nn::checkpoint([block, h, w](const torch::Tensor& t) { return block->forward(t, h, w); }, x);
     }
+    // A LayerNorm (the default) normalises bf16 in float32 (nn::layer_norm); other final norms run as given.
+    if (auto* ln = norm.ptr()->as<torch::nn::LayerNormImpl>())
+        return nn::layer_norm(x, ln->options.normalized_shape(), ln->weight, ln->bias, ln->options.eps());
     return norm.forward(x);
 }
 

@@ -25,7 +25,7 @@ void small_init(const torch::Tensor& w, int64_t dim) {
 
 torch::Tensor residual_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
                                   double eps) {
-    return torch::layer_norm(x, {weight.size(0)}, 1.0 + weight, bias, eps);
+    return nn::layer_norm(x, {weight.size(0)}, 1.0 + weight, bias, eps);
 }
 
 ResidualLayerNormImpl::ResidualLayerNormImpl(int64_t dim, double eps_) : eps(eps_) {
@@ -52,7 +52,7 @@ torch::Tensor MultiHeadLayerNormImpl::forward(const torch::Tensor& x) {
     // a token: the same statistics as a layer_norm over the last dim of (B, NH, S, DH), which needs
     // no transpose copy and is several times faster on CPU. The affine is per channel (h, d).
     const int64_t NH = x.size(1), DH = x.size(3);
-    torch::Tensor normed = torch::layer_norm(x, {DH}, {}, {}, eps);
+    torch::Tensor normed = nn::layer_norm(x, {DH}, torch::Tensor(), torch::Tensor(), eps);
     if (can_overwrite({normed, weight, bias}))
         return normed.mul_(1.0 + weight.view({NH, 1, DH})).add_(bias.view({NH, 1, DH}));
     return torch::addcmul(bias.view({NH, 1, DH}), normed, 1.0 + weight.view({NH, 1, DH}));

@@ -108,8 +108,7 @@ MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool with_dwc) {
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x, int64_t height, int64_t width) {
-    torch::Tensor y = flops::linear(x, fc1->weight, fc1->bias);
-    y = can_overwrite({y}) ? torch::gelu_(y) : torch::gelu(y);
+    torch::Tensor y = flops::linear_gelu(x, fc1->weight, fc1->bias);
     if (dwc) {
         y = add_into(map_to_tokens(conv_forward(dwc, tokens_to_map(y, height, width))), y);
         y = can_overwrite({y}) ? torch::gelu_(y) : torch::gelu(y);
@@ -131,8 +130,8 @@ TransformerBlockImpl::TransformerBlockImpl(const TransformerBlockOptions& option
 torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x_in, int64_t height, int64_t width) {
     torch::Tensor x = x_in;
     if (cpe) x = add_into(map_to_tokens(conv_forward(cpe, tokens_to_map(x, height, width))), x);
-    x = add_into(drop_path(attn->forward(norm1->forward(x), height, width), options_.drop_path, is_training()), x);
-    return add_into(drop_path(mlp->forward(norm2->forward(x)), options_.drop_path, is_training()), x);
+    x = add_into(drop_path(attn->forward(nn::layer_norm(norm1, x), height, width), options_.drop_path, is_training()), x);
+    return add_into(drop_path(mlp->forward(nn::layer_norm(norm2, x)), options_.drop_path, is_training()), x);
 }
 
 }  // namespace linvis::nn

@@ -27,8 +27,6 @@ torch::Tensor linear(const torch::nn::Linear& l, const torch::Tensor& x) {
     return flops::linear(x, l->weight, l->bias);
 }
 
-torch::Tensor layer_norm(torch::nn::LayerNorm& norm, const torch::Tensor& x) { return norm->forward(x); }
-
 }  // namespace
 
 // ------------------------------------------------------------------ TttLinearBranch
@@ -95,7 +93,7 @@ torch::Tensor TttLinearBranchImpl::forward(const torch::Tensor& x, torch::Tensor
     ops::TttLinearResult r = ops::ttt_linear(xq, xk, xv, lr, learnable_token_idx, W1, b1, ttt_norm_weight,
                                              ttt_norm_bias, opt, options_.impl);
     if (grad_norms != nullptr) *grad_norms = r.grad_norms;
-    return layer_norm(post_norm, r.output.permute({0, 2, 1, 3}).reshape({B, T, options_.dim}));
+    return nn::layer_norm(post_norm, r.output.permute({0, 2, 1, 3}).reshape({B, T, options_.dim}));
 }
 
 // ------------------------------------------------------------------ SwiGluMlp
@@ -174,8 +172,8 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
     torch::Tensor conv = flops::conv2d(grid, dwconv->weight, dwconv->bias, {1, 1}, {1, 1}, {1, 1}, D);
     torch::Tensor y = y_in + conv.flatten(2).transpose(1, 2);
 
-    torch::Tensor x = layer_norm(norm1, y);
-    torch::Tensor gate = torch::gelu(linear(g_proj, x), "tanh");
+    torch::Tensor x = nn::layer_norm(norm1, y);
+    torch::Tensor gate = flops::linear_gelu(x, g_proj->weight, g_proj->bias, "tanh");
     nn::Probe* probe_forth = probing("ttt.grad_norms.forth");
     nn::Probe* probe_back = probing("ttt.grad_norms.back");
     torch::Tensor norms_forth, norms_back;
@@ -184,7 +182,7 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
     if (probe_forth) probe_forth->record("ttt.grad_norms.forth", norms_forth);
     if (probe_back) probe_back->record("ttt.grad_norms.back", norms_back);
     y = add_into(drop_path(linear(o_proj, gate * (z_forth + z_back))), y);
-    y = add_into(drop_path(mlp->forward(layer_norm(norm2, y))), y);
+    y = add_into(drop_path(mlp->forward(nn::layer_norm(norm2, y))), y);
     return y;
 }
 

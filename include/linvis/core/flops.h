@@ -37,18 +37,27 @@ bool counting();
 
 // y = x W^T + b over the last dimension of x. Float32 CPU products run through oneDNN's sgemm, faster
 // than LibTorch 1.13's OpenBLAS call at every size once idle OpenMP workers spin briefly
-// (runtime::configure_threads; docs/performance.md); in training the backward products go through it
-// too (a backward that builds a graph, for double backward, uses LibTorch's ops). Empty products, other
-// dtypes and devices use LibTorch's linear. The environment variable LINVIS_GEMM=torch (read on every call) sends
-// all products to LibTorch, for comparisons in one process.
+// (runtime::configure_threads; docs/performance.md). bf16 CPU products run through oneDNN's matmul primitive
+// where oneDNN has a bf16 kernel for this CPU (AVX-512; native dot products with AVX512-BF16): float32
+// accumulation, bias added to the accumulator, one rounding to bf16; elsewhere LibTorch (widened to float32
+// where it would accumulate in bf16, linvis/core/precision.h). In training the backward products go through
+// oneDNN too (a backward that builds a graph, for double backward, uses LibTorch's ops). Empty products,
+// other dtypes and devices use LibTorch's linear. The environment variable LINVIS_GEMM=torch (read on every
+// call) sends all products to LibTorch, for comparisons in one process.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const torch::Tensor& bias = {});
+
+// torch::gelu(linear(x, weight, bias), approximate) ("none" or "tanh"). A bf16 product without a graph on
+// oneDNN applies the GELU to the float32 accumulator inside the product and rounds once (LibTorch 1.13's
+// bf16 GELU is a scalar erff per element); every other case is linear() then torch::gelu.
+torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias = {},
+                          const std::string& approximate = "none");
 
 // Whether linear() hands this product to oneDNN (see above).
 bool linear_takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias = {});
 
-// Which library computes the float32 products of linear(): "oneDNN x.y.z sgemm" or
-// "LibTorch" (LINVIS_GEMM=torch).
+// Which library computes the products of linear(): "oneDNN x.y.z sgemm", followed by
+// ", bf16 matmul (<oneDNN's kernel>)" where oneDNN has a bf16 kernel, or "LibTorch" (LINVIS_GEMM=torch).
 std::string linear_backend();
 // torch::matmul with broadcasting; counts prod(batch) * n * k * m.
 torch::Tensor matmul(const torch::Tensor& a, const torch::Tensor& b);
