@@ -1,13 +1,13 @@
 // Fused CPU kernels against their references at the size of a 1024x1024 image (patch 16: 4096
 // tokens), the tiny models' widths, batch 1. One subcommand per op:
 //
-//   GOMP_SPINCOUNT=30000 build/bench_ops ttt_linear [--threads 2] [--tokens 4096] [--heads 3] [--head-dim 64]
-//                                                    [--mini-batch 16] [--reps 5]
-//   GOMP_SPINCOUNT=30000 build/bench_ops vit3_t5 [--threads 2] [--iters 5] [--side 64]
-//   GOMP_SPINCOUNT=30000 build/bench_ops mlstm [--threads 2] [--reps 5] [--model-reps 3] [--tokens 4096]
-//                                                 [--skip-model]
-//   GOMP_SPINCOUNT=30000 build/bench_ops attention [--threads 2] [--tokens 4097] [--heads 3] [--head-dim 64]
-//                                                     [--reps 5]
+//   build/bench_ops ttt_linear [--threads 2] [--tokens 4096] [--heads 3] [--head-dim 64]
+//                                    [--mini-batch 16] [--reps 5]
+//   build/bench_ops vit3_t5 [--threads 2] [--iters 5] [--side 64]
+//   build/bench_ops mlstm [--threads 2] [--reps 5] [--model-reps 3] [--tokens 4096]
+//                               [--skip-model]
+//   build/bench_ops attention [--threads 2] [--tokens 4097] [--heads 3] [--head-dim 64]
+//                                   [--reps 5]
 //
 // ttt_linear: the TTT-Linear scan of vittt_tiny (3 heads of d = 64, mini-batches of 16).
 // vit3_t5: the ViT³ TTT mixer (vit3_ttt_mix, both branches; C = 192, 6 heads of d = 32) and the T⁵ TTT
@@ -672,6 +672,7 @@ int run_mlstm(const MlstmOptions& o, Harness& h) {
 }  // namespace
 
 int main(int argc, char** argv) {
+    runtime::restart_with_runtime_environment(argv);  // OpenMP wait and OpenBLAS kernels, as the linvis command
     Harness harness;
     harness.args.assign(argv + 1, argv + argc);
     CLI::App app("Fused CPU kernels against their references: checks, then time and peak memory of each case "

@@ -1,6 +1,5 @@
 // linvis command-line entry point: dispatches to the registered subcommands, turns
 // every linvis::Error (and LibTorch error) into one line on stderr and exit status 1.
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -39,30 +38,13 @@ void print_help() {
     std::cout << "\n'linvis <command> --help' describes a command's options.\n";
 }
 
-// OpenMP workers that spin long while idle starve OpenBLAS's pthreads on a small machine, and workers
-// that never spin make each oneDNN product pay a wake-up: the process restarts itself once with a short
-// spin (runtime::configure_threads explains the numbers), since libgomp reads its environment when it
-// starts. The same restart gives OpenBLAS the kernels of this CPU when it does not recognise it
-// (runtime::openblas_coretype_override). A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT is kept;
-// LINVIS_NO_REEXEC=1 turns the restart off.
-void configure_openmp_wait(char** argv) {
-    if (std::getenv("LINVIS_NO_REEXEC") != nullptr) return;
-    const std::string coretype = linvis::runtime::openblas_coretype_override();
-    const bool user_policy = std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr;
-    if (user_policy && coretype.empty()) return;
-    if (!user_policy) setenv("GOMP_SPINCOUNT", linvis::runtime::kOpenmpSpinCount, 1);
-    if (!coretype.empty()) setenv("OPENBLAS_CORETYPE", coretype.c_str(), 1);
-    setenv("LINVIS_NO_REEXEC", "1", 1);
-    execv("/proc/self/exe", argv);
-    // execv only returns on failure: carry on with the default policy.
-}
-
 }  // namespace
 }  // namespace linvis::cli
 
 int main(int argc, char** argv) {
     using namespace linvis::cli;
-    configure_openmp_wait(argv);
+    // The OpenMP wait and OpenBLAS's kernels are read at start-up: restart once with them set.
+    linvis::runtime::restart_with_runtime_environment(argv);
     if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" ||
         std::string(argv[1]) == "help") {
         print_help();

@@ -1,10 +1,14 @@
 #include "linvis/core/runtime.h"
 
 #include <dlfcn.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <strings.h>
+#include <fstream>
 #include <string>
 #include <thread>
 
@@ -101,6 +105,44 @@ bool set_blas_threads(int threads) {
 int blas_threads() {
     auto getter = find_symbol<openblas_get_threads_fn>("openblas_get_num_threads");
     return getter != nullptr ? getter() : -1;
+}
+
+double busy_cores(int window_ms) {
+    // Sum of the non-idle and idle jiffies of the "cpu" line (all cores), twice.
+    const auto sample = [](long long& busy, long long& total) {
+        std::ifstream stat("/proc/stat");
+        std::string cpu;
+        long long user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
+        if (!(stat >> cpu >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal) || cpu != "cpu")
+            return false;
+        busy = user + nice + system + irq + softirq + steal;
+        total = busy + idle + iowait;
+        return true;
+    };
+    long long busy0 = 0, total0 = 0, busy1 = 0, total1 = 0;
+    if (!sample(busy0, total0)) return -1.0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(window_ms));
+    if (!sample(busy1, total1) || total1 <= total0) return -1.0;
+    const double cores = static_cast<double>(std::max(1u, std::thread::hardware_concurrency()));
+    return cores * static_cast<double>(busy1 - busy0) / static_cast<double>(total1 - total0);
+}
+
+void restart_with_runtime_environment(char** argv) {
+    if (std::getenv("LINVIS_NO_REEXEC") != nullptr) return;
+    const std::string coretype = openblas_coretype_override();
+    const bool user_policy = std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr;
+    if (user_policy && coretype.empty()) return;
+    if (!user_policy) {
+        // Other processes keeping half the cores busy or more: workers must not spin (see kOpenmpSpinCount).
+        const double cores = static_cast<double>(std::max(1u, std::thread::hardware_concurrency()));
+        const double busy = busy_cores(kLoadWindowMs);
+        if (busy >= 0.5 * cores) setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+        else setenv("GOMP_SPINCOUNT", kOpenmpSpinCount, 1);
+    }
+    if (!coretype.empty()) setenv("OPENBLAS_CORETYPE", coretype.c_str(), 1);
+    setenv("LINVIS_NO_REEXEC", "1", 1);
+    execv("/proc/self/exe", argv);
+    // execv only returns on failure: carry on with the default policy.
 }
 
 std::string openmp_wait_policy() {

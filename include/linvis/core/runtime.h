@@ -27,21 +27,33 @@ SimdLevel detect_simd();
 const char* simd_name(SimdLevel level);
 
 // Sets LibTorch's intra-op (OpenMP) threads and OpenBLAS's own pthread pool to `threads`
-// (<= 0: the number of cores). The two pools only coexist if idle OpenMP workers do not spin
-// for long: libgomp's default spins ~300k rounds, which starves OpenBLAS's pthreads, while
-// OMP_WAIT_POLICY=PASSIVE (no spin) makes every OpenMP region, one per oneDNN product,
-// pay a wake-up. The CLI therefore starts the OpenMP runtime with GOMP_SPINCOUNT=30000 (a few
-// tens of microseconds, kOpenmpSpinCount) unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT,
-// re-executing itself to do so (configure_openmp_wait in cli/main.cpp); measured in
-// docs/performance.md (224 px on the 2-core Xeon: 1.5-2x the passive policy).
+// (<= 0: the number of cores).
 void configure_threads(int threads);
 
-// The spin count the CLI gives libgomp's idle workers (see configure_threads).
-inline constexpr const char* kOpenmpSpinCount = "30000";
+// How idle OpenMP workers should wait, chosen before the OpenMP runtime starts (libgomp reads its
+// environment once). Every float32 product runs on oneDNN, one OpenMP region each, so the wait decides a
+// small image's speed. Measured on the 2-core Xeon (docs/performance.md), images/s of deit_tiny /
+// vit3_tiny at 224 px: OMP_WAIT_POLICY=PASSIVE (no spin) 40 / 29, GOMP_SPINCOUNT=300 39-41 / 29,
+// 1000 66-67 / 44, 3000 74-80 / 64-66, 30000 80-89 / 66-72 on a quiet machine; but with two other busy
+// processes on the two cores a spinning worker burns the time slice of the thread it waits for: there
+// 3000 gave 0.5-0.75x and 30000 0.1x of PASSIVE. Hence a short spin (kOpenmpSpinCount) when the cores
+// are idle and PASSIVE when other processes keep them busy (busy_cores over kLoadWindowMs).
+inline constexpr const char* kOpenmpSpinCount = "3000";
+inline constexpr int kLoadWindowMs = 60;
+
+// Cores kept busy by all processes over a window of `window_ms`, from /proc/stat (-1 when unreadable).
+double busy_cores(int window_ms);
 
 // How idle OpenMP workers wait in this process, from its environment: "passive", "active",
 // "spin N" (GOMP_SPINCOUNT) or "default" (libgomp's own spin, then sleep).
 std::string openmp_wait_policy();
+
+// Restarts the process (execv of /proc/self/exe with the same arguments) once with the environment
+// that only takes effect at start-up: the OpenMP wait (above; a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT
+// is kept) and OPENBLAS_CORETYPE (openblas_coretype_override). Child processes inherit the choice.
+// Called first thing by the linvis command and bench_ops; LINVIS_NO_REEXEC=1 turns it off. Returns only
+// when no restart happens (or execv failed).
+void restart_with_runtime_environment(char** argv);
 
 // The OPENBLAS_CORETYPE a process should be started with, or "" when none is needed. A DYNAMIC_ARCH
 // OpenBLAS older than the CPU does not recognise it and falls back to its generic "Prescott" (SSE3)
@@ -50,7 +62,7 @@ std::string openmp_wait_policy();
 // threads at 190 GFLOP/s with Haswell's against 345-352 with the AVX-512 ones. When the loaded OpenBLAS
 // runs Prescott kernels, returns the widest kernels the CPU can run: "Cooperlake" (AVX-512 with BF16),
 // "SkylakeX" (AVX-512 F/BW/VL/DQ) or "Haswell" (AVX2 + FMA); "" otherwise. OpenBLAS reads the variable when it loads, so the CLI sets it when it
-// restarts itself (see configure_openmp_wait in cli/main.cpp).
+// restarts itself (restart_with_runtime_environment).
 std::string openblas_coretype_override();
 
 // Sets OpenBLAS's thread count, when the loaded BLAS is OpenBLAS. Returns false otherwise.
