@@ -39,6 +39,12 @@ TEST(InPlaceInference, CanOverwriteOnlyWithoutAGraph) {
     torch::Tensor graph_sum = linvis::nn::add_into(plain.clone(), tracked);
     EXPECT_TRUE(graph_sum.requires_grad());
     EXPECT_TRUE(torch::equal(graph_sum.detach(), plain + tracked.detach()));
+    // A "fresh" tensor that is (a view of) the other operand is not overwritten.
+    torch::Tensor shared = torch::randn({3});
+    const torch::Tensor shared_copy = shared.clone();
+    torch::Tensor doubled = linvis::nn::add_into(shared.view({3}), shared);
+    EXPECT_TRUE(torch::equal(shared, shared_copy));
+    EXPECT_TRUE(torch::equal(doubled, shared_copy * 2));
     // Broadcasting sums are not written in place (the fresh tensor would have to grow).
     torch::Tensor row = torch::randn({1, 3});
     EXPECT_EQ(linvis::nn::add_into(row, torch::randn({2, 3})).sizes(), (std::vector<int64_t>{2, 3}));

@@ -38,7 +38,10 @@ bool can_overwrite(std::initializer_list<torch::Tensor> operands) {
 }
 
 torch::Tensor add_into(torch::Tensor fresh, const torch::Tensor& other) {
-    if (can_overwrite({fresh, other}) && fresh.sizes() == other.sizes() && fresh.scalar_type() == other.scalar_type())
+    // Never into a tensor that shares memory with `other` (a branch that returned its input).
+    const bool separate = !fresh.storage().is_alias_of(other.storage());
+    if (separate && can_overwrite({fresh, other}) && fresh.sizes() == other.sizes() &&
+        fresh.scalar_type() == other.scalar_type())
         return fresh.add_(other);
     return fresh + other;
 }

@@ -30,7 +30,8 @@ torch::Tensor drop_path(const torch::Tensor& x, double rate, bool training);
 // same values as the out-of-place ones.
 bool can_overwrite(std::initializer_list<torch::Tensor> operands);
 
-// fresh + other, written into `fresh` when can_overwrite({fresh, other}) and the shapes and dtypes match.
+// fresh + other, written into `fresh` when can_overwrite({fresh, other}), the shapes and dtypes match and the
+// two share no memory.
 torch::Tensor add_into(torch::Tensor fresh, const torch::Tensor& other);
 
 // timm's resample_abs_pos_embed: pos_embed (1, P + Ho*Wo, D) with P prefix (class) tokens ->
