@@ -52,7 +52,7 @@ bool bf16_on_matmul_primitive() {
 
 // oneDNN's sgemm takes every float32 CPU product. It opens an OpenMP region per call: with passive
 // OpenMP workers the wake-up cost more than oneDNN gained on a 224-px ViT-T's products, with the CLI's
-// short spin (runtime::configure_threads) it wins at every size (docs/performance.md). bf16 CPU products
+// short spin (runtime::restart_with_runtime_environment) it wins at every size (docs/performance.md). bf16 CPU products
 // go to oneDNN as well (bf16_on_matmul_primitive says how), LibTorch's 1.13 bf16 linear being slower still.
 Backend backend(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
     const auto on_cpu = [](const torch::Tensor& t, torch::ScalarType type) {
@@ -81,11 +81,18 @@ void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const floa
                  M, " x ", K, ") . (", K, " x ", N, ")");
 }
 
+// Whether autograd records a product of these operands.
+bool records_graph(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+    return torch::GradMode::is_enabled() &&
+           (x.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
+}
+
 using onednn::Activation;
 
-torch::Tensor activate(const torch::Tensor& y, Activation activation) {
+// `activation` applied in place to y, a product onednn_mm has just computed.
+torch::Tensor activate(torch::Tensor y, Activation activation) {
     if (activation == Activation::None) return y;
-    return torch::gelu(y, activation == Activation::GeluTanh ? "tanh" : "none");
+    return torch::gelu_(y, activation == Activation::GeluTanh ? "tanh" : "none");
 }
 
 // a (M x K) . b (K x N) [+ bias], then `activation`, for 2-D CPU tensors of one dtype through oneDNN: its sgemm
@@ -174,9 +181,7 @@ bool counting() { return active_counter != nullptr; }
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
     if (counting()) add(x.numel() / x.size(-1) * weight.size(0) * weight.size(1));
     if (takes_onednn(x, weight, bias)) {
-        const bool graph = torch::GradMode::is_enabled() &&
-                           (x.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
-        if (!graph) return onednn_linear(x, weight, bias);
+        if (!records_graph(x, weight, bias)) return onednn_linear(x, weight, bias);
         // Function::apply needs defined inputs: an empty tensor stands for "no bias".
         return OnednnLinear::apply(x, weight, bias.defined() ? bias : torch::empty({0}, x.options()));
     }
@@ -189,9 +194,7 @@ torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, c
                           const std::string& approximate) {
     LINVIS_CHECK(approximate == "none" || approximate == "tanh", "linear_gelu: approximate: expected none or tanh, got '",
                  approximate, "'");
-    const bool graph = torch::GradMode::is_enabled() &&
-                       (x.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
-    if (graph) return torch::gelu(linear(x, weight, bias), approximate);
+    if (records_graph(x, weight, bias)) return torch::gelu(linear(x, weight, bias), approximate);
     if (backend(x, weight, bias) != Backend::Bf16) {
         torch::Tensor y = linear(x, weight, bias);  // fresh and outside any graph: GELU in place
         return torch::gelu_(y, approximate);

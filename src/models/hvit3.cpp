@@ -287,14 +287,10 @@ private:
             auto* layer = layers[s]->as<BasicLayerImpl>();
             const int64_t H = map.size(2), W = map.size(3);
             Tensor x = lnn::map_to_tokens(map);
-            for (const auto& block : *layer->blocks) {
-                if (!grad_checkpointing_) {
-                    x = block->as<HVit3BlockImpl>()->forward(x, H, W);
-                    continue;
-                }
-                x = lnn::checkpoint(
+            for (const auto& block : *layer->blocks)
+                x = lnn::checkpoint_if(
+                    grad_checkpointing_,
                     [block, H, W](const Tensor& t) { return block->as<HVit3BlockImpl>()->forward(t, H, W); }, x);
-            }
             map = lnn::tokens_to_map(x, H, W);
             if (stages) stages->push_back(map);
             if (layer->downsample) map = layer->downsample->forward(backbone_ ? lnn::pad_to_multiple(map, 2) : map);

@@ -193,14 +193,10 @@ torch::Tensor PlainVit::forward_block(int64_t index, const torch::Tensor& tokens
 torch::Tensor PlainVit::forward_features(const torch::Tensor& images) {
     Embedding e = embed(images);
     torch::Tensor x = e.tokens;
-    for (auto& block : blocks_) {
-        if (!o_.grad_checkpointing) {
-            x = block->forward(x, e.height, e.width);
-            continue;
-        }
-        const int64_t h = e.height, w = e.width;
-        x = nn::checkpoint([block, h, w](const torch::Tensor& t) { return block->forward(t, h, w); }, x);
-    }
+    const int64_t h = e.height, w = e.width;
+    for (auto& block : blocks_)
+        x = nn::checkpoint_if(
+            o_.grad_checkpointing, [block, h, w](const torch::Tensor& t) { return block->forward(t, h, w); }, x);
     // A LayerNorm (the default) normalises bf16 in float32 (nn::layer_norm); other final norms run as given.
     if (auto* ln = norm.ptr()->as<torch::nn::LayerNormImpl>())
         return nn::layer_norm(x, ln->options.normalized_shape(), ln->weight, ln->bias, ln->options.eps());
@@ -246,13 +242,10 @@ std::vector<torch::Tensor> PlainVit::forward_intermediates(const torch::Tensor& 
     int64_t tap = 0;
     for (auto& block : blocks_) {
         for (int64_t s = 0; s < block->num_sub_blocks() && tap <= last; ++s, ++tap) {
-            if (o_.grad_checkpointing) {
-                const int64_t h = e.height, w = e.width;
-                x = nn::checkpoint(
-                    [block, s, h, w](const torch::Tensor& t) { return block->forward_sub_block(s, t, h, w); }, x);
-            } else {
-                x = block->forward_sub_block(s, x, e.height, e.width);
-            }
+            const int64_t h = e.height, w = e.width;
+            x = nn::checkpoint_if(
+                o_.grad_checkpointing,
+                [block, s, h, w](const torch::Tensor& t) { return block->forward_sub_block(s, t, h, w); }, x);
             for (size_t k = 0; k < wanted.size(); ++k)
                 if (wanted[k] == tap) outputs[k] = x.narrow(1, e.prefix, e.height * e.width);
         }

@@ -67,4 +67,8 @@ torch::Tensor checkpoint(BlockFn fn, const torch::Tensor& x) {
     return CheckpointFunction::apply(x, recompute);
 }
 
+torch::Tensor checkpoint_if(bool enabled, BlockFn fn, const torch::Tensor& x) {
+    return enabled ? checkpoint(std::move(fn), x) : fn(x);
+}
+
 }  // namespace linvis::nn

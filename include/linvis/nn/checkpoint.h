@@ -21,4 +21,8 @@ using BlockFn = std::function<torch::Tensor(const torch::Tensor&)>;
 // module state that its second run would change again (BatchNorm running statistics do).
 torch::Tensor checkpoint(BlockFn fn, const torch::Tensor& x);
 
+// checkpoint(fn, x) when `enabled` (a model's grad_checkpointing option), else fn(x). fn is kept until the
+// backward pass, so it must hold what it uses by value (the block's module handle, the grid size).
+torch::Tensor checkpoint_if(bool enabled, BlockFn fn, const torch::Tensor& x);
+
 }  // namespace linvis::nn
