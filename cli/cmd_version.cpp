@@ -36,6 +36,7 @@ int run_version(int argc, const char* const* argv) {
                             {"torch_threads", info.torch_threads},
                             {"blas_threads", info.blas_threads},
                             {"openmp_wait", runtime::openmp_wait_policy()},
+                            {"malloc", runtime::malloc_policy()},
                             {"simd", runtime::simd_name(info.simd)},
                             {"fused_kernels", kernels},
                             {"cuda_available", info.cuda_available},
@@ -49,6 +50,7 @@ int run_version(int argc, const char* const* argv) {
               << "GEMM       " << flops::linear_backend() << "\n"
               << "threads    " << info.torch_threads << " LibTorch (OpenMP, " << runtime::openmp_wait_policy() << " wait), "
               << (info.blas_threads > 0 ? std::to_string(info.blas_threads) : std::string("?")) << " BLAS\n"
+              << "memory     malloc: " << runtime::malloc_policy() << "\n"
               << "SIMD       " << runtime::simd_name(info.simd) << "\n"
               << "kernels    fused ops run their " << kernels
               << " code; impl auto picks fused or reference per op (docs/ops.md)\n"

@@ -20,6 +20,7 @@
 namespace fs = std::filesystem;
 
 using linvis::testing::run_cli;
+using linvis::testing::run_program;
 
 namespace {
 
@@ -39,6 +40,25 @@ fs::path temp_dir(const std::string& name) {
 }
 
 }  // namespace
+
+#ifdef __GLIBC__
+// The command restarts itself with glibc's malloc keeping freed memory (runtime::kMallocKeepBytes), unless
+// the user set malloc's environment, which is then left alone.
+TEST(Cli, StartsWithMallocKeepingFreedMemoryUnlessTheUserChose) {
+    const std::string clean = "env -u MALLOC_MMAP_THRESHOLD_ -u MALLOC_TRIM_THRESHOLD_ -u GLIBC_TUNABLES -u LINVIS_NO_REEXEC ";
+    auto chosen = run_program(clean + LINVIS_CLI_PATH, "version --format json");
+    ASSERT_EQ(chosen.status, 0) << chosen.output;
+    EXPECT_EQ(nlohmann::json::parse(last_line(chosen.output)).value("malloc", std::string()), "keep freed memory")
+        << chosen.output;
+    auto user = run_program(clean + "MALLOC_TRIM_THRESHOLD_=131072 " + LINVIS_CLI_PATH, "version --format json");
+    ASSERT_EQ(user.status, 0) << user.output;
+    EXPECT_EQ(nlohmann::json::parse(last_line(user.output)).value("malloc", std::string()), "set by the user")
+        << user.output;
+    auto tunables = run_program(clean + "GLIBC_TUNABLES=glibc.malloc.arena_max=1 " + LINVIS_CLI_PATH, "version");
+    ASSERT_EQ(tunables.status, 0) << tunables.output;
+    EXPECT_NE(tunables.output.find("malloc: set by the user"), std::string::npos) << tunables.output;
+}
+#endif
 
 TEST(Cli, HelpVersionAndErrorsExitCodes) {
     EXPECT_EQ(run_cli("--help").status, 0);

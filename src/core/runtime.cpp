@@ -127,11 +127,40 @@ double busy_cores(int window_ms) {
     return cores * static_cast<double>(busy1 - busy0) / static_cast<double>(total1 - total0);
 }
 
+namespace {
+
+// The user chose malloc's behaviour through glibc's environment.
+bool user_malloc_settings() {
+    const char* tunables = std::getenv("GLIBC_TUNABLES");
+    return std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr || std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr ||
+           (tunables != nullptr && std::strstr(tunables, "glibc.malloc.") != nullptr);
+}
+
+}  // namespace
+
+std::string malloc_policy() {
+    const char* mmap_threshold = std::getenv("MALLOC_MMAP_THRESHOLD_");
+    const char* trim_threshold = std::getenv("MALLOC_TRIM_THRESHOLD_");
+    if (mmap_threshold != nullptr && trim_threshold != nullptr && std::strcmp(mmap_threshold, kMallocKeepBytes) == 0 &&
+        std::strcmp(trim_threshold, kMallocKeepBytes) == 0)
+        return "keep freed memory";
+    return user_malloc_settings() ? "set by the user" : "default";
+}
+
 void restart_with_runtime_environment(char** argv) {
     if (std::getenv("LINVIS_NO_REEXEC") != nullptr) return;
     const std::string coretype = openblas_coretype_override();
     const bool user_policy = std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr;
-    if (user_policy && coretype.empty()) return;
+#ifdef __GLIBC__
+    const bool set_malloc = !user_malloc_settings();
+#else
+    const bool set_malloc = false;
+#endif
+    if (user_policy && coretype.empty() && !set_malloc) return;
+    if (set_malloc) {
+        setenv("MALLOC_MMAP_THRESHOLD_", kMallocKeepBytes, 1);
+        setenv("MALLOC_TRIM_THRESHOLD_", kMallocKeepBytes, 1);
+    }
     if (!user_policy) {
         // Other processes keeping half the cores busy or more: workers must not spin (see kOpenmpSpinCount).
         const double cores = static_cast<double>(std::max(1u, std::thread::hardware_concurrency()));
