@@ -364,3 +364,63 @@ TEST(TttLinearFused, VitttTinyFusedEqualsReference) {
         EXPECT_LT(relative_error(pf[key].grad(), pr[key].grad()), 1e-4) << key;
     }
 }
+
+// Several scans in one call (ops::ttt_linear_many; vittt's two directions): each result equals the single
+// scan's, fused (one parallel region in inference, one autograd node per scan with gradients) and
+// reference, on every SIMD target; scans of different sizes; more (sample, head) tasks than threads and fewer.
+TEST(TttLinearFused, ManyScansEqualSingleScansEveryTarget) {
+    const TttInputs a = make_inputs(1, 3, 37, 8, 4, 11).to(torch::kFloat32, false);
+    const TttInputs b = make_inputs(2, 1, 20, 8, 4, 12, /*batched_state=*/true).to(torch::kFloat32, false);
+    const TttInputs c = make_inputs(1, 3, 37, 8, 4, 13).to(torch::kFloat32, false);
+    auto many_inputs = [](const std::vector<const TttInputs*>& list) {
+        std::vector<linvis::ops::TttLinearInputs> scans;
+        for (const TttInputs* in : list)
+            scans.push_back({in->q, in->k, in->v, in->lr, in->lti, in->w0, in->b0, in->gamma, in->beta});
+        return scans;
+    };
+    const std::vector<const TttInputs*> list{&a, &b, &c};
+    // 8 tasks on 3 threads: runs of 3, 3, 2 cut scan b (tasks 3 and 4) between two threads.
+    const int threads = at::get_num_threads();
+    at::set_num_threads(3);
+    linvis::testing::for_each_simd_target([&](const linvis::testing::SimdTarget& t) {
+        for (const Impl impl : {Impl::Fused, Impl::Reference}) {
+            RunOptions o = options(4, /*causal=*/true, impl);
+            o.return_grad_norms = true;
+            torch::NoGradGuard no_grad;
+            const auto results = linvis::ops::ttt_linear_many(many_inputs(list), o, impl);
+            ASSERT_EQ(results.size(), list.size());
+            for (size_t i = 0; i < list.size(); ++i) {
+                const TttInputs& in = *list[i];
+                const TttLinearResult one = ttt(in.q, in.k, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, o);
+                SCOPED_TRACE(std::string(t.env) + " " + linvis::ops::impl_name(impl) + " scan " + std::to_string(i));
+                // The same kernel on the same inputs: the same bits, whichever thread ran a task.
+                EXPECT_TRUE(torch::equal(results[i].output, one.output));
+                EXPECT_TRUE(torch::equal(results[i].final_W, one.final_W));
+                EXPECT_TRUE(torch::equal(results[i].final_b, one.final_b));
+                EXPECT_TRUE(torch::equal(results[i].grad_norms, one.grad_norms));
+            }
+        }
+    });
+    at::set_num_threads(threads);
+    // With gradients: each scan's gradients are those of its single call.
+    const TttInputs ga = a.to(torch::kFloat32, true), gb = b.to(torch::kFloat32, true);
+    const RunOptions o = options(4, /*causal=*/true, Impl::Fused);
+    const auto results = linvis::ops::ttt_linear_many(many_inputs({&ga, &gb}), o, Impl::Fused);
+    (results[0].output.sum() + 2.0 * results[1].output.square().sum()).backward();
+    const TttInputs sa = a.to(torch::kFloat32, true), sb = b.to(torch::kFloat32, true);
+    ttt(sa.q, sa.k, sa.v, sa.lr, sa.lti, sa.w0, sa.b0, sa.gamma, sa.beta, o).output.sum().backward();
+    (2.0 * ttt(sb.q, sb.k, sb.v, sb.lr, sb.lti, sb.w0, sb.b0, sb.gamma, sb.beta, o).output.square().sum()).backward();
+    for (size_t i = 0; i < 9; ++i) {
+        SCOPED_TRACE(kInputNames[i]);
+        EXPECT_TRUE(torch::equal(ga.list()[i].grad(), sa.list()[i].grad()));
+        EXPECT_TRUE(torch::equal(gb.list()[i].grad(), sb.list()[i].grad()));
+    }
+    // A scan of another dtype in the same call is an error naming both.
+    const TttInputs d64 = make_inputs(1, 3, 37, 8, 4, 14);
+    try {
+        linvis::ops::ttt_linear_many(many_inputs({&a, &d64}), o, Impl::Fused);
+        FAIL() << "mixed dtypes accepted";
+    } catch (const linvis::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("scan 1 has dtype Double"), std::string::npos) << e.what();
+    }
+}

@@ -77,7 +77,7 @@ torch::Tensor TttLinearBranchImpl::causal_conv(const torch::nn::Conv1d& conv, co
     return out.narrow(2, 0, T).transpose(1, 2);
 }
 
-torch::Tensor TttLinearBranchImpl::forward(const torch::Tensor& x, torch::Tensor* grad_norms) {
+ops::TttLinearInputs TttLinearBranchImpl::scan_inputs(const torch::Tensor& x) {
     LINVIS_CHECK(x.dim() == 3 && x.size(2) == options_.dim, "vittt TTT branch: input: expected (B, T, ",
                  options_.dim, "), got ", shape_string(x.sizes()));
     const int64_t B = x.size(0), T = x.size(1), nh = options_.num_heads, d = options_.dim / nh;
@@ -87,13 +87,26 @@ torch::Tensor TttLinearBranchImpl::forward(const torch::Tensor& x, torch::Tensor
     torch::Tensor xk = heads(causal_conv(conv_k, u));
     torch::Tensor xv = heads(linear(v_proj, x));
     torch::Tensor lr = ops::ttt_learning_rate(x, learnable_ttt_lr_weight, learnable_ttt_lr_bias, options_.eta_base, d);
+    return {xq, xk, xv, lr, learnable_token_idx, W1, b1, ttt_norm_weight, ttt_norm_bias};
+}
+
+ops::TttLinearOptions TttLinearBranchImpl::scan_options(bool grad_norms) const {
     ops::TttLinearOptions opt;
     opt.mini_batch_size = options_.mini_batch_size;
-    opt.return_grad_norms = grad_norms != nullptr;
-    ops::TttLinearResult r = ops::ttt_linear(xq, xk, xv, lr, learnable_token_idx, W1, b1, ttt_norm_weight,
-                                             ttt_norm_bias, opt, options_.impl);
+    opt.return_grad_norms = grad_norms;
+    return opt;
+}
+
+torch::Tensor TttLinearBranchImpl::output(const ops::TttLinearResult& scanned) {
+    const torch::Tensor& out = scanned.output;  // (B, nh, T, d)
+    return nn::layer_norm(post_norm, out.permute({0, 2, 1, 3}).reshape({out.size(0), out.size(2), options_.dim}));
+}
+
+torch::Tensor TttLinearBranchImpl::forward(const torch::Tensor& x, torch::Tensor* grad_norms) {
+    ops::TttLinearInputs in = scan_inputs(x);
+    ops::TttLinearResult r = ops::ttt_linear_many({in}, scan_options(grad_norms != nullptr), options_.impl)[0];
     if (grad_norms != nullptr) *grad_norms = r.grad_norms;
-    return nn::layer_norm(post_norm, r.output.permute({0, 2, 1, 3}).reshape({B, T, options_.dim}));
+    return output(r);
 }
 
 // ------------------------------------------------------------------ SwiGluMlp
@@ -156,9 +169,19 @@ torch::Tensor VitttBlockImpl::drop_path(const torch::Tensor& x) const {
 std::pair<torch::Tensor, torch::Tensor> VitttBlockImpl::mixer_branches(const torch::Tensor& x,
                                                                        torch::Tensor* norms_forth,
                                                                        torch::Tensor* norms_back) {
-    torch::Tensor z_forth = forth_branch()->forward(x, norms_forth);
-    torch::Tensor z_back = torch::flip(back_branch()->forward(torch::flip(x, {1}), norms_back), {1});
-    if (norms_back != nullptr) *norms_back = torch::flip(*norms_back, {2});
+    // Both directions' scans in one call: their heads share the cores (ops::ttt_linear_many).
+    TttLinearBranchImpl& forth_ = *forth_branch();
+    TttLinearBranchImpl& back_ = *back_branch();
+    std::vector<ops::TttLinearInputs> inputs{forth_.scan_inputs(x)};
+    inputs.push_back(back_.scan_inputs(torch::flip(x, {1})));  // the flipped copy is freed here
+    std::vector<ops::TttLinearResult> scanned = ops::ttt_linear_many(
+        inputs, forth_.scan_options(norms_forth != nullptr || norms_back != nullptr), forth_.options().impl);
+    inputs.clear();
+    if (norms_forth != nullptr) *norms_forth = scanned[0].grad_norms;
+    if (norms_back != nullptr) *norms_back = torch::flip(scanned[1].grad_norms, {2});
+    torch::Tensor z_forth = forth_.output(scanned[0]);
+    scanned[0] = {};
+    torch::Tensor z_back = torch::flip(back_.output(scanned[1]), {1});
     return {z_forth, z_back};
 }
 
@@ -182,8 +205,9 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
     if (probe_forth) probe_forth->record("ttt.grad_norms.forth", norms_forth);
     if (probe_back) probe_back->record("ttt.grad_norms.back", norms_back);
     y = add_into(drop_path(linear(o_proj, gate * (z_forth + z_back))), y);
-    y = add_into(drop_path(mlp->forward(nn::layer_norm(norm2, y))), y);
-    return y;
+    if (is_training() && options_.drop_path > 0.0) return add_into(drop_path(mlp->forward(nn::layer_norm(norm2, y))), y);
+    // y is this block's own sum (add_into above).
+    return nn::add_token_branch_in_runs(y, [&](const torch::Tensor& t) { return mlp->forward(nn::layer_norm(norm2, t)); });
 }
 
 // ------------------------------------------------------------------ position embedding

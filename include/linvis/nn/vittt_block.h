@@ -5,6 +5,8 @@
 
 #include <torch/torch.h>
 
+#include "linvis/ops/ttt_linear.h"
+
 #include "linvis/nn/vit.h"
 #include "linvis/ops/impl.h"
 
@@ -33,6 +35,11 @@ public:
     // x: (B, T, D) -> (B, T, D). If grad_norms is given it receives the per-token inner
     // gradient norms ||dloss_t/dW|| (B, nh, T) (the Gradient Magnitude Map of paper section 6).
     torch::Tensor forward(const torch::Tensor& x, torch::Tensor* grad_norms = nullptr);
+    // forward in two halves, so that several branches' scans can run in one ops::ttt_linear_many call:
+    // the scan's inputs from x, and the branch output (post_norm) from the scan's result.
+    ops::TttLinearInputs scan_inputs(const torch::Tensor& x);
+    torch::Tensor output(const ops::TttLinearResult& scanned);
+    ops::TttLinearOptions scan_options(bool grad_norms) const;
     void reset_parameters();
 
     const TttBranchOptions& options() const { return options_; }

@@ -14,6 +14,8 @@
 
 #include <torch/torch.h>
 
+#include <vector>
+
 #include "linvis/ops/impl.h"
 
 namespace linvis::ops {
@@ -77,6 +79,21 @@ TttLinearResult ttt_linear(const torch::Tensor& xq, const torch::Tensor& xk, con
                            const torch::Tensor& w0, const torch::Tensor& b0, const torch::Tensor& ln_weight,
                            const torch::Tensor& ln_bias, const TttLinearOptions& options = TttLinearOptions(),
                            Impl impl = Impl::Auto);
+
+// The inputs of one scan, as ttt_linear takes them.
+struct TttLinearInputs {
+    torch::Tensor xq, xk, xv, lr, learnable_token_idx, w0, b0, ln_weight, ln_bias;
+};
+
+// Several independent scans with the same options in one call (Vision-TTT's forward and backward
+// directions); results in order, each what ttt_linear returns for its inputs. The scans may differ in
+// every size. In inference the fused kernel runs the (scan, sample, head) tasks of all of them in one
+// parallel region: a scan is serial within a head, so vittt_tiny's 3 heads leave one of 2 cores idle for
+// a third of every one-direction call, while 2 x 3 heads fill both. With gradients each scan is its own
+// autograd node, as ttt_linear.
+std::vector<TttLinearResult> ttt_linear_many(const std::vector<TttLinearInputs>& scans,
+                                             const TttLinearOptions& options = TttLinearOptions(),
+                                             Impl impl = Impl::Auto);
 
 // Per-token per-head learning rate of spec 2.5: eta_base * sigmoid(x . w_lr[h] + b_lr[h]) / head_dim.
 //   x: (B, T, C) the TTT-layer input (not XK); w_lr: (nh, 1, C); b_lr: (nh, 1). Returns (B, nh, T).

@@ -92,10 +92,22 @@ constexpr int dtype_index() {
     return std::is_same_v<In, float> ? 0 : std::is_same_v<In, double> ? 1 : 2;
 }
 
+// The (sample, head) tasks of all scans in one parallel region, each thread taking a contiguous run of
+// the concatenated task list.
 template <typename In>
-void run_forward_tasks(const ScanArgs& a, simd::Target target) {
+void run_forward_tasks(const std::vector<ScanArgs>& scans, simd::Target target) {
     const auto fn = scan_fns(target).forward[dtype_index<In>()];
-    at::parallel_for(0, a.B * a.nh, 1, [&](int64_t begin, int64_t end) { fn(a, begin, end); });
+    int64_t total = 0;
+    for (const ScanArgs& a : scans) total += a.B * a.nh;
+    at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
+        int64_t first = 0;  // global index of the current scan's first task
+        for (const ScanArgs& a : scans) {
+            const int64_t count = a.B * a.nh;
+            const int64_t lo = std::max(begin, first), hi = std::min(end, first + count);
+            if (lo < hi) fn(a, lo - first, hi - first);
+            first += count;
+        }
+    });
 }
 
 template <typename In>
@@ -164,8 +176,9 @@ ScanArgs scan_inputs(const torch::Tensor& xq, const torch::Tensor& xk, const tor
     return a;
 }
 
-ForwardOut run_forward(const torch::Tensor& xq, const torch::Tensor& xk, const torch::Tensor& xv,
-                       const SmallInputs& s, const Config& cfg, bool checkpoints) {
+// Allocates one scan's outputs and points its arguments at them.
+ForwardOut prepare_forward(const torch::Tensor& xq, const torch::Tensor& xk, const torch::Tensor& xv,
+                           const SmallInputs& s, const Config& cfg, bool checkpoints, ScanArgs& a) {
     const int64_t B = xq.size(0), nh = xq.size(1), T = xq.size(2), d = xq.size(3);
     const auto ct = compute_type(xq.scalar_type());
     auto copt = xq.options().dtype(ct);
@@ -178,14 +191,19 @@ ForwardOut run_forward(const torch::Tensor& xq, const torch::Tensor& xk, const t
     const int64_t ngroups = (nmb + cfg.ckpt_every - 1) / cfg.ckpt_every;
     if (checkpoints) r.ckpt = torch::empty({B * nh, ngroups, d * d + d}, copt);
 
-    ScanArgs a = scan_inputs(xq, xk, xv, s, cfg);
+    a = scan_inputs(xq, xk, xv, s, cfg);
     a.out = r.out.data_ptr(); copy_strides(r.out, a.outs);
     a.final_W = r.final_W.data_ptr(); a.final_b = r.final_b.data_ptr();
     a.grad_norms = cfg.want_norms ? r.norms.data_ptr() : nullptr;
     a.ckpt = checkpoints ? r.ckpt.data_ptr() : nullptr;
-    dispatch_dtype(xq.scalar_type(), [&](auto in, auto acc) {
-        run_forward_tasks<decltype(in)>(a, cfg.target);
-    });
+    return r;
+}
+
+ForwardOut run_forward(const torch::Tensor& xq, const torch::Tensor& xk, const torch::Tensor& xv,
+                       const SmallInputs& s, const Config& cfg, bool checkpoints) {
+    std::vector<ScanArgs> args(1);
+    ForwardOut r = prepare_forward(xq, xk, xv, s, cfg, checkpoints, args[0]);
+    dispatch_dtype(xq.scalar_type(), [&](auto in, auto acc) { run_forward_tasks<decltype(in)>(args, cfg.target); });
     return r;
 }
 
@@ -267,46 +285,83 @@ public:
 
 }  // namespace
 
-TttLinearResult ttt_linear_fused(const torch::Tensor& xq, const torch::Tensor& xk, const torch::Tensor& xv,
-                                 const torch::Tensor& lr, const torch::Tensor& tau, const torch::Tensor& w0,
-                                 const torch::Tensor& b0, const torch::Tensor& ln_weight, const torch::Tensor& ln_bias,
-                                 const TttLinearOptions& options) {
-    LINVIS_CHECK(xq.device().is_cpu(), "ttt_linear (fused): CPU tensors only, got ", xq.device());
+namespace {
+
+TttLinearResult result_of(const ForwardOut& r, const TttLinearOptions& options, torch::ScalarType st) {
+    TttLinearResult result;
+    result.output = r.out;
+    if (options.return_final_state) {
+        result.final_W = r.final_W.to(st);
+        result.final_b = r.final_b.to(st);
+    }
+    if (options.return_grad_norms) result.grad_norms = r.norms.to(st);
+    return result;
+}
+
+bool needs_grad(const TttLinearInputs& in, const torch::Tensor& tau) {
+    if (!torch::GradMode::is_enabled()) return false;
+    for (const torch::Tensor* t : {&in.xq, &in.xk, &in.xv, &in.lr, &tau, &in.w0, &in.b0, &in.ln_weight, &in.ln_bias})
+        if (t->requires_grad()) return true;
+    return false;
+}
+
+}  // namespace
+
+std::vector<TttLinearResult> ttt_linear_fused_many(const std::vector<TttLinearInputs>& scans,
+                                                   const std::vector<torch::Tensor>& taus,
+                                                   const TttLinearOptions& options) {
     LINVIS_CHECK(options.inner_model == TttInnerModel::ResidualLayerNorm,
                  "ttt_linear (fused): only the ResidualLayerNorm inner model is fused");
     LINVIS_CHECK(options.checkpoint_every >= 1, "ttt_linear (fused): checkpoint_every must be >= 1, got ",
                  options.checkpoint_every);
+    LINVIS_CHECK(taus.size() == scans.size(), "ttt_linear (fused): ", scans.size(), " scans but ", taus.size(),
+                 " token coefficients");
     const simd::Target target = simd::active_target();
-    const bool needs_grad = torch::GradMode::is_enabled() &&
-                            (xq.requires_grad() || xk.requires_grad() || xv.requires_grad() || lr.requires_grad() ||
-                             tau.requires_grad() || w0.requires_grad() || b0.requires_grad() ||
-                             ln_weight.requires_grad() || ln_bias.requires_grad());
-    TttLinearResult result;
-    if (!needs_grad) {
-        // Inference: no checkpoints, nothing saved.
-        Config cfg{options.mini_batch_size, options.checkpoint_every, options.causal, options.eps,
-                   options.return_grad_norms, target};
-        SmallInputs s = small_inputs(xq, lr, tau, w0, b0, ln_weight, ln_bias);
-        ForwardOut r = run_forward(xq, xk, xv, s, cfg, false);
-        const auto st = xq.scalar_type();
-        result.output = r.out;
-        if (options.return_final_state) {
-            result.final_W = r.final_W.to(st);
-            result.final_b = r.final_b.to(st);
+    bool any_grad = false;
+    for (size_t i = 0; i < scans.size(); ++i) {
+        LINVIS_CHECK(scans[i].xq.device().is_cpu(), "ttt_linear (fused): CPU tensors only, got ",
+                     scans[i].xq.device());
+        LINVIS_CHECK(scans[i].xq.scalar_type() == scans[0].xq.scalar_type(), "ttt_linear (fused): scan ", i,
+                     " has dtype ", scans[i].xq.scalar_type(), ", scan 0 ", scans[0].xq.scalar_type(),
+                     " (one call runs one dtype)");
+        any_grad = any_grad || needs_grad(scans[i], taus[i]);
+    }
+    std::vector<TttLinearResult> results;
+    if (!any_grad) {
+        // Inference: no checkpoints, nothing saved, every scan's tasks in one parallel region.
+        const Config cfg{options.mini_batch_size, options.checkpoint_every, options.causal, options.eps,
+                         options.return_grad_norms, target};
+        std::vector<SmallInputs> small;
+        std::vector<ForwardOut> outs;
+        std::vector<ScanArgs> args(scans.size());
+        for (size_t i = 0; i < scans.size(); ++i) {
+            const TttLinearInputs& in = scans[i];
+            small.push_back(small_inputs(in.xq, in.lr, taus[i], in.w0, in.b0, in.ln_weight, in.ln_bias));
+            outs.push_back(prepare_forward(in.xq, in.xk, in.xv, small.back(), cfg, false, args[i]));
         }
-        if (options.return_grad_norms) result.grad_norms = r.norms.to(st);
-        return result;
+        if (!scans.empty())
+            dispatch_dtype(scans[0].xq.scalar_type(),
+                           [&](auto in, auto acc) { run_forward_tasks<decltype(in)>(args, cfg.target); });
+        for (size_t i = 0; i < scans.size(); ++i)
+            results.push_back(result_of(outs[i], options, scans[i].xq.scalar_type()));
+        return results;
     }
-    variable_list outs = TttLinearFusedFunction::apply(
-        xq, xk, xv, lr, tau, w0, b0, ln_weight, ln_bias, options.mini_batch_size, options.checkpoint_every,
-        options.causal, options.eps, options.return_grad_norms, static_cast<int64_t>(target));
-    result.output = outs[0];
-    if (options.return_final_state) {
-        result.final_W = outs[1];
-        result.final_b = outs[2];
+    for (size_t i = 0; i < scans.size(); ++i) {
+        const TttLinearInputs& in = scans[i];
+        variable_list outs = TttLinearFusedFunction::apply(
+            in.xq, in.xk, in.xv, in.lr, taus[i], in.w0, in.b0, in.ln_weight, in.ln_bias, options.mini_batch_size,
+            options.checkpoint_every, options.causal, options.eps, options.return_grad_norms,
+            static_cast<int64_t>(target));
+        TttLinearResult result;
+        result.output = outs[0];
+        if (options.return_final_state) {
+            result.final_W = outs[1];
+            result.final_b = outs[2];
+        }
+        if (options.return_grad_norms) result.grad_norms = outs[3];
+        results.push_back(result);
     }
-    if (options.return_grad_norms) result.grad_norms = outs[3];
-    return result;
+    return results;
 }
 
 }  // namespace linvis::ops::cpu

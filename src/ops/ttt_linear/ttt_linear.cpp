@@ -18,12 +18,11 @@ void check_same_dtype(const torch::Tensor& t, const char* name, const torch::Ten
                  ref.scalar_type(), " (as xq), got ", t.scalar_type());
 }
 
-}  // namespace
-
-TttLinearResult ttt_linear(const torch::Tensor& xq_in, const torch::Tensor& xk_in, const torch::Tensor& xv,
-                           const torch::Tensor& lr, const torch::Tensor& learnable_token_idx,
-                           const torch::Tensor& w0, const torch::Tensor& b0, const torch::Tensor& ln_weight,
-                           const torch::Tensor& ln_bias, const TttLinearOptions& opt, Impl impl) {
+// Checks one scan's inputs against each other and the options (ttt_linear.h).
+void check_inputs(const TttLinearInputs& in, const TttLinearOptions& opt) {
+    const torch::Tensor &xq_in = in.xq, &xk_in = in.xk, &xv = in.xv, &lr = in.lr,
+                        &learnable_token_idx = in.learnable_token_idx, &w0 = in.w0, &b0 = in.b0,
+                        &ln_weight = in.ln_weight, &ln_bias = in.ln_bias;
     LINVIS_CHECK(xq_in.dim() == 4, "ttt_linear: xq: expected (B, nh, T, d), got ", shape_string(xq_in.sizes()));
     const int64_t B = xq_in.size(0), nh = xq_in.size(1), T = xq_in.size(2), d = xq_in.size(3);
     LINVIS_CHECK(xk_in.sizes() == xq_in.sizes(), "ttt_linear: xk: expected shape ", shape_string(xq_in.sizes()),
@@ -66,21 +65,41 @@ TttLinearResult ttt_linear(const torch::Tensor& xq_in, const torch::Tensor& xk_i
                                                    : std::string("undefined"));
         check_same_dtype(learnable_token_idx, "learnable_token_idx", xq_in);
     }
+}
 
-    torch::Tensor xq = opt.use_rope ? ttt_rope(xq_in, opt.mini_batch_size, opt.rope_theta) : xq_in;
-    torch::Tensor xk = opt.use_rope ? ttt_rope(xk_in, opt.mini_batch_size, opt.rope_theta) : xk_in;
+}  // namespace
 
-    const std::string unsupported =
-        !ln_model ? std::string("inner model 'linear' (the fused kernel runs the residual LayerNorm inner model)")
-        : !xq.device().is_cpu() ? "CPU tensors only, got " + xq.device().str()
-                                : std::string();
+std::vector<TttLinearResult> ttt_linear_many(const std::vector<TttLinearInputs>& scans, const TttLinearOptions& opt,
+                                             Impl impl) {
+    for (const TttLinearInputs& in : scans) check_inputs(in, opt);
+    std::vector<TttLinearInputs> ready = scans;  // with RoPE applied
+    for (TttLinearInputs& in : ready) {
+        if (!opt.use_rope) continue;
+        in.xq = ttt_rope(in.xq, opt.mini_batch_size, opt.rope_theta);
+        in.xk = ttt_rope(in.xk, opt.mini_batch_size, opt.rope_theta);
+    }
+    std::string unsupported = opt.inner_model != TttInnerModel::ResidualLayerNorm
+                                  ? std::string("inner model 'linear' (the fused kernel runs the residual LayerNorm "
+                                                "inner model)")
+                                  : std::string();
+    for (const TttLinearInputs& in : ready)
+        if (unsupported.empty() && !in.xq.device().is_cpu()) unsupported = "CPU tensors only, got " + in.xq.device().str();
+    std::vector<TttLinearResult> results;
     // The fused scan beats the reference's per-mini-batch small products on every SIMD target
     // (AVX-512, AVX2 and scalar; docs/ops.md).
-    if (use_fused(impl, "ttt_linear", unsupported, /*fused_is_faster=*/true)) {
-        torch::Tensor tau = opt.use_token_coefficient ? ttt_token_coefficient(learnable_token_idx, opt.mini_batch_size)
-                                                      : torch::ones({opt.mini_batch_size}, xq.options());
+    if (!use_fused(impl, "ttt_linear", unsupported, /*fused_is_faster=*/true)) {
+        for (const TttLinearInputs& in : ready)
+            results.push_back(reference::ttt_linear_scan(in.xq, in.xk, in.xv, in.lr, in.learnable_token_idx, in.w0,
+                                                         in.b0, in.ln_weight, in.ln_bias, opt));
+        return results;
+    }
+    std::vector<torch::Tensor> taus;
+    for (const TttLinearInputs& in : ready) {
+        taus.push_back(opt.use_token_coefficient ? ttt_token_coefficient(in.learnable_token_idx, opt.mini_batch_size)
+                                                 : torch::ones({opt.mini_batch_size}, in.xq.options()));
         if (flops::counting()) {
             // Same products as the reference (see mini_batch_step).
+            const int64_t B = in.xq.size(0), nh = in.xq.size(1), T = in.xq.size(2), d = in.xq.size(3);
             int64_t macs = 0;
             for (int64_t start = 0; start < T; start += opt.mini_batch_size) {
                 const int64_t M = std::min(opt.mini_batch_size, T - start);
@@ -88,9 +107,15 @@ TttLinearResult ttt_linear(const torch::Tensor& xq_in, const torch::Tensor& xk_i
             }
             flops::add(B * nh * macs);
         }
-        return cpu::ttt_linear_fused(xq, xk, xv, lr, tau, w0, b0, ln_weight, ln_bias, opt);
     }
-    return reference::ttt_linear_scan(xq, xk, xv, lr, learnable_token_idx, w0, b0, ln_weight, ln_bias, opt);
+    return cpu::ttt_linear_fused_many(ready, taus, opt);
+}
+
+TttLinearResult ttt_linear(const torch::Tensor& xq, const torch::Tensor& xk, const torch::Tensor& xv,
+                           const torch::Tensor& lr, const torch::Tensor& learnable_token_idx,
+                           const torch::Tensor& w0, const torch::Tensor& b0, const torch::Tensor& ln_weight,
+                           const torch::Tensor& ln_bias, const TttLinearOptions& opt, Impl impl) {
+    return ttt_linear_many({{xq, xk, xv, lr, learnable_token_idx, w0, b0, ln_weight, ln_bias}}, opt, impl)[0];
 }
 
 }  // namespace linvis::ops
