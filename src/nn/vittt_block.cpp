@@ -204,7 +204,10 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
         mixer_branches(x, probe_forth ? &norms_forth : nullptr, probe_back ? &norms_back : nullptr);
     if (probe_forth) probe_forth->record("ttt.grad_norms.forth", norms_forth);
     if (probe_back) probe_back->record("ttt.grad_norms.back", norms_back);
-    y = add_into(drop_path(linear(o_proj, gate * (z_forth + z_back))), y);
+    // z_forth and z_back are fresh (post_norm outputs; z_back a flipped copy): sum and gate into z_forth.
+    torch::Tensor gated = can_overwrite({z_forth, z_back, gate}) ? z_forth.add_(z_back).mul_(gate)
+                                                                 : gate * (z_forth + z_back);
+    y = add_into(drop_path(linear(o_proj, gated)), y);
     if (is_training() && options_.drop_path > 0.0) return add_into(drop_path(mlp->forward(nn::layer_norm(norm2, y))), y);
     // y is this block's own sum (add_into above).
     return nn::add_token_branch_in_runs(y, [&](const torch::Tensor& t) { return mlp->forward(nn::layer_norm(norm2, t)); });

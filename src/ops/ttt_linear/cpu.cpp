@@ -94,9 +94,7 @@ constexpr int dtype_index() {
 
 // The (sample, head) tasks of all scans in one parallel region, each thread taking a contiguous run of
 // the concatenated task list.
-template <typename In>
-void run_forward_tasks(const std::vector<ScanArgs>& scans, simd::Target target) {
-    const auto fn = scan_fns(target).forward[dtype_index<In>()];
+void run_tasks(const std::vector<ScanArgs>& scans, ScanRange fn) {
     int64_t total = 0;
     for (const ScanArgs& a : scans) total += a.B * a.nh;
     at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
@@ -111,9 +109,13 @@ void run_forward_tasks(const std::vector<ScanArgs>& scans, simd::Target target) 
 }
 
 template <typename In>
-void run_backward_tasks(const ScanArgs& a, simd::Target target) {
-    const auto fn = scan_fns(target).backward[dtype_index<In>()];
-    at::parallel_for(0, a.B * a.nh, 1, [&](int64_t begin, int64_t end) { fn(a, begin, end); });
+void run_forward_tasks(const std::vector<ScanArgs>& scans, simd::Target target) {
+    run_tasks(scans, scan_fns(target).forward[dtype_index<In>()]);
+}
+
+template <typename In>
+void run_backward_tasks(const std::vector<ScanArgs>& scans, simd::Target target) {
+    run_tasks(scans, scan_fns(target).backward[dtype_index<In>()]);
 }
 
 struct Config {
@@ -199,93 +201,115 @@ ForwardOut prepare_forward(const torch::Tensor& xq, const torch::Tensor& xk, con
     return r;
 }
 
-ForwardOut run_forward(const torch::Tensor& xq, const torch::Tensor& xk, const torch::Tensor& xv,
-                       const SmallInputs& s, const Config& cfg, bool checkpoints) {
-    std::vector<ScanArgs> args(1);
-    ForwardOut r = prepare_forward(xq, xk, xv, s, cfg, checkpoints, args[0]);
-    dispatch_dtype(xq.scalar_type(), [&](auto in, auto acc) { run_forward_tasks<decltype(in)>(args, cfg.target); });
-    return r;
+// kScanInputs tensors per scan: xq, xk, xv, lr, tau, w0, b0, gamma, beta (the Function's inputs below).
+constexpr size_t kScanInputs = 9;
+
+// Every scan's outputs, all scans' tasks in one parallel region; `in` holds kScanInputs tensors per scan.
+std::vector<ForwardOut> forward_all(const torch::Tensor* in, size_t scans, const Config& cfg, bool checkpoints) {
+    std::vector<SmallInputs> small;
+    std::vector<ForwardOut> outs;
+    std::vector<ScanArgs> args(scans);
+    small.reserve(scans);
+    for (size_t i = 0; i < scans; ++i) {
+        const torch::Tensor* t = in + i * kScanInputs;
+        small.push_back(small_inputs(t[0], t[3], t[4], t[5], t[6], t[7], t[8]));
+        outs.push_back(prepare_forward(t[0], t[1], t[2], small.back(), cfg, checkpoints, args[i]));
+    }
+    if (scans > 0)
+        dispatch_dtype(in[0].scalar_type(), [&](auto x, auto acc) { run_forward_tasks<decltype(x)>(args, cfg.target); });
+    return outs;
 }
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// The scans of one ttt_linear_many call as one autograd node: kScanInputs input tensors per scan, and
+// kScanOutputs outputs per scan (out, final_W, final_b, norms). Forward and backward each run every scan's
+// tasks in one parallel region.
+constexpr size_t kScanOutputs = 4;
+
 class TttLinearFusedFunction : public torch::autograd::Function<TttLinearFusedFunction> {
 public:
-    static variable_list forward(AutogradContext* ctx, const torch::Tensor& xq, const torch::Tensor& xk,
-                                 const torch::Tensor& xv, const torch::Tensor& lr, const torch::Tensor& tau,
-                                 const torch::Tensor& w0, const torch::Tensor& b0, const torch::Tensor& gamma,
-                                 const torch::Tensor& beta, int64_t bmax, int64_t ckpt_every, bool causal, double eps,
-                                 bool want_norms, int64_t target) {
-        Config cfg{bmax, ckpt_every, causal, eps, want_norms, static_cast<simd::Target>(target)};
-        SmallInputs s = small_inputs(xq, lr, tau, w0, b0, gamma, beta);
-        ForwardOut r = run_forward(xq, xk, xv, s, cfg, true);
-        ctx->save_for_backward({xq, xk, xv, lr, tau, w0, b0, gamma, beta, r.ckpt});
+    static variable_list forward(AutogradContext* ctx, torch::TensorList inputs, int64_t bmax, int64_t ckpt_every,
+                                 bool causal, double eps, bool want_norms, int64_t target) {
+        const Config cfg{bmax, ckpt_every, causal, eps, want_norms, static_cast<simd::Target>(target)};
+        const size_t n = inputs.size() / kScanInputs;
+        const std::vector<ForwardOut> outs = forward_all(inputs.data(), n, cfg, /*checkpoints=*/true);
+        variable_list saved(inputs.begin(), inputs.end()), results, norms;
+        for (size_t i = 0; i < n; ++i) {
+            const auto st = inputs[i * kScanInputs].scalar_type();
+            saved.push_back(outs[i].ckpt);
+            norms.push_back(want_norms ? outs[i].norms.to(st) : torch::empty({0}, inputs[i * kScanInputs].options()));
+            results.insert(results.end(), {outs[i].out, outs[i].final_W.to(st), outs[i].final_b.to(st), norms.back()});
+        }
+        ctx->save_for_backward(saved);
+        ctx->saved_data["scans"] = static_cast<int64_t>(n);
         ctx->saved_data["bmax"] = bmax;
         ctx->saved_data["ckpt_every"] = ckpt_every;
         ctx->saved_data["causal"] = causal;
         ctx->saved_data["eps"] = eps;
         ctx->saved_data["target"] = target;
-        torch::Tensor norms = want_norms ? r.norms.to(xq.scalar_type()) : torch::empty({0}, xq.options());
-        ctx->mark_non_differentiable({norms});
-        return {r.out, r.final_W.to(xq.scalar_type()), r.final_b.to(xq.scalar_type()), norms};
+        ctx->mark_non_differentiable(norms);
+        return results;
     }
 
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
-        auto saved = ctx->get_saved_variables();
-        const torch::Tensor &xq = saved[0], &xk = saved[1], &xv = saved[2], &lr = saved[3], &tau = saved[4],
-                            &w0 = saved[5], &b0 = saved[6], &gamma = saved[7], &beta = saved[8], &ckpt = saved[9];
+        const auto saved = ctx->get_saved_variables();
+        const size_t n = static_cast<size_t>(ctx->saved_data["scans"].toInt());
         Config cfg;
         cfg.bmax = ctx->saved_data["bmax"].toInt();
         cfg.ckpt_every = ctx->saved_data["ckpt_every"].toInt();
         cfg.causal = ctx->saved_data["causal"].toBool();
         cfg.eps = ctx->saved_data["eps"].toDouble();
         cfg.target = static_cast<simd::Target>(ctx->saved_data["target"].toInt());
-        const int64_t B = xq.size(0), nh = xq.size(1), T = xq.size(2), d = xq.size(3);
-        const auto ct = compute_type(xq.scalar_type());
-        auto copt = xq.options().dtype(ct);
-        SmallInputs s = small_inputs(xq, lr, tau, w0, b0, gamma, beta);
+        struct Grads {
+            torch::Tensor dq, dk, dv, dlr, dW, db, dgamma, dbeta, dtau, dout;
+        };
+        std::vector<SmallInputs> small;
+        std::vector<Grads> g(n);
+        std::vector<ScanArgs> args(n);
+        for (size_t i = 0; i < n; ++i) {
+            const torch::Tensor* in = saved.data() + i * kScanInputs;
+            const torch::Tensor &xq = in[0], &xk = in[1], &xv = in[2], &ckpt = saved[n * kScanInputs + i];
+            const int64_t B = xq.size(0), nh = xq.size(1), T = xq.size(2), d = xq.size(3);
+            const auto copt = xq.options().dtype(compute_type(xq.scalar_type()));
+            const torch::Tensor* go = grads.data() + i * kScanOutputs;
+            small.push_back(small_inputs(xq, in[3], in[4], in[5], in[6], in[7], in[8]));
+            Grads& r = g[i];
+            r.dout = go[0].defined() ? go[0] : torch::zeros({B, nh, T, d}, xq.options());
+            r.dW = go[1].defined() ? go[1].to(copt.dtype()).contiguous().clone() : torch::zeros({B, nh, d, d}, copt);
+            r.db = go[2].defined() ? go[2].to(copt.dtype()).contiguous().clone() : torch::zeros({B, nh, 1, d}, copt);
+            r.dq = torch::empty_like(xq); r.dk = torch::empty_like(xk); r.dv = torch::empty_like(xv);
+            r.dlr = torch::empty({B, nh, T}, copt);
+            r.dgamma = torch::zeros({B, nh, d}, copt); r.dbeta = torch::zeros({B, nh, d}, copt);
+            r.dtau = torch::zeros({B * nh, cfg.bmax}, copt);
+            ScanArgs& a = args[i];
+            a = scan_inputs(xq, xk, xv, small.back(), cfg);
+            a.ckpt = ckpt.data_ptr();
+            a.dout = r.dout.data_ptr(); copy_strides(r.dout, a.douts);
+            a.dq = r.dq.data_ptr(); a.dk = r.dk.data_ptr(); a.dv = r.dv.data_ptr();
+            copy_strides(r.dq, a.dqs); copy_strides(r.dk, a.dks); copy_strides(r.dv, a.dvs);
+            a.dlr = r.dlr.data_ptr(); a.dW0 = r.dW.data_ptr(); a.db0 = r.db.data_ptr();
+            a.dgamma = r.dgamma.data_ptr(); a.dbeta = r.dbeta.data_ptr(); a.dtau = r.dtau.data_ptr();
+        }
+        dispatch_dtype(saved[0].scalar_type(), [&](auto in, auto acc) { run_backward_tasks<decltype(in)>(args, cfg.target); });
 
-        torch::Tensor dout = grads[0].defined() ? grads[0] : torch::zeros({B, nh, T, d}, xq.options());
-        torch::Tensor dW = grads[1].defined() ? grads[1].to(ct).contiguous().clone()
-                                              : torch::zeros({B, nh, d, d}, copt);
-        torch::Tensor db = grads[2].defined() ? grads[2].to(ct).contiguous().clone()
-                                              : torch::zeros({B, nh, 1, d}, copt);
-        torch::Tensor dq = torch::empty_like(xq), dk = torch::empty_like(xk), dv = torch::empty_like(xv);
-        torch::Tensor dlr = torch::empty({B, nh, T}, copt);
-        torch::Tensor dgamma = torch::zeros({B, nh, d}, copt), dbeta = torch::zeros({B, nh, d}, copt);
-        torch::Tensor dtau = torch::zeros({B * nh, cfg.bmax}, copt);
-
-        ScanArgs a = scan_inputs(xq, xk, xv, s, cfg);
-        a.ckpt = ckpt.data_ptr();
-        a.dout = dout.data_ptr(); copy_strides(dout, a.douts);
-        a.dq = dq.data_ptr(); a.dk = dk.data_ptr(); a.dv = dv.data_ptr();
-        copy_strides(dq, a.dqs); copy_strides(dk, a.dks); copy_strides(dv, a.dvs);
-        a.dlr = dlr.data_ptr(); a.dW0 = dW.data_ptr(); a.db0 = db.data_ptr();
-        a.dgamma = dgamma.data_ptr(); a.dbeta = dbeta.data_ptr(); a.dtau = dtau.data_ptr();
-        dispatch_dtype(xq.scalar_type(), [&](auto in, auto acc) {
-            run_backward_tasks<decltype(in)>(a, cfg.target);
-        });
-
-        const auto st = xq.scalar_type();
-        torch::Tensor dw0 = w0.dim() == 4 ? dW : dW.sum(0);
-        torch::Tensor db0 = b0.dim() == 4 ? db : db.sum(0);
-        return {dq,
-                dk,
-                dv,
-                dlr.to(st),
-                dtau.sum(0).to(tau.scalar_type()),
-                dw0.to(w0.scalar_type()),
-                db0.to(b0.scalar_type()),
-                dgamma.sum(0).to(gamma.scalar_type()),
-                dbeta.sum(0).to(beta.scalar_type()),
-                torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+        variable_list out;
+        for (size_t i = 0; i < n; ++i) {
+            const torch::Tensor* in = saved.data() + i * kScanInputs;
+            const torch::Tensor &tau = in[4], &w0 = in[5], &b0 = in[6], &gamma = in[7], &beta = in[8];
+            const Grads& r = g[i];
+            const auto st = in[0].scalar_type();
+            const torch::Tensor dw0 = w0.dim() == 4 ? r.dW : r.dW.sum(0);
+            const torch::Tensor db0 = b0.dim() == 4 ? r.db : r.db.sum(0);
+            out.insert(out.end(), {r.dq, r.dk, r.dv, r.dlr.to(st), r.dtau.sum(0).to(tau.scalar_type()),
+                                   dw0.to(w0.scalar_type()), db0.to(b0.scalar_type()),
+                                   r.dgamma.sum(0).to(gamma.scalar_type()), r.dbeta.sum(0).to(beta.scalar_type())});
+        }
+        out.resize(out.size() + 6);  // bmax, ckpt_every, causal, eps, want_norms, target
+        return out;
     }
 };
-
-}  // namespace
-
-namespace {
 
 TttLinearResult result_of(const ForwardOut& r, const TttLinearOptions& options, torch::ScalarType st) {
     TttLinearResult result;
@@ -318,47 +342,37 @@ std::vector<TttLinearResult> ttt_linear_fused_many(const std::vector<TttLinearIn
                  " token coefficients");
     const simd::Target target = simd::active_target();
     bool any_grad = false;
+    std::vector<torch::Tensor> inputs;  // kScanInputs per scan
     for (size_t i = 0; i < scans.size(); ++i) {
-        LINVIS_CHECK(scans[i].xq.device().is_cpu(), "ttt_linear (fused): CPU tensors only, got ",
-                     scans[i].xq.device());
-        LINVIS_CHECK(scans[i].xq.scalar_type() == scans[0].xq.scalar_type(), "ttt_linear (fused): scan ", i,
-                     " has dtype ", scans[i].xq.scalar_type(), ", scan 0 ", scans[0].xq.scalar_type(),
-                     " (one call runs one dtype)");
-        any_grad = any_grad || needs_grad(scans[i], taus[i]);
+        const TttLinearInputs& in = scans[i];
+        LINVIS_CHECK(in.xq.device().is_cpu(), "ttt_linear (fused): CPU tensors only, got ", in.xq.device());
+        LINVIS_CHECK(in.xq.scalar_type() == scans[0].xq.scalar_type(), "ttt_linear (fused): scan ", i, " has dtype ",
+                     in.xq.scalar_type(), ", scan 0 ", scans[0].xq.scalar_type(), " (one call runs one dtype)");
+        inputs.insert(inputs.end(), {in.xq, in.xk, in.xv, in.lr, taus[i], in.w0, in.b0, in.ln_weight, in.ln_bias});
+        any_grad = any_grad || needs_grad(in, taus[i]);
     }
     std::vector<TttLinearResult> results;
     if (!any_grad) {
-        // Inference: no checkpoints, nothing saved, every scan's tasks in one parallel region.
+        // Inference: no checkpoints, nothing saved.
         const Config cfg{options.mini_batch_size, options.checkpoint_every, options.causal, options.eps,
                          options.return_grad_norms, target};
-        std::vector<SmallInputs> small;
-        std::vector<ForwardOut> outs;
-        std::vector<ScanArgs> args(scans.size());
-        for (size_t i = 0; i < scans.size(); ++i) {
-            const TttLinearInputs& in = scans[i];
-            small.push_back(small_inputs(in.xq, in.lr, taus[i], in.w0, in.b0, in.ln_weight, in.ln_bias));
-            outs.push_back(prepare_forward(in.xq, in.xk, in.xv, small.back(), cfg, false, args[i]));
-        }
-        if (!scans.empty())
-            dispatch_dtype(scans[0].xq.scalar_type(),
-                           [&](auto in, auto acc) { run_forward_tasks<decltype(in)>(args, cfg.target); });
+        const std::vector<ForwardOut> outs = forward_all(inputs.data(), scans.size(), cfg, /*checkpoints=*/false);
         for (size_t i = 0; i < scans.size(); ++i)
             results.push_back(result_of(outs[i], options, scans[i].xq.scalar_type()));
         return results;
     }
+    const variable_list outs = TttLinearFusedFunction::apply(
+        torch::TensorList(inputs), options.mini_batch_size, options.checkpoint_every, options.causal, options.eps,
+        options.return_grad_norms, static_cast<int64_t>(target));
     for (size_t i = 0; i < scans.size(); ++i) {
-        const TttLinearInputs& in = scans[i];
-        variable_list outs = TttLinearFusedFunction::apply(
-            in.xq, in.xk, in.xv, in.lr, taus[i], in.w0, in.b0, in.ln_weight, in.ln_bias, options.mini_batch_size,
-            options.checkpoint_every, options.causal, options.eps, options.return_grad_norms,
-            static_cast<int64_t>(target));
+        const torch::Tensor* o = outs.data() + i * kScanOutputs;
         TttLinearResult result;
-        result.output = outs[0];
+        result.output = o[0];
         if (options.return_final_state) {
-            result.final_W = outs[1];
-            result.final_b = outs[2];
+            result.final_W = o[1];
+            result.final_b = o[2];
         }
-        if (options.return_grad_norms) result.grad_norms = outs[3];
+        if (options.return_grad_norms) result.grad_norms = o[3];
         results.push_back(result);
     }
     return results;
