@@ -1,27 +1,46 @@
 #!/usr/bin/env python3
-"""linvis against the PyTorch that users run: timm's DeiT on torch 2.x (SDPA), eager and torch.compile,
-measured in the same run as `linvis bench`, resolution by resolution.
+"""linvis against the PyTorch that users run: for every linvis model the same architecture on torch 2.x
+(its "peer"), eager and torch.compile, plus timm's DeiT-tiny as a common reference, measured in the same run as
+`linvis bench`, resolution by resolution.
+
+Peers (same architecture, same state-dict names, so the same weights load into both):
+  deit_tiny  -> timm `deit_tiny_patch16_224` (img_size=res, SDPA attention);
+  vit3_tiny  -> bench/peer_models.py Vit3 (LeapLabTHU/ViTTT ViT3-T, written from spec/vit3_t5_official.md A2-A7);
+  t5_tiny    -> bench/peer_models.py T5 (LeapLabTHU/Transformer-to-TTT T5_tiny, spec B2/B6);
+  vil_tiny   -> bench/peer_models.py Vil (NX-AI/vision-lstm VisionLSTM2 vil2-tiny, spec/vil_official.md), with the
+                official (and only) mLSTM backend, the quadratic parallel form: its memory grows as S^2 with the
+                token count S, and a resolution whose estimate exceeds the available memory is skipped, not run;
+  vittt_tiny -> none: it has no official code (spec/vittt.md), so it is compared with timm's DeiT only.
+The peer modules are our own plain PyTorch from the specs (no official code is copied), using the ops the
+official code uses (F.silu, F.conv2d, F.layer_norm, F.instance_norm, F.group_norm, einsum). bench/check_peer_models.py
+checks them on their own (state-dict counts, closed-form inner gradients vs autograd, parallel mLSTM vs the
+recurrence, batch independence).
 
 Run it through bench/compare_torch.sh, which makes the virtual environment (torch and timm from PyPI, kept
 out of linvis's own dependencies) and calls this file with that environment's python. By hand:
 
     VENV/bin/python bench/compare_torch.py --linvis build/linvis --res 224,512,1024 \
-        --models deit_tiny,vit3_tiny,vittt_tiny --markdown peer.md
+        --models deit_tiny,vit3_tiny,vittt_tiny,t5_tiny,vil_tiny --markdown peer.md
 
-What it does, for each resolution in turn (so that drift of the machine hits every column alike):
+What it does:
+  0. correctness, at 224, for timm's DeiT and for every requested model that has a peer: the torch model with
+     its random initialisation (peer_models: the official init, then every 1-D parameter - biases, norm
+     weights, ViL's skip - moved by N(0, 0.02) so that none sits at an exact 0 or 1) is saved (DeiT: safetensors;
+     peers: the official-style torch.save .pth, read by linvis's checkpoint loader), `linvis run --model M`
+     runs it on the same input, and the logits must agree to --check-tol relative max error. If timm's DeiT
+     fails the run stops; a peer that fails is not timed and its columns say so (exit status 2).
+  then for each resolution in turn (so that drift of the machine hits every column alike):
   1. `linvis bench --format json` for the linvis models (each case in its own process, as linvis bench does);
-  2. timm `deit_tiny_patch16_224` (img_size=res, SDPA attention) eager, in a child process;
-  3. the same compiled with torch.compile (compile time reported, not timed), in a child process.
+  2. timm DeiT eager, then compiled with torch.compile (compile time reported, not timed), each in a child
+     process;
+  3. each checked peer the same way, eager then compiled, each in its own child process.
 With --train every case is a training step instead (forward, cross-entropy against one label, backward,
 gradients dropped), as `linvis bench --train` times it.
 Every case: batch 1, float32, the same thread count, warm-up passes then timed passes, images/s as the median;
 memory as linvis bench defines it: activation = peak resident set size minus the resident size once the
 model and input are built (VmHWM reset after the build).
-
-Before timing anything, the same DeiT weights are checked to give the same logits in both: timm's randomly
-initialised model is saved as safetensors, `linvis run --model deit_tiny` runs it on the same input, and the
-run stops if the relative error exceeds --check-tol (no number is reported for a model that computes
-something else).
+Reported per linvis model: images/s over timm DeiT eager and compile (as before), and over its same-architecture
+peer eager and compile (JSON: rows[i].ratios[model]; markdown: the last columns).
 """
 
 import argparse
@@ -34,14 +53,22 @@ import tempfile
 import time
 
 TIMM_MODEL = "deit_tiny_patch16_224"
+# linvis model -> description of its same-architecture peer on torch 2.x. Models not listed have none.
+PEERS = {
+    "deit_tiny": f"timm {TIMM_MODEL} (SDPA)",
+    "vit3_tiny": "ViT3-T (LeapLabTHU/ViTTT) in peer_models.py",
+    "t5_tiny": "T5_tiny (LeapLabTHU/Transformer-to-TTT) in peer_models.py",
+    "vil_tiny": "ViL-T (NX-AI/vision-lstm VisionLSTM2, parallel mLSTM) in peer_models.py",
+}
+NO_PEER_NOTE = {"vittt_tiny": "no official code (spec/vittt.md): DeiT only"}
 
 
-def read_status_kib(field):
-    with open("/proc/self/status") as f:
+def read_status_kib(field, path="/proc/self/status"):
+    with open(path) as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
+    raise RuntimeError(f"{path} has no {field}")
 
 
 def reset_peak_rss():
@@ -50,20 +77,35 @@ def reset_peak_rss():
         f.write("5")
 
 
-def build_timm(res, threads):
-    import timm
+def peer_estimated_bytes(model, res):
+    """A lower bound on the peer's peak (inference; training needs more) for models whose official form is
+    quadratic in the tokens: ViL's parallel mLSTM keeps about eight (4 heads, S, S) float32 matrices alive at
+    once (S = (res/16)^2)."""
+    if model != "vil_tiny":
+        return 0
+    tokens = (res // 16) ** 2
+    return 8 * 4 * tokens * tokens * 4
+
+
+def build_peer(model_name, res, threads):
     import torch
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = timm.create_model(TIMM_MODEL, pretrained=False, img_size=res).eval()
+    if model_name == "deit_tiny":
+        import timm
+        model = timm.create_model(TIMM_MODEL, pretrained=False, img_size=res).eval()
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import peer_models
+        model = peer_models.create(model_name, img_size=res)
     image = torch.randn(1, 3, res, res, generator=torch.Generator().manual_seed(1))
     return torch, model, image
 
 
 def child_time(args):
-    """One timm case in this process; prints one JSON line."""
-    torch, model, image = build_timm(args.res, args.threads)
+    """One peer case in this process; prints one JSON line."""
+    torch, model, image = build_peer(args.peer, args.res, args.threads)
     compile_s = 0.0
     if args.train:
         # A training step as linvis bench --train times it: forward, cross-entropy, backward, grads dropped.
@@ -100,25 +142,39 @@ def child_time(args):
                 break
         peak_kib = read_status_kib("VmHWM")
     rates = [1.0 / t for t in times]
+    sdpa = None
+    if args.peer == "deit_tiny" and args.mode == "eager":
+        sdpa = bool(getattr(model.blocks[0].attn, "fused_attn", False))
     print(json.dumps({
-        "model": TIMM_MODEL, "mode": args.mode, "train": bool(args.train), "res": args.res, "threads": args.threads,
+        "model": TIMM_MODEL if args.peer == "deit_tiny" else args.peer, "peer_of": args.peer,
+        "status": "ok", "mode": args.mode, "train": bool(args.train), "res": args.res, "threads": args.threads,
         "torch": torch.__version__, "images_per_s": statistics.median(rates),
         "images_per_s_min": min(rates), "images_per_s_max": max(rates), "iterations": len(times),
         "compile_s": compile_s, "base_mib": base_kib / 1024.0,
-        "activation_mib": max(0.0, (peak_kib - base_kib) / 1024.0),
-        "sdpa": bool(getattr(model.blocks[0].attn, "fused_attn", False)) if args.mode == "eager" else None,
+        "activation_mib": max(0.0, (peak_kib - base_kib) / 1024.0), "sdpa": sdpa,
     }))
 
 
 def child_export(args):
-    """Saves timm's random DeiT weights, an input and its logits for the correctness check."""
+    """Saves the peer's random weights, an input and its logits for the correctness check."""
     from safetensors.torch import save_file
 
-    torch, model, image = build_timm(args.res, args.threads)
+    torch, model, image = build_peer(args.peer, args.res, args.threads)
+    if args.peer != "deit_tiny":
+        # Move every 1-D parameter (biases, norm weights or offsets, ViL's learnable skip) off its exact
+        # initial 0 or 1, so that a wrong bias, eps or 1 + weight shows in the logits.
+        generator = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.add_(0.02 * torch.randn(p.shape, generator=generator))
     with torch.inference_mode():
         logits = model(image)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    save_file(state, os.path.join(args.dir, "weights.safetensors"))
+    if args.peer == "deit_tiny":
+        save_file(state, os.path.join(args.dir, "weights.safetensors"))
+    else:
+        torch.save(state, os.path.join(args.dir, "weights.pth"))
     save_file({"input": image.contiguous()}, os.path.join(args.dir, "input.safetensors"))
     save_file({"logits": logits.contiguous()}, os.path.join(args.dir, "expected.safetensors"))
 
@@ -159,16 +215,18 @@ def run_child(extra, args, timeout):
     return json.loads(lines[-1]) if lines else None
 
 
-def check_same_outputs(args):
+def check_same_outputs(args, model):
+    """The peer of `model` and `linvis run --model model` on the same weights and input: {"rel_err": ...}."""
     with tempfile.TemporaryDirectory() as tmp:
-        run_child(["--child", "export", "--res", "224", "--dir", tmp], args, 600)
-        subprocess.run([args.linvis, "run", "--model", "deit_tiny", "--weights",
-                        os.path.join(tmp, "weights.safetensors"), "--input",
-                        os.path.join(tmp, "input.safetensors"), "--output",
-                        os.path.join(tmp, "actual.safetensors"), "--threads", str(args.threads)],
-                       check=True, capture_output=True, text=True)
-        result = run_child(["--child", "compare", "--dir", tmp], args, 600)
-    return result
+        run_child(["--child", "export", "--peer", model, "--res", "224", "--dir", tmp], args, 600)
+        weights = "weights.safetensors" if model == "deit_tiny" else "weights.pth"
+        run = subprocess.run([args.linvis, "run", "--model", model, "--weights", os.path.join(tmp, weights),
+                              "--input", os.path.join(tmp, "input.safetensors"), "--output",
+                              os.path.join(tmp, "actual.safetensors"), "--threads", str(args.threads)],
+                             capture_output=True, text=True)
+        if run.returncode != 0:
+            return {"rel_err": float("inf"), "why": f"linvis run failed: {run.stderr.strip()[-500:]}"}
+        return run_child(["--child", "compare", "--dir", tmp], args, 600)
 
 
 def linvis_bench(args, res):
@@ -208,34 +266,105 @@ def linvis_isa(linvis):
     return "unknown"
 
 
+def time_peer(args, model, res, mode):
+    """One peer case in a child process, or a record of why it has no number."""
+    need = peer_estimated_bytes(model, res)
+    if need:
+        avail = read_status_kib("MemAvailable", "/proc/meminfo") * 1024
+        if need > avail:
+            return {"status": f"skipped: needs > {need / 2 ** 30:.0f} GiB ({avail / 2 ** 30:.0f} available)",
+                    "peer_of": model, "mode": mode, "res": res}
+    common = ["--res", str(res), "--warmup", str(args.warmup), "--iters", str(args.iters),
+              "--max-seconds", str(args.max_seconds), "--child", "time", "--peer", model, "--mode", mode]
+    try:
+        return run_child(common + (["--train"] if args.train else []), args, 3600)
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        last = str(err).strip().splitlines()[-1][:200] if str(err).strip() else type(err).__name__
+        return {"status": f"failed: {last}", "peer_of": model, "mode": mode, "res": res}
+
+
+def rate_of(case):
+    return case["images_per_s"] if case and case.get("status", "ok") == "ok" else None
+
+
+def ratios(row, linvis_models):
+    """Per linvis model: images/s over timm DeiT eager/compile and over its same-architecture peer."""
+    out = {}
+    deit_eager, deit_comp = rate_of(row.get("timm_eager")), rate_of(row.get("timm_compile"))
+    for case in row["linvis"]:
+        if case.get("status") != "ok":
+            continue
+        model, rate = case["model"], case["images_per_s"]
+        peer = row["peers"].get(model, {})
+        eager, comp = rate_of(peer.get("eager")), rate_of(peer.get("compile"))
+        out[model] = {
+            "vs_timm_deit_eager": rate / deit_eager if deit_eager else None,
+            "vs_timm_deit_compile": rate / deit_comp if deit_comp else None,
+            "peer": PEERS.get(model), "peer_note": NO_PEER_NOTE.get(model),
+            "vs_peer_eager": rate / eager if eager else None,
+            "vs_peer_compile": rate / comp if comp else None,
+        }
+    return out
+
+
+def fmt(x):
+    return f"{x:.2f}" if x is not None else ""
+
+
 def markdown(rows, meta):
     what = "training step (forward + cross-entropy + backward)" if meta.get("train") else "inference"
     if meta.get("linvis_model_kwargs"):
         what += f", linvis models with {meta['linvis_model_kwargs']}"
+    checks = ", ".join(f"{m} {c['rel_err']:.2e}" for m, c in meta["checks"].items())
     lines = [f"Machine: {meta['cpu']} ({meta['isa']}), {meta['threads']} threads, batch 1, float32, {what}, "
              f"{meta['date']}. torch {meta['torch']} + timm {meta['timm']} from PyPI; linvis {meta['linvis_rev']}. "
              f"SGEMM 2048^2 in this run: torch {meta['torch_sgemm']:.0f} GFLOP/s, linvis "
-             f"{meta['linvis_sgemm']:.0f} GFLOP/s. Same DeiT weights, same input: linvis vs timm logits "
-             f"max relative error {meta['check_rel_err']:.2e}.", "",
-             "| res | model | images/s | activation MiB | x timm eager | x timm compile |",
-             "|---|---|---|---|---|---|"]
+             f"{meta['linvis_sgemm']:.0f} GFLOP/s. Same weights, same input at 224, linvis vs its torch peer, "
+             f"logits max relative error: {checks}.", "",
+             "Peers (same architecture): " + "; ".join(f"{m}: {p}" for m, p in PEERS.items()) + "; "
+             + "; ".join(f"{m}: {n}" for m, n in NO_PEER_NOTE.items()) + ".", "",
+             "| res | model | images/s | activation MiB | x timm DeiT eager | x timm DeiT compile "
+             "| x same-arch eager | x same-arch compile |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        eager = row["timm_eager"]["images_per_s"]
-        comp = row["timm_compile"]["images_per_s"] if row.get("timm_compile") else None
-        lines.append(f"| {row['res']} | timm {TIMM_MODEL} eager (SDPA) | {eager:.3g} | "
-                     f"{row['timm_eager']['activation_mib']:.0f} | 1.00 | |")
-        if comp:
-            lines.append(f"| {row['res']} | timm {TIMM_MODEL} torch.compile | {comp:.3g} | "
-                         f"{row['timm_compile']['activation_mib']:.0f} | {comp / eager:.2f} | 1.00 |")
+        res = row["res"]
+        deit_eager, deit_comp = rate_of(row.get("timm_eager")), rate_of(row.get("timm_compile"))
+        for model, peer in row["peers"].items():
+            name = f"timm {TIMM_MODEL} (SDPA)" if model == "deit_tiny" else f"torch peer of {model}"
+            eager, comp = rate_of(peer.get("eager")), rate_of(peer.get("compile"))
+            for mode, case in (("eager", peer.get("eager")), ("torch.compile", peer.get("compile"))):
+                if case is None:
+                    continue
+                rate = rate_of(case)
+                if rate is None:
+                    lines.append(f"| {res} | {name} {mode} | {case.get('status')} | | | | | |")
+                    continue
+                lines.append(f"| {res} | {name} {mode} | {rate:.3g} | {case['activation_mib']:.0f} | "
+                             f"{fmt(rate / deit_eager if deit_eager else None)} | "
+                             f"{fmt(rate / deit_comp if deit_comp else None)} | "
+                             f"{fmt(rate / eager if eager else None)} | {fmt(rate / comp if comp else None)} |")
         for case in row["linvis"]:
             if case.get("status") != "ok":
-                lines.append(f"| {row['res']} | linvis {case['model']} | {case.get('status')} | | | |")
+                lines.append(f"| {res} | linvis {case['model']} | {case.get('status')} | | | | | |")
                 continue
-            rate = case["images_per_s"]
+            r = row["ratios"].get(case["model"], {})
             act = (case["peak_mem_bytes"] - case["base_mem_bytes"]) / 2 ** 20
-            vs_comp = f"{rate / comp:.2f}" if comp else ""
-            lines.append(f"| {row['res']} | linvis {case['model']} ({case['impl']}) | {rate:.3g} | {act:.0f} | "
-                         f"{rate / eager:.2f} | {vs_comp} |")
+            same_eager = fmt(r.get("vs_peer_eager"))
+            same_comp = fmt(r.get("vs_peer_compile"))
+            model = case["model"]
+            if model in NO_PEER_NOTE:
+                same_eager = NO_PEER_NOTE[model]
+            elif model in meta["check_failed"]:
+                check = meta["checks"][model]
+                why = check.get("why") or f"rel err {check['rel_err']:.2e}"
+                same_eager = f"peer not reported: check failed ({why})"
+            elif model not in PEERS:
+                same_eager = "no peer"
+            elif r.get("vs_peer_eager") is None and row["peers"].get(model, {}).get("eager"):
+                same_eager = f"peer eager {row['peers'][model]['eager'].get('status')}"
+            lines.append(f"| {res} | linvis {model} ({case['impl']}) | {case['images_per_s']:.3g} | {act:.0f} | "
+                         f"{fmt(r.get('vs_timm_deit_eager'))} | {fmt(r.get('vs_timm_deit_compile'))} | "
+                         f"{same_eager} | {same_comp} |")
     return "\n".join(lines) + "\n"
 
 
@@ -257,6 +386,7 @@ def main():
     parser.add_argument("--markdown", help="write the table here")
     # internal: child processes
     parser.add_argument("--child", choices=["time", "export", "compare"], help=argparse.SUPPRESS)
+    parser.add_argument("--peer", default="deit_tiny", choices=sorted(PEERS), help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["eager", "compile"], default="eager", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -268,29 +398,42 @@ def main():
     import timm
     import torch
 
-    check = check_same_outputs(args)
-    if not check or not check["rel_err"] <= args.check_tol:
-        print(f"linvis deit_tiny and timm {TIMM_MODEL} disagree on the same weights: {check}; no numbers",
-              file=sys.stderr)
+    models = [m for m in args.models.split(",") if m]
+    # timm's DeiT is every model's common reference: it is checked (and timed) even if deit_tiny is not asked for.
+    peer_list = ["deit_tiny"] + [m for m in models if m in PEERS and m != "deit_tiny"]
+    checks, failed = {}, []
+    for model in peer_list:
+        print(f"check: linvis {model} vs {PEERS[model]}", file=sys.stderr)
+        check = check_same_outputs(args, model) or {"rel_err": float("inf"), "why": "no result"}
+        checks[model] = check
+        if not check["rel_err"] <= args.check_tol:
+            print(f"linvis {model} and {PEERS[model]} disagree on the same weights: {check}", file=sys.stderr)
+            failed.append(model)
+    if "deit_tiny" in failed:
+        print("the common reference (timm DeiT) failed its check: no numbers", file=sys.stderr)
         return 1
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     meta = {"cpu": cpu_model(), "isa": linvis_isa(args.linvis), "threads": args.threads,
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "timm": timm.__version__,
             "linvis_rev": rev or "unknown", "torch_sgemm": sgemm_gflops(args.threads),
-            "linvis_sgemm": linvis_sgemm(args), "check_rel_err": check["rel_err"], "train": bool(args.train),
-            "linvis_model_kwargs": args.model_kwargs}
+            "linvis_sgemm": linvis_sgemm(args), "check_rel_err": checks["deit_tiny"]["rel_err"],
+            "checks": checks, "check_failed": failed, "train": bool(args.train),
+            "linvis_model_kwargs": args.model_kwargs, "peers": PEERS, "no_peer": NO_PEER_NOTE}
     rows = []
     for res in [int(r) for r in args.res.split(",")]:
         print(f"res {res}: linvis bench", file=sys.stderr)
-        row = {"res": res, "linvis": linvis_bench(args, res)}
-        common = ["--res", str(res), "--warmup", str(args.warmup), "--iters", str(args.iters),
-                  "--max-seconds", str(args.max_seconds), "--child", "time"] + (["--train"] if args.train else [])
-        print(f"res {res}: timm eager", file=sys.stderr)
-        row["timm_eager"] = run_child(common + ["--mode", "eager"], args, 3600)
-        if not args.no_compile:
-            print(f"res {res}: timm torch.compile", file=sys.stderr)
-            row["timm_compile"] = run_child(common + ["--mode", "compile"], args, 3600)
+        row = {"res": res, "linvis": linvis_bench(args, res), "peers": {}}
+        for model in peer_list:
+            if model in failed:
+                continue
+            row["peers"][model] = {}
+            for mode in ["eager"] + ([] if args.no_compile else ["compile"]):
+                print(f"res {res}: {PEERS[model]} {mode}", file=sys.stderr)
+                row["peers"][model][mode] = time_peer(args, model, res, mode)
+        row["timm_eager"] = row["peers"]["deit_tiny"]["eager"]
+        row["timm_compile"] = row["peers"]["deit_tiny"].get("compile")
+        row["ratios"] = ratios(row, models)
         rows.append(row)
     table = markdown(rows, meta)
     sys.stdout.write(table)
@@ -300,7 +443,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    return 0
+    return 2 if failed else 0
 
 
 if __name__ == "__main__":

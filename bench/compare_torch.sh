@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# linvis against timm's DeiT on torch 2.x from PyPI, in one run (see bench/compare_torch.py).
+# linvis against the same architectures on torch 2.x from PyPI (timm's DeiT, and bench/peer_models.py for
+# vit3_tiny, t5_tiny and vil_tiny), eager and torch.compile, in one run (see bench/compare_torch.py).
 # Makes (once) a virtual environment with torch and timm - outside linvis's own dependencies - and runs
 # the comparison with it. Extra arguments go to compare_torch.py, e.g.
 #   bench/compare_torch.sh --res 224,512,1024,2048 --markdown docs/results/peer.md
@@ -17,5 +18,13 @@ fi
 if ! "$venv/bin/python" -c "import torch, timm, safetensors, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version' or timm.__version__ != '$timm_version')" 2>/dev/null; then
   "$venv/bin/pip" install --quiet "torch==$torch_version" "timm==$timm_version" safetensors
 fi
-[ -x build/linvis ] || { echo "build/linvis not found: run ./setup.sh first" >&2; exit 1; }
-exec "$venv/bin/python" bench/compare_torch.py --linvis build/linvis "$@"
+# --linvis BINARY among the arguments replaces the default build/linvis.
+linvis=build/linvis
+prev=""
+for arg in "$@"; do
+  [ "$prev" = "--linvis" ] && linvis="$arg"
+  case "$arg" in --linvis=*) linvis="${arg#--linvis=}" ;; esac
+  prev="$arg"
+done
+[ -x "$linvis" ] || { echo "$linvis not found: run ./setup.sh first (or pass --linvis BINARY)" >&2; exit 1; }
+exec "$venv/bin/python" bench/compare_torch.py --linvis "$linvis" "$@"
