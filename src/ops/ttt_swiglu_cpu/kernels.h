@@ -6,6 +6,7 @@
 // with LINVIS_SIMD_CLONES.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "ops/simd/simd.h"
@@ -26,6 +27,20 @@ struct MutImage {
     float* base;
     int64_t sy, sx, H, W, C;
     float* at(int64_t y, int64_t x) const { return base + y * sy + x * sx; }
+};
+
+// Parallel tasks over the token grids of B images of H x W tokens: each task is one sample's rows
+// [y0, y1), about token_block tokens, so a task's partial sums (stencil_reduce) are summed in a fixed
+// order whatever the thread count.
+struct GridTasks {
+    int64_t B, H, rows, chunks;
+    GridTasks(int64_t B_, int64_t H_, int64_t W_, int64_t token_block)
+        : B(B_), H(H_), rows(std::max<int64_t>(1, token_block / std::max<int64_t>(W_, 1))),
+          chunks((H_ + rows - 1) / rows) {}
+    int64_t count() const { return B * chunks; }
+    int64_t sample(int64_t task) const { return task / chunks; }
+    int64_t y0(int64_t task) const { return (task % chunks) * rows; }
+    int64_t y1(int64_t task) const { return std::min(H, y0(task) + rows); }
 };
 
 // 3x3 per-channel stencil over rows [y0, y1):
