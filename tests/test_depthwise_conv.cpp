@@ -50,16 +50,18 @@ Grads run(const Tensor& x_base, const Tensor& w0, const Tensor& b0, const Tensor
     return {out.detach(), leaf.grad(), w.grad(), b.defined() ? b.grad() : Tensor()};
 }
 
-// The float32 fused kernel against the float64 reference.
-void expect_close(const Grads& fused, const Grads& ref, const std::string& where) {
-    constexpr double rtol = 1e-4, atol = 1e-5;
+// The fused kernel against the float64 reference: float32 (rtol 1e-4; weight / bias gradients sum
+// over every token, atol 1e-4) or float64 (rtol 1e-10: only the summation order differs).
+void expect_close(const Grads& fused, const Grads& ref, const std::string& where_) {
+    const bool f64 = fused.out.scalar_type() == torch::kFloat64;
+    const std::string where = where_ + (f64 ? " float64" : " float32");
+    const double rtol = f64 ? 1e-10 : 1e-4, atol = f64 ? 1e-12 : 1e-5, atol_sum = f64 ? 1e-11 : 1e-4;
     EXPECT_TRUE(fused.out.is_contiguous()) << where;
-    EXPECT_EQ(fused.out.scalar_type(), torch::kFloat32) << where;
     EXPECT_TRUE(all_close(fused.out, ref.out, rtol, atol)) << "out " << where;
     EXPECT_TRUE(all_close(fused.dx, ref.dx, rtol, atol)) << "dx " << where;
-    EXPECT_TRUE(all_close(fused.dw, ref.dw, rtol, 1e-4)) << "dw " << where;
+    EXPECT_TRUE(all_close(fused.dw, ref.dw, rtol, atol_sum)) << "dw " << where;
     ASSERT_EQ(fused.db.defined(), ref.db.defined()) << where;
-    if (ref.db.defined()) EXPECT_TRUE(all_close(fused.db, ref.db, rtol, 1e-4)) << "db " << where;
+    if (ref.db.defined()) EXPECT_TRUE(all_close(fused.db, ref.db, rtol, atol_sum)) << "db " << where;
 }
 
 struct Grid {
@@ -80,7 +82,7 @@ void compare_2d(const Grid& g, int64_t C, DwEpilogue epi, bool with_bias, bool s
             return depthwise_conv2d_tokens(leaf, g.H, g.W, wt, bt, epi, impl);
         };
     };
-    Grads ref, fused;
+    Grads ref, fused, fused64;
     if (strided) {
         // Gradients w.r.t. the wide tensor: the chunk's gradient lands in its columns, zero elsewhere.
         auto chunked = [&](Impl impl, torch::ScalarType type) {
@@ -92,13 +94,16 @@ void compare_2d(const Grid& g, int64_t C, DwEpilogue epi, bool with_bias, bool s
         };
         ref = chunked(Impl::Reference, torch::kFloat64);
         fused = chunked(Impl::Fused, torch::kFloat32);
+        fused64 = chunked(Impl::Fused, torch::kFloat64);
     } else {
         ref = run(base, w, b, probe, torch::kFloat64, f(Impl::Reference));
         fused = run(base, w, b, probe, torch::kFloat32, f(Impl::Fused));
+        fused64 = run(base, w, b, probe, torch::kFloat64, f(Impl::Fused));
     }
-    expect_close(fused, ref,
-                 std::to_string(g.H) + "x" + std::to_string(g.W) + " C" + std::to_string(C) + " " + name_of(epi) +
-                     (with_bias ? " bias" : " no bias") + (strided ? " strided" : ""));
+    const std::string where = std::to_string(g.H) + "x" + std::to_string(g.W) + " C" + std::to_string(C) + " " +
+                              name_of(epi) + (with_bias ? " bias" : " no bias") + (strided ? " strided" : "");
+    expect_close(fused, ref, where);
+    expect_close(fused64, ref, where);
 }
 
 void all_2d_cases() {
@@ -122,9 +127,11 @@ void compare_1d(int64_t T, int64_t C, int64_t k, bool with_bias, bool strided) {
             return causal_depthwise_conv1d_tokens(strided ? leaf.narrow(2, 1, C) : leaf, wt, bt, impl);
         });
     };
-    expect_close(go(Impl::Fused, torch::kFloat32), go(Impl::Reference, torch::kFloat64),
-                 "T" + std::to_string(T) + " C" + std::to_string(C) + " k" + std::to_string(k) +
-                     (with_bias ? " bias" : " no bias") + (strided ? " strided" : ""));
+    const Grads ref = go(Impl::Reference, torch::kFloat64);
+    const std::string where = "T" + std::to_string(T) + " C" + std::to_string(C) + " k" + std::to_string(k) +
+                              (with_bias ? " bias" : " no bias") + (strided ? " strided" : "");
+    expect_close(go(Impl::Fused, torch::kFloat32), ref, where);
+    expect_close(go(Impl::Fused, torch::kFloat64), ref, where);
 }
 
 void all_1d_cases() {
@@ -212,30 +219,57 @@ TEST(DepthwiseConv, GradientsDoNotDependOnThreadCount) {
     for (size_t i = 0; i < runs[0].size(); ++i) EXPECT_TRUE(torch::equal(runs[0][i], runs[1][i])) << "tensor " << i;
 }
 
-TEST(DepthwiseConv, AutoRunsReferenceOnOtherDtypesAndFusedRejectsThem) {
+// Auto runs the fused kernel on float32 only (vectorised targets); float64 and bfloat16 run the reference.
+// Fused takes float64 (its own dtype) and bfloat16 (computed in float32, rounded once); other dtypes
+// and mixed dtypes are errors naming the op and the dtypes.
+TEST(DepthwiseConv, DtypesUnderAutoAndFused) {
     torch::manual_seed(9);
-    Tensor x = torch::randn({1, 12, 8}, torch::kFloat64), w = torch::randn({8, 1, 3, 3}, torch::kFloat64);
-    Tensor w1 = torch::randn({8, 1, 4}, torch::kFloat64);
-    EXPECT_TRUE(torch::equal(depthwise_conv2d_tokens(x, 3, 4, w, Tensor(), DwEpilogue::Residual, Impl::Auto),
-                             depthwise_conv2d_tokens(x, 3, 4, w, Tensor(), DwEpilogue::Residual, Impl::Reference)));
-    EXPECT_TRUE(torch::equal(causal_depthwise_conv1d_tokens(x, w1, Tensor(), Impl::Auto),
-                             causal_depthwise_conv1d_tokens(x, w1, Tensor(), Impl::Reference)));
+    Tensor x = torch::randn({2, 12, 8}), w = torch::randn({8, 1, 3, 3}), b = torch::randn({8});
+    Tensor w1 = torch::randn({8, 1, 4});
+    auto conv2d = [&](torch::ScalarType type, Impl impl) {
+        return depthwise_conv2d_tokens(x.to(type), 3, 4, w.to(type), b.to(type), DwEpilogue::Silu, impl);
+    };
+    auto conv1d = [&](torch::ScalarType type, Impl impl) {
+        return causal_depthwise_conv1d_tokens(x.to(type), w1.to(type), b.to(type), impl);
+    };
     for (torch::ScalarType type : {torch::kFloat64, torch::kBFloat16}) {
+        EXPECT_TRUE(torch::equal(conv2d(type, Impl::Auto), conv2d(type, Impl::Reference))) << c10::toString(type);
+        EXPECT_TRUE(torch::equal(conv1d(type, Impl::Auto), conv1d(type, Impl::Reference))) << c10::toString(type);
+    }
+    // bfloat16 under Fused: the float32 kernel on the same (bf16-representable) values, rounded once.
+    x = x.to(torch::kBFloat16).to(torch::kFloat32);
+    w = w.to(torch::kBFloat16).to(torch::kFloat32);
+    w1 = w1.to(torch::kBFloat16).to(torch::kFloat32);
+    b = b.to(torch::kBFloat16).to(torch::kFloat32);
+    EXPECT_EQ(conv2d(torch::kBFloat16, Impl::Fused).scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(conv2d(torch::kBFloat16, Impl::Fused), conv2d(torch::kFloat32, Impl::Fused).to(torch::kBFloat16)));
+    EXPECT_TRUE(torch::equal(conv1d(torch::kBFloat16, Impl::Fused), conv1d(torch::kFloat32, Impl::Fused).to(torch::kBFloat16)));
+    {  // with a graph, the gradient reaches the bfloat16 leaves in bfloat16
+        Tensor xb = x.to(torch::kBFloat16).requires_grad_(), wb = w.to(torch::kBFloat16).requires_grad_();
+        depthwise_conv2d_tokens(xb, 3, 4, wb, Tensor(), DwEpilogue::Residual, Impl::Fused).sum().backward();
+        EXPECT_EQ(xb.grad().scalar_type(), torch::kBFloat16);
+        EXPECT_EQ(wb.grad().scalar_type(), torch::kBFloat16);
+    }
+    for (Impl impl : {Impl::Fused}) {
         try {
-            depthwise_conv2d_tokens(x.to(type), 3, 4, w.to(type), Tensor(), DwEpilogue::None, Impl::Fused);
-            ADD_FAILURE() << "no error for " << c10::toString(type);
+            conv2d(torch::kFloat16, impl);
+            ADD_FAILURE() << "no error for float16";
         } catch (const linvis::Error& e) {
             const std::string msg = e.what();
             EXPECT_NE(msg.find("depthwise_conv2d_tokens"), std::string::npos) << msg;
-            EXPECT_NE(msg.find("float32"), std::string::npos) << msg;
-            EXPECT_NE(msg.find(c10::toString(type)), std::string::npos) << msg;
+            EXPECT_NE(msg.find("Half"), std::string::npos) << msg;
         }
-        EXPECT_THROW(causal_depthwise_conv1d_tokens(x.to(type), w1.to(type), Tensor(), Impl::Fused), linvis::Error);
+        EXPECT_THROW(conv1d(torch::kFloat16, impl), linvis::Error);
+        try {
+            causal_depthwise_conv1d_tokens(x, w1.to(torch::kFloat64), Tensor(), impl);
+            ADD_FAILURE() << "no error for mixed dtypes";
+        } catch (const linvis::Error& e) {
+            const std::string msg = e.what();
+            EXPECT_NE(msg.find("causal_depthwise_conv1d_tokens"), std::string::npos) << msg;
+            EXPECT_NE(msg.find("one dtype"), std::string::npos) << msg;
+            EXPECT_NE(msg.find("Double"), std::string::npos) << msg;
+        }
     }
-    // bfloat16 under Auto: the reference, in bfloat16.
-    Tensor bf = depthwise_conv2d_tokens(x.to(torch::kBFloat16), 3, 4, w.to(torch::kBFloat16), Tensor(),
-                                        DwEpilogue::Silu, Impl::Auto);
-    EXPECT_EQ(bf.scalar_type(), torch::kBFloat16);
 }
 
 // Each message names the op, the argument, the expected and the actual shape.

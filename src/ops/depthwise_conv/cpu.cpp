@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
+#include <utility>
 #include <vector>
 
 #include "linvis/core/error.h"
@@ -20,167 +22,194 @@ namespace linvis::ops::cpu {
 namespace {
 
 using fused_detail::GridTasks;
-using fused_detail::Image;
+using fused_detail::ImageOf;
 using fused_detail::kTokenBlock;
-using fused_detail::MutImage;
+using fused_detail::MutImageOf;
 using torch::Tensor;
 
 // ------------------------------------------------------------------ row loops (per SIMD target)
+// Written once for float and double; LINVIS_SIMD_CLONES compiles each for every target.
 
 // dst[i*C + c] = (bias ? bias[c] : 0) + (src ? src[i*ss + c] : 0) for n rows of C.
-LINVIS_SIMD_INLINE void init_rows_body(float* dst, const float* bias, const float* src, int64_t ss, int64_t n,
-                                       int64_t C) {
+template <typename T>
+LINVIS_SIMD_INLINE void init_rows_body(T* dst, const T* bias, const T* src, int64_t ss, int64_t n, int64_t C) {
     for (int64_t i = 0; i < n; ++i) {
-        float* __restrict o = dst + i * C;
+        T* __restrict o = dst + i * C;
         if (bias != nullptr)
             for (int64_t c = 0; c < C; ++c) o[c] = bias[c];
         else
-            for (int64_t c = 0; c < C; ++c) o[c] = 0.0f;
+            for (int64_t c = 0; c < C; ++c) o[c] = T(0);
         if (src != nullptr) {
-            const float* __restrict s = src + i * ss;
+            const T* __restrict s = src + i * ss;
             for (int64_t c = 0; c < C; ++c) o[c] += s[c];
         }
     }
 }
 
 // out[i] = z[i] * sig[i] (silu with the sigmoid given); out may be z.
-LINVIS_SIMD_INLINE void silu_mul_body(const float* z, const float* sig, float* out, int64_t n) {
+template <typename T>
+LINVIS_SIMD_INLINE void silu_mul_body(const T* z, const T* sig, T* out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] = z[i] * sig[i];
 }
 
 // dz[i] = g[i] * s (1 + z (1 - s)) with s = sig[i]: the SiLU derivative.
-LINVIS_SIMD_INLINE void silu_grad_body(const float* g, const float* z, const float* sig, float* dz, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) dz[i] = g[i] * sig[i] * (1.0f + z[i] * (1.0f - sig[i]));
+template <typename T>
+LINVIS_SIMD_INLINE void silu_grad_body(const T* g, const T* z, const T* sig, T* dz, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dz[i] = g[i] * sig[i] * (T(1) + z[i] * (T(1) - sig[i]));
 }
 
 // Causal stencil over tokens [t0, t1) of one sample (x rows at x + t*sx, taps k x C, out rows contiguous):
 // out[t] = bias + sum_s taps[s] * x[t - (k-1) + s]  (transpose: out[t] = sum_s taps[s] * x[t + (k-1) - s],
 // x[>= T] = 0, no bias: the input gradient).
-LINVIS_SIMD_INLINE void causal_apply_body(const float* x, int64_t sx, int64_t T, const float* taps, int64_t k,
-                                          const float* bias, bool transpose, float* out, int64_t t0, int64_t t1,
-                                          int64_t C) {
+template <typename T>
+LINVIS_SIMD_INLINE void causal_apply_body(const T* x, int64_t sx, int64_t len, const T* taps, int64_t k,
+                                          const T* bias, bool transpose, T* out, int64_t t0, int64_t t1, int64_t C) {
     for (int64_t t = t0; t < t1; ++t) {
-        float* __restrict o = out + t * C;
+        T* __restrict o = out + t * C;
         if (bias != nullptr)
             for (int64_t c = 0; c < C; ++c) o[c] = bias[c];
         else
-            for (int64_t c = 0; c < C; ++c) o[c] = 0.0f;
+            for (int64_t c = 0; c < C; ++c) o[c] = T(0);
         for (int64_t s = 0; s < k; ++s) {
             const int64_t ts = transpose ? t + (k - 1) - s : t - (k - 1) + s;
-            if (ts < 0 || ts >= T) continue;
-            const float* __restrict xs = x + ts * sx;
-            const float* __restrict w = taps + s * C;
+            if (ts < 0 || ts >= len) continue;
+            const T* __restrict xs = x + ts * sx;
+            const T* __restrict w = taps + s * C;
             for (int64_t c = 0; c < C; ++c) o[c] += w[c] * xs[c];
         }
     }
 }
 
 // acc[s][c] += sum_{t in [t0, t1)} x[t - (k-1) + s][c] * g[t][c]; acc[k][c] += sum_t g[t][c] (bias).
-LINVIS_SIMD_INLINE void causal_reduce_body(const float* x, int64_t sx, const float* g, int64_t k, float* acc,
-                                           int64_t t0, int64_t t1, int64_t C) {
+template <typename T>
+LINVIS_SIMD_INLINE void causal_reduce_body(const T* x, int64_t sx, const T* g, int64_t k, T* acc, int64_t t0,
+                                           int64_t t1, int64_t C) {
     for (int64_t t = t0; t < t1; ++t) {
-        const float* __restrict gv = g + t * C;
+        const T* __restrict gv = g + t * C;
         for (int64_t s = 0; s < k; ++s) {
             const int64_t ts = t - (k - 1) + s;
             if (ts < 0) continue;
-            const float* __restrict xs = x + ts * sx;
-            float* __restrict a = acc + s * C;
+            const T* __restrict xs = x + ts * sx;
+            T* __restrict a = acc + s * C;
             for (int64_t c = 0; c < C; ++c) a[c] += xs[c] * gv[c];
         }
-        float* __restrict a = acc + k * C;
+        T* __restrict a = acc + k * C;
         for (int64_t c = 0; c < C; ++c) a[c] += gv[c];
     }
 }
 
 // acc[c] += sum of n rows of C (row stride C).
-LINVIS_SIMD_INLINE void sum_rows_body(const float* g, int64_t n, int64_t C, float* acc) {
+template <typename T>
+LINVIS_SIMD_INLINE void sum_rows_body(const T* g, int64_t n, int64_t C, T* acc) {
     for (int64_t i = 0; i < n; ++i) {
-        const float* __restrict r = g + i * C;
+        const T* __restrict r = g + i * C;
         for (int64_t c = 0; c < C; ++c) acc[c] += r[c];
     }
 }
 
-LINVIS_SIMD_CLONES(init_rows, (float* dst, const float* bias, const float* src, int64_t ss, int64_t n, int64_t C),
-                   (dst, bias, src, ss, n, C))
-LINVIS_SIMD_CLONES(silu_mul, (const float* z, const float* sig, float* out, int64_t n), (z, sig, out, n))
-LINVIS_SIMD_CLONES(silu_grad, (const float* g, const float* z, const float* sig, float* dz, int64_t n),
-                   (g, z, sig, dz, n))
-LINVIS_SIMD_CLONES(causal_apply,
-                   (const float* x, int64_t sx, int64_t T, const float* taps, int64_t k, const float* bias,
-                    bool transpose, float* out, int64_t t0, int64_t t1, int64_t C),
-                   (x, sx, T, taps, k, bias, transpose, out, t0, t1, C))
-LINVIS_SIMD_CLONES(causal_reduce,
-                   (const float* x, int64_t sx, const float* g, int64_t k, float* acc, int64_t t0, int64_t t1,
-                    int64_t C),
-                   (x, sx, g, k, acc, t0, t1, C))
-LINVIS_SIMD_CLONES(sum_rows, (const float* g, int64_t n, int64_t C, float* acc), (g, n, C, acc))
+#define LINVIS_DW_CLONES(T)                                                                                     \
+    LINVIS_SIMD_CLONES(init_rows, (T * dst, const T* bias, const T* src, int64_t ss, int64_t n, int64_t C),      \
+                       (dst, bias, src, ss, n, C))                                                              \
+    LINVIS_SIMD_CLONES(silu_mul, (const T* z, const T* sig, T* out, int64_t n), (z, sig, out, n))               \
+    LINVIS_SIMD_CLONES(silu_grad, (const T* g, const T* z, const T* sig, T* dz, int64_t n), (g, z, sig, dz, n)) \
+    LINVIS_SIMD_CLONES(causal_apply,                                                                            \
+                       (const T* x, int64_t sx, int64_t len, const T* taps, int64_t k, const T* bias,           \
+                        bool transpose, T* out, int64_t t0, int64_t t1, int64_t C),                             \
+                       (x, sx, len, taps, k, bias, transpose, out, t0, t1, C))                                  \
+    LINVIS_SIMD_CLONES(causal_reduce,                                                                           \
+                       (const T* x, int64_t sx, const T* g, int64_t k, T* acc, int64_t t0, int64_t t1, int64_t C), \
+                       (x, sx, g, k, acc, t0, t1, C))                                                           \
+    LINVIS_SIMD_CLONES(sum_rows, (const T* g, int64_t n, int64_t C, T* acc), (g, n, C, acc))
+LINVIS_DW_CLONES(float)
+LINVIS_DW_CLONES(double)
+#undef LINVIS_DW_CLONES
+
+// s = sigmoid(z) over n values: the SIMD layer's for float, std::exp for double.
+void sigmoid(const float* z, float* s, int64_t n) { fused_detail::kernels().sigmoid(z, s, n); }
+void sigmoid(const double* z, double* s, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) s[i] = 1.0 / (1.0 + std::exp(-z[i]));
+}
 
 // ------------------------------------------------------------------ helpers
 
 // (C, 1, k...) weight -> (taps, C) tap-major taps; and back.
-std::vector<float> taps_of(const Tensor& weight) {
+template <typename T>
+std::vector<T> taps_of(const Tensor& weight) {
     const Tensor w = weight.contiguous();
     const int64_t C = w.size(0), taps = w.numel() / C;
-    const float* p = w.data_ptr<float>();
-    std::vector<float> out(taps * C);
+    const T* p = w.data_ptr<T>();
+    std::vector<T> out(taps * C);
     for (int64_t c = 0; c < C; ++c)
         for (int64_t t = 0; t < taps; ++t) out[t * C + c] = p[c * taps + t];
     return out;
 }
-Tensor weight_of(const std::vector<float>& taps, const Tensor& like) {
+template <typename T>
+Tensor weight_of(const std::vector<T>& taps, const Tensor& like) {
     Tensor w = torch::empty_like(like, torch::MemoryFormat::Contiguous);
     const int64_t C = w.size(0), n = w.numel() / C;
-    float* p = w.data_ptr<float>();
+    T* p = w.data_ptr<T>();
     for (int64_t c = 0; c < C; ++c)
         for (int64_t t = 0; t < n; ++t) p[c * n + t] = taps[t * C + c];
     return w;
 }
 
-// Sums `count` partial vectors of `len` floats in task order.
-std::vector<float> sum_parts(const std::vector<float>& parts, int64_t count, int64_t len) {
-    std::vector<float> acc(len, 0.0f);
+// Sums `count` partial vectors of `len` values in task order.
+template <typename T>
+std::vector<T> sum_parts(const std::vector<T>& parts, int64_t count, int64_t len) {
+    std::vector<T> acc(len, T(0));
     for (int64_t t = 0; t < count; ++t)
         for (int64_t i = 0; i < len; ++i) acc[i] += parts[t * len + i];
     return acc;
 }
 
 // Sample b of a (B, H*W, C) token tensor (unit channel stride) as an image.
-Image image_of(const Tensor& t, int64_t b, int64_t H, int64_t W) {
-    return {t.data_ptr<float>() + b * t.stride(0), W * t.stride(1), t.stride(1), H, W, t.size(2)};
+template <typename T>
+ImageOf<T> image_of(const Tensor& t, int64_t b, int64_t H, int64_t W) {
+    return {t.data_ptr<T>() + b * t.stride(0), W * t.stride(1), t.stride(1), H, W, t.size(2)};
 }
-MutImage mut_image_of(const Tensor& t, int64_t b, int64_t H, int64_t W) {
-    return {t.data_ptr<float>() + b * t.stride(0), W * t.stride(1), t.stride(1), H, W, t.size(2)};
+template <typename T>
+MutImageOf<T> mut_image_of(const Tensor& t, int64_t b, int64_t H, int64_t W) {
+    return {t.data_ptr<T>() + b * t.stride(0), W * t.stride(1), t.stride(1), H, W, t.size(2)};
 }
 
 // Parallel tasks over (sample, token blocks) of a (B, T, C) sequence.
 struct TokenTasks {
-    int64_t B, T, blocks;
-    TokenTasks(int64_t B_, int64_t T_) : B(B_), T(T_), blocks((T_ + kTokenBlock - 1) / kTokenBlock) {}
+    int64_t B, len, blocks;
+    TokenTasks(int64_t B_, int64_t len_) : B(B_), len(len_), blocks((len_ + kTokenBlock - 1) / kTokenBlock) {}
     int64_t count() const { return B * blocks; }
     int64_t sample(int64_t task) const { return task / blocks; }
     int64_t t0(int64_t task) const { return (task % blocks) * kTokenBlock; }
-    int64_t t1(int64_t task) const { return std::min(T, t0(task) + kTokenBlock); }
+    int64_t t1(int64_t task) const { return std::min(len, t0(task) + kTokenBlock); }
 };
+
+// Calls f.template operator()<T> for x's dtype (float32 or float64).
+template <typename F>
+decltype(auto) dispatch(const Tensor& x, F&& f) {
+    if (x.scalar_type() == torch::kFloat64) return f(double{});
+    return f(float{});
+}
 
 // ------------------------------------------------------------------ 3x3 on the grid
 
 // z (contiguous (B, H*W, C)) = conv(x) + bias (+ x for Residual); out = silu(z) for Silu (out may be z).
-void dw2d_forward(const Tensor& x, int64_t H, int64_t W, const float* taps, const float* bias, DwEpilogue epi,
+template <typename T>
+void dw2d_forward(const Tensor& x, int64_t H, int64_t W, const T* taps, const T* bias, DwEpilogue epi,
                   const Tensor& z, const Tensor& out) {
     const int64_t B = x.size(0), C = x.size(2);
     const GridTasks g(B, H, W, kTokenBlock);
     at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> sig;
+        std::vector<T> sig;
         for (int64_t task = begin; task < end; ++task) {
             const int64_t b = g.sample(task), y0 = g.y0(task), y1 = g.y1(task), n = (y1 - y0) * W;
-            float* zr = z.data_ptr<float>() + (b * H * W + y0 * W) * C;
-            const float* xr = x.data_ptr<float>() + b * x.stride(0) + y0 * W * x.stride(1);
+            T* zr = z.data_ptr<T>() + (b * H * W + y0 * W) * C;
+            const T* xr = x.data_ptr<T>() + b * x.stride(0) + y0 * W * x.stride(1);
             init_rows(zr, bias, epi == DwEpilogue::Residual ? xr : nullptr, x.stride(1), n, C);
-            fused_detail::stencil_apply(image_of(x, b, H, W), taps, false, mut_image_of(z, b, H, W), y0, y1, true);
+            fused_detail::stencil_apply(image_of<T>(x, b, H, W), taps, false, mut_image_of<T>(z, b, H, W), y0, y1, true);
             if (epi == DwEpilogue::Silu) {
                 sig.resize(static_cast<size_t>(n * C));
-                fused_detail::kernels().sigmoid(zr, sig.data(), n * C);
-                silu_mul(zr, sig.data(), out.data_ptr<float>() + (b * H * W + y0 * W) * C, n * C);
+                sigmoid(zr, sig.data(), n * C);
+                silu_mul(static_cast<const T*>(zr), static_cast<const T*>(sig.data()),
+                         out.data_ptr<T>() + (b * H * W + y0 * W) * C, n * C);
             }
         }
     });
@@ -191,54 +220,69 @@ struct Dw2dGrads {
 };
 
 // Gradients of dw2d_forward for the output gradient go (contiguous); z the saved pre-activation (Silu).
+template <typename T>
 Dw2dGrads dw2d_backward(const Tensor& x, int64_t H, int64_t W, const Tensor& weight, DwEpilogue epi,
                         const Tensor& go, const Tensor& z, bool need_dx, bool need_dw) {
     const int64_t B = x.size(0), C = x.size(2);
     const GridTasks g(B, H, W, kTokenBlock);
-    const std::vector<float> taps = taps_of(weight);
+    const std::vector<T> taps = taps_of<T>(weight);
     Tensor dz = go;
     if (epi == DwEpilogue::Silu) {
         dz = torch::empty_like(go);
         at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
-            std::vector<float> sig;
+            std::vector<T> sig;
             for (int64_t task = begin; task < end; ++task) {
                 const int64_t off = (g.sample(task) * H * W + g.y0(task) * W) * C;
                 const int64_t n = (g.y1(task) - g.y0(task)) * W * C;
                 sig.resize(static_cast<size_t>(n));
-                fused_detail::kernels().sigmoid(z.data_ptr<float>() + off, sig.data(), n);
-                silu_grad(go.data_ptr<float>() + off, z.data_ptr<float>() + off, sig.data(),
-                          dz.data_ptr<float>() + off, n);
+                sigmoid(z.data_ptr<T>() + off, sig.data(), n);
+                silu_grad(static_cast<const T*>(go.data_ptr<T>() + off), static_cast<const T*>(z.data_ptr<T>() + off),
+                          static_cast<const T*>(sig.data()), dz.data_ptr<T>() + off, n);
             }
         });
     }
     Dw2dGrads r;
     if (need_dx) r.dx = torch::empty({B, H * W, C}, go.options());
     const int64_t len = 10 * C;  // 9 taps + the bias
-    std::vector<float> parts(need_dw ? g.count() * len : 0, 0.0f);
+    std::vector<T> parts(need_dw ? g.count() * len : 0, T(0));
     at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {
             const int64_t b = g.sample(task), y0 = g.y0(task), y1 = g.y1(task);
             const int64_t off = (b * H * W + y0 * W) * C, n = (y1 - y0) * W;
             if (need_dx) {
                 const bool residual = epi == DwEpilogue::Residual;
-                if (residual) std::copy(go.data_ptr<float>() + off, go.data_ptr<float>() + off + n * C,
-                                        r.dx.data_ptr<float>() + off);
-                fused_detail::stencil_apply(image_of(dz, b, H, W), taps.data(), true, mut_image_of(r.dx, b, H, W), y0,
-                                            y1, residual);
+                if (residual) std::copy(go.data_ptr<T>() + off, go.data_ptr<T>() + off + n * C, r.dx.data_ptr<T>() + off);
+                fused_detail::stencil_apply(image_of<T>(dz, b, H, W), taps.data(), true, mut_image_of<T>(r.dx, b, H, W),
+                                            y0, y1, residual);
             }
             if (need_dw) {
-                float* acc = parts.data() + task * len;
-                fused_detail::stencil_reduce(image_of(x, b, H, W), image_of(dz, b, H, W), acc, y0, y1);
-                sum_rows(dz.data_ptr<float>() + off, n, C, acc + 9 * C);
+                T* acc = parts.data() + task * len;
+                fused_detail::stencil_reduce(image_of<T>(x, b, H, W), image_of<T>(dz, b, H, W), acc, y0, y1);
+                sum_rows(static_cast<const T*>(dz.data_ptr<T>() + off), n, C, acc + 9 * C);
             }
         }
     });
     if (need_dw) {
-        const std::vector<float> acc = sum_parts(parts, g.count(), len);
+        std::vector<T> acc = sum_parts(parts, g.count(), len);
         r.dw = weight_of(acc, weight);
-        r.db = torch::from_blob(const_cast<float*>(acc.data()) + 9 * C, {C}, weight.options()).clone();
+        r.db = torch::from_blob(acc.data() + 9 * C, {C}, weight.options()).clone();
     }
     return r;
+}
+
+// Forward of either path: a contiguous (B, H*W, C) result; z (the pre-activation) is returned for Silu
+// when keep_z, else the output itself.
+std::pair<Tensor, Tensor> dw2d_run(const Tensor& x, int64_t H, int64_t W, const Tensor& weight, const Tensor& bias,
+                                   DwEpilogue epi, bool keep_z) {
+    Tensor z = torch::empty({x.size(0), H * W, x.size(2)}, x.options().memory_format(torch::MemoryFormat::Contiguous));
+    Tensor out = epi == DwEpilogue::Silu && keep_z ? torch::empty_like(z) : z;
+    dispatch(x, [&](auto zero) {
+        using T = decltype(zero);
+        const std::vector<T> taps = taps_of<T>(weight);
+        const Tensor b = bias.defined() ? bias.contiguous() : Tensor();
+        dw2d_forward<T>(x, H, W, taps.data(), b.defined() ? b.data_ptr<T>() : nullptr, epi, z, out);
+    });
+    return {out, z};
 }
 
 class DepthwiseConv2dFunction : public torch::autograd::Function<DepthwiseConv2dFunction> {
@@ -246,10 +290,7 @@ public:
     static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x, const Tensor& weight,
                           const Tensor& bias, int64_t H, int64_t W, int64_t epilogue) {
         const auto epi = static_cast<DwEpilogue>(epilogue);
-        const std::vector<float> taps = taps_of(weight);
-        Tensor z = torch::empty({x.size(0), H * W, x.size(2)}, x.options().memory_format(torch::MemoryFormat::Contiguous));
-        Tensor out = epi == DwEpilogue::Silu ? torch::empty_like(z) : z;
-        dw2d_forward(x, H, W, taps.data(), bias.contiguous().data_ptr<float>(), epi, z, out);
+        auto [out, z] = dw2d_run(x, H, W, weight, bias, epi, /*keep_z=*/true);
         ctx->save_for_backward({x, weight, epi == DwEpilogue::Silu ? z : Tensor()});
         ctx->saved_data["H"] = H;
         ctx->saved_data["W"] = W;
@@ -260,11 +301,14 @@ public:
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                    torch::autograd::variable_list grad_outputs) {
         const auto saved = ctx->get_saved_variables();
+        const Tensor& x = saved[0];
         const int64_t H = ctx->saved_data["H"].toInt(), W = ctx->saved_data["W"].toInt();
         const auto epi = static_cast<DwEpilogue>(ctx->saved_data["epilogue"].toInt());
-        const Tensor go = grad_outputs[0].to(torch::kFloat32).contiguous();
-        Dw2dGrads g = dw2d_backward(saved[0], H, W, saved[1], epi, go, saved[2], ctx->needs_input_grad(0),
-                                    ctx->needs_input_grad(1) || ctx->needs_input_grad(2));
+        const Tensor go = grad_outputs[0].to(x.scalar_type()).contiguous();
+        const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
+        Dw2dGrads g = dispatch(x, [&](auto zero) {
+            return dw2d_backward<decltype(zero)>(x, H, W, saved[1], epi, go, saved[2], need_dx, need_dw);
+        });
         if (!ctx->needs_input_grad(1)) g.dw = Tensor();
         if (!ctx->needs_input_grad(2)) g.db = Tensor();
         return {g.dx, g.dw, g.db, Tensor(), Tensor(), Tensor()};
@@ -273,59 +317,76 @@ public:
 
 // ------------------------------------------------------------------ causal 1D
 
-void causal_forward(const Tensor& x, const float* taps, int64_t k, const float* bias, const Tensor& out) {
-    const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
-    const TokenTasks g(B, T);
+Tensor causal_run(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+    const int64_t B = x.size(0), len = x.size(1), C = x.size(2), k = weight.size(2);
+    Tensor out = torch::empty({B, len, C}, x.options().memory_format(torch::MemoryFormat::Contiguous));
+    dispatch(x, [&](auto zero) {
+        using T = decltype(zero);
+        const std::vector<T> taps = taps_of<T>(weight);
+        const Tensor bc = bias.defined() ? bias.contiguous() : Tensor();
+        const T* b = bc.defined() ? bc.data_ptr<T>() : nullptr;
+        const TokenTasks g(B, len);
+        at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
+            for (int64_t task = begin; task < end; ++task) {
+                const int64_t s = g.sample(task);
+                causal_apply(static_cast<const T*>(x.data_ptr<T>() + s * x.stride(0)), x.stride(1), len,
+                             static_cast<const T*>(taps.data()), k, b, false, out.data_ptr<T>() + s * len * C,
+                             g.t0(task), g.t1(task), C);
+            }
+        });
+    });
+    return out;
+}
+
+template <typename T>
+std::vector<Tensor> causal_backward(const Tensor& x, const Tensor& weight, const Tensor& go, bool need_dx,
+                                    bool need_dw) {
+    const int64_t B = x.size(0), len = x.size(1), C = x.size(2), k = weight.size(2);
+    const TokenTasks g(B, len);
+    const std::vector<T> taps = taps_of<T>(weight);
+    Tensor dx = need_dx ? torch::empty({B, len, C}, go.options()) : Tensor();
+    const int64_t plen = (k + 1) * C;  // k taps + the bias
+    std::vector<T> parts(need_dw ? g.count() * plen : 0, T(0));
     at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t b = g.sample(task);
-            causal_apply(x.data_ptr<float>() + b * x.stride(0), x.stride(1), T, taps, k, bias, false,
-                         out.data_ptr<float>() + b * T * C, g.t0(task), g.t1(task), C);
+            const int64_t s = g.sample(task), t0 = g.t0(task), t1 = g.t1(task);
+            const T* gs = go.data_ptr<T>() + s * len * C;
+            if (need_dx)
+                causal_apply(gs, C, len, static_cast<const T*>(taps.data()), k, static_cast<const T*>(nullptr), true,
+                             dx.data_ptr<T>() + s * len * C, t0, t1, C);
+            if (need_dw)
+                causal_reduce(static_cast<const T*>(x.data_ptr<T>() + s * x.stride(0)), x.stride(1), gs, k,
+                              parts.data() + task * plen, t0, t1, C);
         }
     });
+    Tensor dw, db;
+    if (need_dw) {
+        std::vector<T> acc = sum_parts(parts, g.count(), plen);
+        dw = weight_of(acc, weight);
+        db = torch::from_blob(acc.data() + k * C, {C}, weight.options()).clone();
+    }
+    return {dx, dw, db};
 }
 
 class CausalConv1dFunction : public torch::autograd::Function<CausalConv1dFunction> {
 public:
     static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x, const Tensor& weight,
                           const Tensor& bias) {
-        const std::vector<float> taps = taps_of(weight);
-        Tensor out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options().memory_format(torch::MemoryFormat::Contiguous));
-        causal_forward(x, taps.data(), weight.size(2), bias.contiguous().data_ptr<float>(), out);
         ctx->save_for_backward({x, weight});
-        return out;
+        return causal_run(x, weight, bias);
     }
 
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                    torch::autograd::variable_list grad_outputs) {
         const auto saved = ctx->get_saved_variables();
         const Tensor& x = saved[0];
-        const Tensor& weight = saved[1];
-        const Tensor go = grad_outputs[0].to(torch::kFloat32).contiguous();
-        const int64_t B = x.size(0), T = x.size(1), C = x.size(2), k = weight.size(2);
-        const TokenTasks g(B, T);
-        const std::vector<float> taps = taps_of(weight);
+        const Tensor go = grad_outputs[0].to(x.scalar_type()).contiguous();
         const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
-        Tensor dx = need_dx ? torch::empty({B, T, C}, go.options()) : Tensor();
-        const int64_t len = (k + 1) * C;  // k taps + the bias
-        std::vector<float> parts(need_dw ? g.count() * len : 0, 0.0f);
-        at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
-            for (int64_t task = begin; task < end; ++task) {
-                const int64_t b = g.sample(task), t0 = g.t0(task), t1 = g.t1(task);
-                const float* gb = go.data_ptr<float>() + b * T * C;
-                if (need_dx) causal_apply(gb, C, T, taps.data(), k, nullptr, true, dx.data_ptr<float>() + b * T * C, t0, t1, C);
-                if (need_dw)
-                    causal_reduce(x.data_ptr<float>() + b * x.stride(0), x.stride(1), gb, k, parts.data() + task * len,
-                                  t0, t1, C);
-            }
-        });
-        Tensor dw, db;
-        if (need_dw) {
-            const std::vector<float> acc = sum_parts(parts, g.count(), len);
-            if (ctx->needs_input_grad(1)) dw = weight_of(acc, weight);
-            if (ctx->needs_input_grad(2)) db = torch::from_blob(const_cast<float*>(acc.data()) + k * C, {C}, weight.options()).clone();
-        }
-        return {dx, dw, db};
+        std::vector<Tensor> g = dispatch(
+            x, [&](auto zero) { return causal_backward<decltype(zero)>(x, saved[1], go, need_dx, need_dw); });
+        if (!ctx->needs_input_grad(1)) g[1] = Tensor();
+        if (!ctx->needs_input_grad(2)) g[2] = Tensor();
+        return g;
     }
 };
 
@@ -337,42 +398,52 @@ bool needs_graph(const Tensor& x, const Tensor& weight, const Tensor& bias) {
 // x with unit channel stride (a copy only when the channels are strided).
 Tensor channels_unit(const Tensor& x) { return x.stride(2) == 1 ? x : x.contiguous(); }
 
+// bfloat16 runs in float32 (converted on entry, the result rounded once); float32 / float64 as they are.
+struct Compute {
+    torch::ScalarType in;
+    bool widened;
+    explicit Compute(const Tensor& x) : in(x.scalar_type()), widened(in == torch::kBFloat16) {}
+    Tensor operator()(const Tensor& t) const { return widened && t.defined() ? t.to(torch::kFloat32) : t; }
+    Tensor back(const Tensor& t) const { return widened ? t.to(in) : t; }
+};
+
 }  // namespace
 
 std::string depthwise_conv_unsupported(const Tensor& x, const Tensor& weight, const Tensor& bias) {
     for (const Tensor* t : {&x, &weight, &bias}) {
         if (!t->defined()) continue;
         if (!t->device().is_cpu()) return "CPU tensors only, got " + t->device().str();
-        if (t->scalar_type() != torch::kFloat32)
-            return std::string("float32 tensors only, got ") + c10::toString(t->scalar_type());
+        const auto type = t->scalar_type();
+        if (type != torch::kFloat32 && type != torch::kFloat64 && type != torch::kBFloat16)
+            return std::string("float32, float64 or bfloat16 tensors only, got ") + c10::toString(type);
+        if (type != x.scalar_type())
+            return std::string("x, weight and bias of one dtype, got x ") + c10::toString(x.scalar_type()) + " and " +
+                   c10::toString(type);
     }
     return {};
 }
 
-Tensor depthwise_conv2d_tokens_fused(const Tensor& x_in, int64_t height, int64_t width, const Tensor& weight,
-                                     const Tensor& bias, DwEpilogue epilogue) {
-    const Tensor x = channels_unit(x_in);
-    const int64_t C = x.size(2);
-    // A missing bias is a zero vector: LibTorch 1.13's autograd functions reject undefined inputs.
-    const Tensor b = bias.defined() ? bias : torch::zeros({C}, weight.options());
-    if (needs_graph(x, weight, bias))
-        return DepthwiseConv2dFunction::apply(x, weight, b, height, width, static_cast<int64_t>(epilogue));
-    const std::vector<float> taps = taps_of(weight);
-    Tensor out = torch::empty({x.size(0), height * width, C}, x.options().memory_format(torch::MemoryFormat::Contiguous));
-    dw2d_forward(x, height, width, taps.data(), bias.defined() ? b.contiguous().data_ptr<float>() : nullptr, epilogue,
-                 out, out);
-    return out;
+Tensor depthwise_conv2d_tokens_fused(const Tensor& x_in, int64_t height, int64_t width, const Tensor& weight_in,
+                                     const Tensor& bias_in, DwEpilogue epilogue) {
+    const Compute compute(x_in);
+    const Tensor x = channels_unit(compute(x_in)), weight = compute(weight_in), bias = compute(bias_in);
+    if (needs_graph(x, weight, bias)) {
+        // A missing bias is a zero vector: LibTorch 1.13's autograd functions reject undefined inputs.
+        const Tensor b = bias.defined() ? bias : torch::zeros({x.size(2)}, weight.options());
+        return compute.back(
+            DepthwiseConv2dFunction::apply(x, weight, b, height, width, static_cast<int64_t>(epilogue)));
+    }
+    return compute.back(dw2d_run(x, height, width, weight, bias, epilogue, /*keep_z=*/false).first);
 }
 
-Tensor causal_depthwise_conv1d_tokens_fused(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
-    const Tensor x = channels_unit(x_in);
-    const int64_t C = x.size(2);
-    const Tensor b = bias.defined() ? bias : torch::zeros({C}, weight.options());
-    if (needs_graph(x, weight, bias)) return CausalConv1dFunction::apply(x, weight, b);
-    const std::vector<float> taps = taps_of(weight);
-    Tensor out = torch::empty({x.size(0), x.size(1), C}, x.options().memory_format(torch::MemoryFormat::Contiguous));
-    causal_forward(x, taps.data(), weight.size(2), bias.defined() ? b.contiguous().data_ptr<float>() : nullptr, out);
-    return out;
+Tensor causal_depthwise_conv1d_tokens_fused(const Tensor& x_in, const Tensor& weight_in, const Tensor& bias_in) {
+    const Compute compute(x_in);
+    const Tensor x = channels_unit(compute(x_in)), weight = compute(weight_in), bias = compute(bias_in);
+    if (needs_graph(x, weight, bias)) {
+        const Tensor b = bias.defined() ? bias : torch::zeros({x.size(2)}, weight.options());
+        return compute.back(CausalConv1dFunction::apply(x, weight, b));
+    }
+    return compute.back(causal_run(x, weight, bias));
 }
 
 }  // namespace linvis::ops::cpu

@@ -1,7 +1,7 @@
 // Fused CPU depthwise convolutions on tokens (internal). Public entry points:
 // linvis::ops::depthwise_conv2d_tokens / causal_depthwise_conv1d_tokens with Impl::Fused
-// (include/linvis/ops/depthwise_conv.h). float32 CPU tensors only (the caller checks with
-// fused_unsupported); shapes are checked by the caller.
+// (include/linvis/ops/depthwise_conv.h). CPU float32 / float64 / bfloat16 (in float32) tensors of one
+// dtype (the caller checks with depthwise_conv_unsupported); shapes are checked by the caller.
 #pragma once
 
 #include <string>
@@ -12,7 +12,7 @@
 
 namespace linvis::ops::cpu {
 
-// Empty when the fused kernels take these tensors (CPU, float32), else why not.
+// Empty when the fused kernels take these tensors, else why not.
 std::string depthwise_conv_unsupported(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
 
 // Autograd-capable when a gradient is needed (x, weight, bias), a plain kernel call otherwise.

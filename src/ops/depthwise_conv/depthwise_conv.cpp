@@ -18,6 +18,11 @@ void check_bias(const char* op, const torch::Tensor& bias, int64_t C) {
                  "], got ", shape_string(bias.sizes()));
 }
 
+// Auto: float32 with the vectorised code paths, measured faster than the reference (LibTorch's
+// depthwise convolution on a (B, C, H, W) / (B, C, T) view plus the layout copies; docs/ops.md).
+// float64 and bfloat16 run the reference under Auto (the kernel takes them under Fused).
+bool fused_is_faster(const torch::Tensor& x) { return x.scalar_type() == torch::kFloat32 && simd::vectorised(); }
+
 }  // namespace
 
 torch::Tensor depthwise_conv2d_tokens(const torch::Tensor& x, int64_t height, int64_t width,
@@ -33,9 +38,7 @@ torch::Tensor depthwise_conv2d_tokens(const torch::Tensor& x, int64_t height, in
                  op, ": weight: expected (", C, ", 1, 3, 3), got ", shape_string(weight.sizes()));
     check_bias(op, bias, C);
     const std::string unsupported = cpu::depthwise_conv_unsupported(x, weight, bias);
-    // Measured faster than the reference (mkldnn on a (B, C, H, W) view plus layout copies) with the
-    // vectorised code paths (docs/ops.md).
-    if (use_fused(impl, op, unsupported, simd::vectorised())) {
+    if (use_fused(impl, op, unsupported, fused_is_faster(x))) {
         if (flops::counting()) flops::add(x.size(0) * height * width * C * 9);
         return cpu::depthwise_conv2d_tokens_fused(x, height, width, weight, bias, epilogue);
     }
@@ -52,7 +55,7 @@ torch::Tensor causal_depthwise_conv1d_tokens(const torch::Tensor& x, const torch
     check_bias(op, bias, C);
     if (flops::counting()) flops::add(x.size(0) * x.size(1) * C * weight.size(2));  // the T kept outputs
     const std::string unsupported = cpu::depthwise_conv_unsupported(x, weight, bias);
-    if (use_fused(impl, op, unsupported, simd::vectorised()))
+    if (use_fused(impl, op, unsupported, fused_is_faster(x)))
         return cpu::causal_depthwise_conv1d_tokens_fused(x, weight, bias);
     return reference::causal_depthwise_conv1d_tokens(x, weight, bias);
 }
