@@ -130,6 +130,28 @@ void sigmoid(const double* z, double* s, int64_t n) {
     for (int64_t i = 0; i < n; ++i) s[i] = 1.0 / (1.0 + std::exp(-z[i]));
 }
 
+// The SiLU forward (out = z * sigmoid(z), out may be z) and its backward (dz from g and z) over n
+// values, the sigmoid through a stack buffer of kSpan values at a time.
+constexpr int64_t kSpan = 1024;
+template <typename T>
+void silu_span(const T* z, T* out, int64_t n) {
+    T sig[kSpan];
+    for (int64_t i = 0; i < n; i += kSpan) {
+        const int64_t m = std::min(kSpan, n - i);
+        sigmoid(z + i, sig, m);
+        silu_mul(z + i, static_cast<const T*>(sig), out + i, m);
+    }
+}
+template <typename T>
+void silu_grad_span(const T* g, const T* z, T* dz, int64_t n) {
+    T sig[kSpan];
+    for (int64_t i = 0; i < n; i += kSpan) {
+        const int64_t m = std::min(kSpan, n - i);
+        sigmoid(z + i, sig, m);
+        silu_grad(g + i, z + i, static_cast<const T*>(sig), dz + i, m);
+    }
+}
+
 // ------------------------------------------------------------------ helpers
 
 // (C, 1, k...) weight -> (taps, C) tap-major taps; and back.
@@ -198,19 +220,14 @@ void dw2d_forward(const Tensor& x, int64_t H, int64_t W, const T* taps, const T*
     const int64_t B = x.size(0), C = x.size(2);
     const GridTasks g(B, H, W, kTokenBlock);
     at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
-        std::vector<T> sig;
         for (int64_t task = begin; task < end; ++task) {
             const int64_t b = g.sample(task), y0 = g.y0(task), y1 = g.y1(task), n = (y1 - y0) * W;
             T* zr = z.data_ptr<T>() + (b * H * W + y0 * W) * C;
             const T* xr = x.data_ptr<T>() + b * x.stride(0) + y0 * W * x.stride(1);
             init_rows(zr, bias, epi == DwEpilogue::Residual ? xr : nullptr, x.stride(1), n, C);
             fused_detail::stencil_apply(image_of<T>(x, b, H, W), taps, false, mut_image_of<T>(z, b, H, W), y0, y1, true);
-            if (epi == DwEpilogue::Silu) {
-                sig.resize(static_cast<size_t>(n * C));
-                sigmoid(zr, sig.data(), n * C);
-                silu_mul(static_cast<const T*>(zr), static_cast<const T*>(sig.data()),
-                         out.data_ptr<T>() + (b * H * W + y0 * W) * C, n * C);
-            }
+            if (epi == DwEpilogue::Silu)
+                silu_span(static_cast<const T*>(zr), out.data_ptr<T>() + (b * H * W + y0 * W) * C, n * C);
         }
     });
 }
@@ -230,14 +247,11 @@ Dw2dGrads dw2d_backward(const Tensor& x, int64_t H, int64_t W, const Tensor& wei
     if (epi == DwEpilogue::Silu) {
         dz = torch::empty_like(go);
         at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
-            std::vector<T> sig;
             for (int64_t task = begin; task < end; ++task) {
                 const int64_t off = (g.sample(task) * H * W + g.y0(task) * W) * C;
                 const int64_t n = (g.y1(task) - g.y0(task)) * W * C;
-                sig.resize(static_cast<size_t>(n));
-                sigmoid(z.data_ptr<T>() + off, sig.data(), n);
-                silu_grad(static_cast<const T*>(go.data_ptr<T>() + off), static_cast<const T*>(z.data_ptr<T>() + off),
-                          static_cast<const T*>(sig.data()), dz.data_ptr<T>() + off, n);
+                silu_grad_span(static_cast<const T*>(go.data_ptr<T>() + off),
+                               static_cast<const T*>(z.data_ptr<T>() + off), dz.data_ptr<T>() + off, n);
             }
         });
     }
