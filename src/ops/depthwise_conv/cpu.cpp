@@ -46,16 +46,41 @@ LINVIS_SIMD_INLINE void init_rows_body(T* dst, const T* bias, const T* src, int6
     }
 }
 
-// out[i] = z[i] * sig[i] (silu with the sigmoid given); out may be z.
+// The sigmoid of the SiLU: the SIMD layer's for float (resolved once per op call), std::exp for double.
 template <typename T>
-LINVIS_SIMD_INLINE void silu_mul_body(const T* z, const T* sig, T* out, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) out[i] = z[i] * sig[i];
+using SigmoidFn = void (*)(const T* z, T* s, int64_t n);
+void sigmoid_f64(const double* z, double* s, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) s[i] = 1.0 / (1.0 + std::exp(-z[i]));
+}
+SigmoidFn<float> sigmoid_of(float) { return fused_detail::kernels().sigmoid; }
+SigmoidFn<double> sigmoid_of(double) { return sigmoid_f64; }
+
+// The sigmoid goes through a stack buffer of kSpan values at a time.
+constexpr int64_t kSpan = 1024;
+
+// out = z * sigmoid(z) over n values (out may be z): the SiLU.
+template <typename T>
+LINVIS_SIMD_INLINE void silu_body(const T* z, T* out, int64_t n, SigmoidFn<T> sigmoid) {
+    T sig[kSpan];
+    for (int64_t i0 = 0; i0 < n; i0 += kSpan) {
+        const int64_t m = std::min(kSpan, n - i0);
+        sigmoid(z + i0, sig, m);
+        for (int64_t i = 0; i < m; ++i) out[i0 + i] = z[i0 + i] * sig[i];
+    }
 }
 
-// dz[i] = g[i] * s (1 + z (1 - s)) with s = sig[i]: the SiLU derivative.
+// dz = g * s (1 + z (1 - s)) with s = sigmoid(z) over n values: the SiLU's backward.
 template <typename T>
-LINVIS_SIMD_INLINE void silu_grad_body(const T* g, const T* z, const T* sig, T* dz, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) dz[i] = g[i] * sig[i] * (T(1) + z[i] * (T(1) - sig[i]));
+LINVIS_SIMD_INLINE void silu_grad_body(const T* g, const T* z, T* dz, int64_t n, SigmoidFn<T> sigmoid) {
+    T sig[kSpan];
+    for (int64_t i0 = 0; i0 < n; i0 += kSpan) {
+        const int64_t m = std::min(kSpan, n - i0);
+        sigmoid(z + i0, sig, m);
+        for (int64_t i = 0; i < m; ++i) {
+            const T s = sig[i], zi = z[i0 + i];
+            dz[i0 + i] = g[i0 + i] * s * (T(1) + zi * (T(1) - s));
+        }
+    }
 }
 
 // Causal stencil over tokens [t0, t1) of one sample (x rows at x + t*sx, taps k x C, out rows contiguous):
@@ -110,8 +135,9 @@ LINVIS_SIMD_INLINE void sum_rows_body(const T* g, int64_t n, int64_t C, T* acc) 
 #define LINVIS_DW_CLONES(T)                                                                                     \
     LINVIS_SIMD_CLONES(init_rows, (T * dst, const T* bias, const T* src, int64_t ss, int64_t n, int64_t C),      \
                        (dst, bias, src, ss, n, C))                                                              \
-    LINVIS_SIMD_CLONES(silu_mul, (const T* z, const T* sig, T* out, int64_t n), (z, sig, out, n))               \
-    LINVIS_SIMD_CLONES(silu_grad, (const T* g, const T* z, const T* sig, T* dz, int64_t n), (g, z, sig, dz, n)) \
+    LINVIS_SIMD_CLONES(silu, (const T* z, T* out, int64_t n, SigmoidFn<T> sigmoid), (z, out, n, sigmoid))       \
+    LINVIS_SIMD_CLONES(silu_grad, (const T* g, const T* z, T* dz, int64_t n, SigmoidFn<T> sigmoid),             \
+                       (g, z, dz, n, sigmoid))                                                                  \
     LINVIS_SIMD_CLONES(causal_apply,                                                                            \
                        (const T* x, int64_t sx, int64_t len, const T* taps, int64_t k, const T* bias,           \
                         bool transpose, T* out, int64_t t0, int64_t t1, int64_t C),                             \
@@ -123,34 +149,6 @@ LINVIS_SIMD_INLINE void sum_rows_body(const T* g, int64_t n, int64_t C, T* acc) 
 LINVIS_DW_CLONES(float)
 LINVIS_DW_CLONES(double)
 #undef LINVIS_DW_CLONES
-
-// s = sigmoid(z) over n values: the SIMD layer's for float, std::exp for double.
-void sigmoid(const float* z, float* s, int64_t n) { fused_detail::kernels().sigmoid(z, s, n); }
-void sigmoid(const double* z, double* s, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) s[i] = 1.0 / (1.0 + std::exp(-z[i]));
-}
-
-// The SiLU forward (out = z * sigmoid(z), out may be z) and its backward (dz from g and z) over n
-// values, the sigmoid through a stack buffer of kSpan values at a time.
-constexpr int64_t kSpan = 1024;
-template <typename T>
-void silu_span(const T* z, T* out, int64_t n) {
-    T sig[kSpan];
-    for (int64_t i = 0; i < n; i += kSpan) {
-        const int64_t m = std::min(kSpan, n - i);
-        sigmoid(z + i, sig, m);
-        silu_mul(z + i, static_cast<const T*>(sig), out + i, m);
-    }
-}
-template <typename T>
-void silu_grad_span(const T* g, const T* z, T* dz, int64_t n) {
-    T sig[kSpan];
-    for (int64_t i = 0; i < n; i += kSpan) {
-        const int64_t m = std::min(kSpan, n - i);
-        sigmoid(z + i, sig, m);
-        silu_grad(g + i, z + i, static_cast<const T*>(sig), dz + i, m);
-    }
-}
 
 // ------------------------------------------------------------------ helpers
 
@@ -219,6 +217,7 @@ void dw2d_forward(const Tensor& x, int64_t H, int64_t W, const T* taps, const T*
                   const Tensor& z, const Tensor& out) {
     const int64_t B = x.size(0), C = x.size(2);
     const GridTasks g(B, H, W, kTokenBlock);
+    const SigmoidFn<T> sigmoid = sigmoid_of(T{});
     at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {
             const int64_t b = g.sample(task), y0 = g.y0(task), y1 = g.y1(task), n = (y1 - y0) * W;
@@ -227,7 +226,7 @@ void dw2d_forward(const Tensor& x, int64_t H, int64_t W, const T* taps, const T*
             init_rows(zr, bias, epi == DwEpilogue::Residual ? xr : nullptr, x.stride(1), n, C);
             fused_detail::stencil_apply(image_of<T>(x, b, H, W), taps, false, mut_image_of<T>(z, b, H, W), y0, y1, true);
             if (epi == DwEpilogue::Silu)
-                silu_span(static_cast<const T*>(zr), out.data_ptr<T>() + (b * H * W + y0 * W) * C, n * C);
+                silu(static_cast<const T*>(zr), out.data_ptr<T>() + (b * H * W + y0 * W) * C, n * C, sigmoid);
         }
     });
 }
@@ -246,12 +245,13 @@ Dw2dGrads dw2d_backward(const Tensor& x, int64_t H, int64_t W, const Tensor& wei
     Tensor dz = go;
     if (epi == DwEpilogue::Silu) {
         dz = torch::empty_like(go);
+        const SigmoidFn<T> sigmoid = sigmoid_of(T{});
         at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
             for (int64_t task = begin; task < end; ++task) {
                 const int64_t off = (g.sample(task) * H * W + g.y0(task) * W) * C;
                 const int64_t n = (g.y1(task) - g.y0(task)) * W * C;
-                silu_grad_span(static_cast<const T*>(go.data_ptr<T>() + off),
-                               static_cast<const T*>(z.data_ptr<T>() + off), dz.data_ptr<T>() + off, n);
+                silu_grad(static_cast<const T*>(go.data_ptr<T>() + off), static_cast<const T*>(z.data_ptr<T>() + off),
+                          dz.data_ptr<T>() + off, n, sigmoid);
             }
         });
     }
