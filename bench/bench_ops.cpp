@@ -8,6 +8,7 @@
 //                               [--skip-model]
 //   build/bench_ops attention [--threads 2] [--tokens 4097] [--heads 3] [--head-dim 64]
 //                                   [--reps 5]
+//   build/bench_ops depthwise_conv [--threads 2] [--reps 20] [--side 64]
 //
 // ttt_linear: the TTT-Linear scan of vittt_tiny (3 heads of d = 64, mini-batches of 16).
 // vit3_t5: the ViT³ TTT mixer (vit3_ttt_mix, both branches; C = 192, 6 heads of d = 32) and the T⁵ TTT
@@ -18,6 +19,9 @@
 //   chunkwise vs the official parallel form).
 // attention: deit_tiny's softmax attention (3 heads of d = 64), the flash-style kernel against the
 //   reference that materialises the T x T weights.
+// depthwise_conv: the depthwise convolutions on tokens (ops/depthwise_conv.h): vittt_tiny's / vit3_tiny's
+//   residual 3x3 (C = 192), ViL's silu(3x3) on a chunk of the up-projection (C = 384, token stride 768)
+//   and vittt_tiny's causal Conv1d (C = 192, k = 4).
 //
 // Each op is first checked on the benchmark inputs: the fused output and every input gradient
 // against a float64 truth, next to the float32 reference's own error. An op that fails prints no
@@ -49,6 +53,7 @@
 #include "linvis/core/runtime.h"
 #include "linvis/models/registry.h"
 #include "linvis/ops/attention.h"
+#include "linvis/ops/depthwise_conv.h"
 #include "linvis/ops/linear_headwise.h"
 #include "linvis/ops/mlstm.h"
 #include "linvis/ops/t5_ttt.h"
@@ -346,6 +351,78 @@ int run_attention(const AttentionOptions& o, Harness& h) {
                 ref_train->peak_mib / std::max(fused_train->peak_mib, 1e-3), 100 * gf_fwd / sgemm,
                 100 * gf_train / sgemm);
     return 0;
+}
+
+// ================================================================ depthwise_conv
+
+struct DepthwiseConvOptions {
+    int reps = 20;
+    int64_t side = 64;  // token grid side (1024 / 16)
+};
+
+const char* const kDepthwiseOps[] = {"residual3x3", "silu3x3", "causal1d"};
+
+// x (1, N, C) (for silu3x3 the (1, N, 768) up-projection, whose first half the op reads), weight, bias.
+std::vector<Tensor> depthwise_inputs(const std::string& op, int64_t side) {
+    torch::manual_seed(0);
+    const int64_t N = side * side;
+    if (op == "residual3x3") return {torch::randn({1, N, 192}), 0.3 * torch::randn({192, 1, 3, 3}), torch::randn({192})};
+    if (op == "silu3x3") return {torch::randn({1, N, 768}), 0.3 * torch::randn({384, 1, 3, 3}), torch::randn({384})};
+    return {torch::randn({1, N, 192}), 0.3 * torch::randn({192, 1, 4}), torch::randn({192})};
+}
+
+OpFn depthwise_op(const std::string& op, Impl impl, int64_t side) {
+    if (op == "residual3x3")
+        return [impl, side](const std::vector<Tensor>& x) {
+            return ops::depthwise_conv2d_tokens(x[0], side, side, x[1], x[2], ops::DwEpilogue::Residual, impl);
+        };
+    if (op == "silu3x3")
+        return [impl, side](const std::vector<Tensor>& x) {
+            return ops::depthwise_conv2d_tokens(x[0].chunk(2, -1)[0], side, side, x[1], x[2], ops::DwEpilogue::Silu,
+                                                impl);
+        };
+    return [impl](const std::vector<Tensor>& x) { return ops::causal_depthwise_conv1d_tokens(x[0], x[1], x[2], impl); };
+}
+
+int run_depthwise_conv(const DepthwiseConvOptions& o, Harness& h) {
+    if (!h.child.empty()) {  // <op>_<fwd|train>_<reference|fused>
+        const auto parts = split_case(h.child);
+        if (parts.size() != 3) unknown_case(h.child);
+        const std::vector<Tensor> inputs = depthwise_inputs(parts[0], o.side);
+        const OpFn op = depthwise_op(parts[0], ops::parse_impl(parts[2]), o.side);
+        return print_answer(measure_passes(op_pass(op, inputs, Tensor(), parts[1] == "train"), 2, o.reps));
+    }
+    std::printf("depthwise_conv: %lld x %lld tokens, batch 1, threads %d, reps %d, SIMD %s (fused kernels: %s), "
+                "OpenMP wait: %s\n",
+                static_cast<long long>(o.side), static_cast<long long>(o.side), h.threads, o.reps,
+                runtime::simd_name(runtime::detect_simd()), ops::fused_kernel_target(),
+                runtime::openmp_wait_policy().c_str());
+    std::vector<std::string> table;
+    for (const std::string op : kDepthwiseOps) {
+        const OpFn reference = depthwise_op(op, Impl::Reference, o.side);
+        torch::manual_seed(1);
+        const Tensor probe = torch::randn({1, o.side * o.side, op == "silu3x3" ? 384 : 192});
+        if (!passes({{"output", "dx", "dweight", "dbias"}, depthwise_inputs(op, o.side), probe, reference, reference,
+                     depthwise_op(op, Impl::Fused, o.side), 1e-5},
+                    op)) {
+            h.failed = true;
+            continue;
+        }
+        for (const std::string mode : {"fwd", "train"}) {
+            const auto ref = h.measure(op + "_" + mode + "_reference");
+            const auto fused = h.measure(op + "_" + mode + "_fused");
+            if (!ref || !fused) continue;
+            char row[256];
+            std::snprintf(row, sizeof(row), "%-12s %-5s | %9.3f %9.3f %6.2fx | %9.1f %9.1f", op.c_str(), mode.c_str(),
+                          ref->ms, fused->ms, ref->ms / fused->ms, ref->peak_mib, fused->peak_mib);
+            table.push_back(row);
+        }
+    }
+    std::printf("\n%-12s %-5s | %9s %9s %7s | %9s %9s\n", "op", "mode", "ref ms", "fused ms", "speedup", "ref MiB",
+                "fused MiB");
+    for (const auto& row : table) std::printf("%s\n", row.c_str());
+    std::printf("\nMiB: peak RSS of the child process above its RSS after building the inputs.\n");
+    return h.failed ? 1 : 0;
 }
 
 // ================================================================ vit3_t5
@@ -715,7 +792,14 @@ int main(int argc, char** argv) {
     attention_command->add_option("--head-dim", attention.head_dim, "head dim");
     attention_command->add_option("--reps", attention.reps, "timed repetitions (median)")->check(CLI::PositiveNumber);
 
-    for (CLI::App* command : {ttt_command, vit3_t5_command, mlstm_command, attention_command})
+    DepthwiseConvOptions depthwise;
+    CLI::App* depthwise_command = app.add_subcommand(
+        "depthwise_conv", "fused vs reference depthwise convolutions on tokens (3x3 residual / SiLU, causal 1D)");
+    depthwise_command->add_option("--reps", depthwise.reps, "timed repetitions (median)")->check(CLI::PositiveNumber);
+    depthwise_command->add_option("--side", depthwise.side, "token grid side (64 = 1024x1024 image, patch 16)")
+        ->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
+
+    for (CLI::App* command : {ttt_command, vit3_t5_command, mlstm_command, attention_command, depthwise_command})
         add_harness_options(*command, harness);
     try {
         app.parse(argc, argv);
@@ -729,6 +813,7 @@ int main(int argc, char** argv) {
         if (vit3_t5_command->parsed()) status = run_vit3_t5(vit3_t5, harness);
         if (mlstm_command->parsed()) status = run_mlstm(mlstm, harness);
         if (attention_command->parsed()) status = run_attention(attention, harness);
+        if (depthwise_command->parsed()) status = run_depthwise_conv(depthwise, harness);
         return status;
     } catch (const c10::Error& e) {
         std::fprintf(stderr, "bench_ops: %s\n", e.what_without_backtrace());

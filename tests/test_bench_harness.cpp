@@ -120,7 +120,8 @@ TEST(BenchOps, EveryOpAnswersHelpWithItsOptions) {
     const std::vector<std::pair<std::string, std::vector<std::string>>> ops = {
         {"ttt_linear", {"--tokens", "--heads", "--head-dim", "--mini-batch", "--reps", "--threads"}},
         {"vit3_t5", {"--iters", "--side", "--threads"}},
-        {"mlstm", {"--reps", "--model-reps", "--tokens", "--skip-model", "--threads"}}};
+        {"mlstm", {"--reps", "--model-reps", "--tokens", "--skip-model", "--threads"}},
+        {"depthwise_conv", {"--reps", "--side", "--threads"}}};
     for (const auto& [op, options] : ops) {
         EXPECT_NE(top.output.find(op), std::string::npos) << op;
         const auto help = linvis::testing::run_program(LINVIS_BENCH_OPS_PATH, op + " --help");

@@ -13,6 +13,7 @@
 #include "linvis/nn/vit.h"
 #include "linvis/nn/vit3_layers.h"
 #include "linvis/ops/attention.h"
+#include "linvis/ops/depthwise_conv.h"
 #include "linvis/ops/neighborhood_attention.h"
 #include "linvis/ops/t5_ttt.h"
 
@@ -156,7 +157,7 @@ public:
 
 class DitBlock : public torch::nn::Module {
 public:
-    DitBlock(const DitConfig& c) : dit3_(c.family == "dit3") {
+    DitBlock(const DitConfig& c) : dit3_(c.family == "dit3"), impl_(c.impl) {
         const int64_t C = c.hidden_size;
         if (dit3_) cpe = register_module("cpe", depthwise3x3(C));
         if (c.family == "dit")
@@ -169,10 +170,7 @@ public:
         adaLN_modulation = register_module("adaLN_modulation", silu_linear(C, 6 * C));
     }
     torch::Tensor forward(torch::Tensor x, const torch::Tensor& cond, int64_t grid) {
-        if (dit3_) {
-            torch::Tensor map = nn::tokens_to_map(x, grid, grid);
-            x = x + nn::map_to_tokens(nn::conv_forward(cpe, map));
-        }
+        if (dit3_) x = ops::depthwise_conv2d_tokens(x, grid, grid, cpe->weight, cpe->bias, ops::DwEpilogue::Residual, impl_);
         std::vector<torch::Tensor> m = adaLN_modulation->forward(cond).chunk(6, 1);
         x = x + m[2].unsqueeze(1) * attn->forward(modulate(layer_norm_no_affine(x), m[0], m[1]), grid);
         x = x + m[5].unsqueeze(1) * mlp->forward(modulate(layer_norm_no_affine(x), m[3], m[4]));
@@ -185,6 +183,7 @@ public:
 
 private:
     bool dit3_;
+    ops::Impl impl_;
 };
 
 class TimestepEmbedder : public torch::nn::Module {

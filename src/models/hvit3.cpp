@@ -11,6 +11,7 @@
 #include "linvis/core/flops.h"
 #include "linvis/models/registry.h"
 #include "linvis/nn/vit3_layers.h"
+#include "linvis/ops/depthwise_conv.h"
 #include "linvis/ops/vit3_ttt.h"
 
 namespace linvis::models {
@@ -25,7 +26,7 @@ public:
     // (attn.rope.rotations); the classification block holds it itself (rope.rotations).
     HVit3BlockImpl(int64_t dim, int64_t heads, int64_t grid_h, int64_t grid_w, double mlp_ratio, double dpr,
                    ops::Impl impl, bool rope_in_attn)
-        : drop_path_rate(dpr) {
+        : drop_path_rate(dpr), impl(impl) {
         // Registration order of the official TTTBlock: cpe, norm1, rope, attn, norm2, mlp.
         cpe = register_module("cpe", torch::nn::Conv2d(torch::nn::Conv2dOptions(dim, dim, 3).padding(1).groups(dim)));
         norm1 = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim}).eps(1e-5)));
@@ -37,10 +38,10 @@ public:
             attn = register_module("attn", lnn::Vit3Ttt(dim, heads, true, impl));
         }
         norm2 = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim}).eps(1e-5)));
-        mlp = register_module("mlp", lnn::Mlp(dim, static_cast<int64_t>(dim * mlp_ratio), true));
+        mlp = register_module("mlp", lnn::Mlp(dim, static_cast<int64_t>(dim * mlp_ratio), true, impl));
     }
     Tensor forward(Tensor x, int64_t H, int64_t W) {
-        x = x + lnn::map_to_tokens(lnn::conv_forward(cpe, lnn::tokens_to_map(x, H, W)));
+        x = ops::depthwise_conv2d_tokens(x, H, W, cpe->weight, cpe->bias, ops::DwEpilogue::Residual, impl);
         x = x + lnn::drop_path(attn->forward_with_rope(lnn::layer_norm(norm1, x), H, W, rope->table(H, W)), drop_path_rate,
                                is_training());
         x = x + lnn::drop_path(mlp->forward(lnn::layer_norm(norm2, x), H, W), drop_path_rate, is_training());
@@ -48,6 +49,7 @@ public:
     }
 
     double drop_path_rate;
+    ops::Impl impl;
     torch::nn::Conv2d cpe{nullptr};
     torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr};
     lnn::Vit3Rope rope{nullptr};

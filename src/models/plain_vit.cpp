@@ -60,6 +60,7 @@ nn::TransformerBlockOptions TransformerShape::block(const PlainVitOptions& o, do
     b.mlp_hidden = static_cast<int64_t>(static_cast<double>(o.embed_dim) * mlp_ratio);  // int(dim * mlp_ratio)
     b.drop_path = drop_path;
     b.cpe = cpe;
+    b.impl = o.impl;
     return b;
 }
 

@@ -7,6 +7,7 @@
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/core/precision.h"
+#include "linvis/ops/depthwise_conv.h"
 #include "linvis/ops/linear_headwise.h"
 
 namespace linvis::nn {
@@ -106,7 +107,7 @@ torch::Tensor MatrixLstmCellImpl::forward(const torch::Tensor& q, const torch::T
 }
 
 VilLayerImpl::VilLayerImpl(int64_t dim, bool reversed_, ops::MlstmMode mode, int64_t chunk_size, ops::Impl impl)
-    : reversed(reversed_), inner_dim(kExpansion * dim) {
+    : reversed(reversed_), inner_dim(kExpansion * dim), impl(impl) {
     const int64_t I = inner_dim;
     learnable_skip = register_parameter("learnable_skip", torch::ones({I}));
     proj_up = register_module("proj_up", torch::nn::Linear(dim, 2 * I));
@@ -126,7 +127,7 @@ VilLayerImpl::VilLayerImpl(int64_t dim, bool reversed_, ops::MlstmMode mode, int
 }
 
 torch::Tensor VilLayerImpl::forward(const torch::Tensor& input, int64_t grid_h, int64_t grid_w) {
-    const int64_t B = input.size(0), S = input.size(1), I = inner_dim;
+    const int64_t S = input.size(1);
     LINVIS_CHECK(S == grid_h * grid_w, "ViLLayer: input: expected ", grid_h, "x", grid_w, " = ", grid_h * grid_w,
                  " tokens, got shape ", shape_string(input.sizes()));
     torch::Tensor x = reversed ? input.flip({1}) : input;
@@ -134,11 +135,9 @@ torch::Tensor VilLayerImpl::forward(const torch::Tensor& input, int64_t grid_h, 
     auto halves = torch::chunk(x_inner, 2, -1);
     const torch::Tensor& x_mlstm = halves[0];
     const torch::Tensor& z = halves[1];
-    // Tokens to the (B, I, h, w) grid as the permuted view einops produces (1.16.5).
-    torch::Tensor grid = x_mlstm.reshape({B, grid_h, grid_w, I}).permute({0, 3, 1, 2});
-    torch::Tensor conv_out = flops::conv2d(grid, conv->weight, conv->bias, {1, 1}, {1, 1}, {1, 1}, I);
-    torch::Tensor x_conv = conv_out.permute({0, 2, 3, 1}).reshape({B, S, I});
-    torch::Tensor x_act = can_overwrite({x_conv}) ? torch::silu_(x_conv) : torch::silu(x_conv);
+    // silu(conv(x_mlstm)) on the token grid, x_mlstm read in place (a chunk of x_inner, row stride 2I).
+    torch::Tensor x_act =
+        ops::depthwise_conv2d_tokens(x_mlstm, grid_h, grid_w, conv->weight, conv->bias, ops::DwEpilogue::Silu, impl);
     torch::Tensor q = q_proj->forward(x_act);
     torch::Tensor k = k_proj->forward(x_act);
     torch::Tensor v = v_proj->forward(x_mlstm);

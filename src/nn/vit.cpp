@@ -5,6 +5,7 @@
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/nn/common.h"
+#include "linvis/ops/depthwise_conv.h"
 
 namespace linvis::nn {
 
@@ -97,7 +98,7 @@ torch::Tensor GridPosEmbedImpl::forward(const torch::Tensor& grid) {
     return grid + resize_pos_embed_2d(embed, grid.size(1), grid.size(2));  // embed itself on its own grid
 }
 
-MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool with_dwc) {
+MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool with_dwc, ops::Impl impl_) : impl(impl_) {
     fc1 = register_module("fc1", vit_linear(dim, hidden));
     if (with_dwc)
         dwc = register_module("dwc", torch::nn::Conv2d(torch::nn::Conv2dOptions(hidden, hidden, 3)
@@ -110,7 +111,7 @@ MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool with_dwc) {
 torch::Tensor MlpImpl::forward(const torch::Tensor& x, int64_t height, int64_t width) {
     torch::Tensor y = flops::linear_gelu(x, fc1->weight, fc1->bias);
     if (dwc) {
-        y = add_into(map_to_tokens(conv_forward(dwc, tokens_to_map(y, height, width))), y);
+        y = ops::depthwise_conv2d_tokens(y, height, width, dwc->weight, dwc->bias, ops::DwEpilogue::Residual, impl);
         y = can_overwrite({y}) ? torch::gelu_(y) : torch::gelu(y);
     }
     return flops::linear(y, fc2->weight, fc2->bias);
@@ -129,7 +130,9 @@ TransformerBlockImpl::TransformerBlockImpl(const TransformerBlockOptions& option
 
 torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x_in, int64_t height, int64_t width) {
     torch::Tensor x = x_in;
-    if (cpe) x = add_into(map_to_tokens(conv_forward(cpe, tokens_to_map(x, height, width))), x);
+    if (cpe)
+        x = ops::depthwise_conv2d_tokens(x, height, width, cpe->weight, cpe->bias, ops::DwEpilogue::Residual,
+                                         options_.impl);
     x = add_into(drop_path(attn->forward(nn::layer_norm(norm1, x), height, width), options_.drop_path, is_training()), x);
     if (is_training() && options_.drop_path > 0.0)
         return add_into(drop_path(mlp->forward(nn::layer_norm(norm2, x)), options_.drop_path, true), x);

@@ -5,6 +5,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "linvis/ops/depthwise_conv.h"
 #include "linvis/ops/ttt_linear.h"
 
 namespace linvis::nn {
@@ -70,11 +71,8 @@ void TttLinearBranchImpl::reset_parameters() {
 
 torch::Tensor TttLinearBranchImpl::causal_conv(const torch::nn::Conv1d& conv, const torch::Tensor& u) const {
     // As the reference: pad k-1 on both sides, keep the first T outputs, i.e.
-    // out[t] = bias + sum_s w[s] u[t-(k-1)+s] with u[<0] = 0. FLOPs: the T kept outputs.
-    const int64_t T = u.size(1), k = options_.conv_kernel;
-    torch::Tensor out = torch::conv1d(u.transpose(1, 2), conv->weight, conv->bias, 1, k - 1, 1, options_.dim);
-    if (flops::counting()) flops::add(u.size(0) * T * options_.dim * k);
-    return out.narrow(2, 0, T).transpose(1, 2);
+    // out[t] = bias + sum_s w[s] u[t-(k-1)+s] with u[<0] = 0 (FLOPs: the T kept outputs).
+    return ops::causal_depthwise_conv1d_tokens(u, conv->weight, conv->bias, options_.impl);
 }
 
 ops::TttLinearInputs TttLinearBranchImpl::scan_inputs(const torch::Tensor& x) {
@@ -189,11 +187,9 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
     const int64_t D = options_.branch.dim;
     LINVIS_CHECK(y_in.dim() == 3 && y_in.size(1) == h * w && y_in.size(2) == D, "vittt block: input: expected (B, ",
                  h * w, ", ", D, ") for a ", h, "x", w, " grid, got ", shape_string(y_in.sizes()));
-    const int64_t B = y_in.size(0);
-    // Conv2d "dataset preprocessing" on the token grid (row-major tokens).
-    torch::Tensor grid = y_in.transpose(1, 2).reshape({B, D, h, w});
-    torch::Tensor conv = flops::conv2d(grid, dwconv->weight, dwconv->bias, {1, 1}, {1, 1}, {1, 1}, D);
-    torch::Tensor y = y_in + conv.flatten(2).transpose(1, 2);
+    // Conv2d "dataset preprocessing" on the token grid (row-major tokens): y = y_in + dwconv(y_in).
+    torch::Tensor y = ops::depthwise_conv2d_tokens(y_in, h, w, dwconv->weight, dwconv->bias, ops::DwEpilogue::Residual,
+                                                   options_.branch.impl);
 
     torch::Tensor x = nn::layer_norm(norm1, y);
     torch::Tensor gate = flops::linear_gelu(x, g_proj->weight, g_proj->bias, "tanh");

@@ -82,6 +82,7 @@ public:
     MatrixLstmCell mlstm_cell{nullptr};
     bool reversed;
     int64_t inner_dim;
+    ops::Impl impl;  // of the conv (ops::depthwise_conv2d_tokens)
 };
 TORCH_MODULE(VilLayer);
 

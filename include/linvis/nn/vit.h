@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include "linvis/nn/common.h"
+#include "linvis/ops/impl.h"
 
 namespace linvis::nn {
 
@@ -61,14 +62,15 @@ public:
 TORCH_MODULE(GridPosEmbed);
 
 // timm Mlp: fc1 -> GELU (erf) -> fc2. With `with_dwc` (H-ViT3): fc1 -> GELU -> x + dwc(x) on the
-// hidden map -> GELU -> fc2, dwc a depthwise 3x3 conv with bias.
+// hidden map -> GELU -> fc2, dwc a depthwise 3x3 conv with bias (ops::depthwise_conv2d_tokens with `impl`).
 class MlpImpl : public torch::nn::Module {
 public:
-    MlpImpl(int64_t dim, int64_t hidden, bool with_dwc = false);
+    MlpImpl(int64_t dim, int64_t hidden, bool with_dwc = false, ops::Impl impl = ops::Impl::Auto);
     torch::Tensor forward(const torch::Tensor& x, int64_t height = 0, int64_t width = 0);
 
     torch::nn::Linear fc1{nullptr}, fc2{nullptr};
     torch::nn::Conv2d dwc{nullptr};
+    ops::Impl impl;
 };
 TORCH_MODULE(Mlp);
 
@@ -98,6 +100,7 @@ struct TransformerBlockOptions {
     double drop_path = 0.0;
     double norm_eps = 1e-6;
     bool cpe = false;  // ViT3: x + dwconv3x3(x) on the grid before the mixer (key cpe.*)
+    ops::Impl impl = ops::Impl::Auto;  // of the cpe (ops::depthwise_conv2d_tokens)
 };
 
 // timm's pre-norm Block: x = x + drop_path(attn(norm1(x))); x = x + drop_path(mlp(norm2(x))), with

@@ -53,16 +53,6 @@ MutImage mut_image_of(const Tokens& t, int64_t b, const Dims& s) {
     return {t.row(b, 0), s.W * t.sn, t.sn, s.H, s.W, s.C};
 }
 
-struct GridTasks {
-    int64_t B, H, rows, chunks;
-    GridTasks(int64_t B_, int64_t H_, int64_t W_)
-        : B(B_), H(H_), rows(std::max<int64_t>(1, kTokenBlock / std::max<int64_t>(W_, 1))),
-          chunks((H_ + rows - 1) / rows) {}
-    int64_t count() const { return B * chunks; }
-    int64_t sample(int64_t task) const { return task / chunks; }
-    int64_t y0(int64_t task) const { return (task % chunks) * rows; }
-    int64_t y1(int64_t task) const { return std::min(H, y0(task) + rows); }
-};
 
 // (C, 1, 3, 3) conv weight -> (9, C) taps.
 std::vector<float> taps_of(const Tensor& w, int64_t C) {
@@ -76,7 +66,7 @@ std::vector<float> taps_of(const Tensor& w, int64_t C) {
 
 // Per (sample, channel) mean and 1/sqrt(var + eps) over the N tokens (biased variance, two passes).
 void key_stats(const Tokens& k, const Dims& s, double eps, float* mean, float* rstd) {
-    const GridTasks g(s.B, s.H, s.W);
+    const GridTasks g(s.B, s.H, s.W, kTokenBlock);
     std::vector<double> parts(g.count() * s.C);
     std::vector<double> mu(s.B * s.C);
     for (int pass = 0; pass < 2; ++pass) {
@@ -112,7 +102,7 @@ void key_stats(const Tokens& k, const Dims& s, double eps, float* mean, float* r
 // q2 = q + dwconv(q) + bias, (B, N, C); also used for the normalised keys.
 void query_locality(const Tokens& q, const std::vector<float>& qtaps, const float* qbias, const Dims& s,
                     const Tokens& q2) {
-    const GridTasks g(s.B, s.H, s.W);
+    const GridTasks g(s.B, s.H, s.W, kTokenBlock);
     at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {
             const int64_t b = g.sample(task);
@@ -130,7 +120,7 @@ void query_locality(const Tokens& q, const std::vector<float>& qtaps, const floa
 // kn = (k - mean) * rstd; k2 = kn + dwconv(kn) + bias. All (B, N, C).
 void key_locality(const Tokens& k, const float* mean, const float* rstd, const std::vector<float>& ktaps,
                   const float* kbias, const Dims& s, const Tokens& kn, const Tokens& k2) {
-    const GridTasks g(s.B, s.H, s.W);
+    const GridTasks g(s.B, s.H, s.W, kTokenBlock);
     at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {
             const int64_t b = g.sample(task);
@@ -430,7 +420,7 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
     q2 = Tensor();
 
     // q-conv backward right away (frees dq2 before pass C): dq = dq2 + dwconvᵀ(dq2), dqw = corr(q, dq2).
-    const GridTasks gt(s.B, s.H, s.W);
+    const GridTasks gt(s.B, s.H, s.W, kTokenBlock);
     Tensor dq = dest.empty() ? torch::empty({s.B, s.N, C}, torch::kFloat32) : dest[0];
     const Tokens DQ = tokens_of(dq);
     std::vector<float> qw_parts(gt.count() * 9 * C, 0.0f);

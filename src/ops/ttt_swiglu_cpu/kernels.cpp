@@ -11,41 +11,43 @@ namespace {
 
 // The stencil bodies are written once and compiled for every target by LINVIS_SIMD_CLONES, so the
 // compiler vectorises the channel loops for each instruction set.
-LINVIS_SIMD_INLINE void stencil_apply_body(const Image& src, const float* taps, bool transpose,
-                                           const MutImage& dst, int64_t y0, int64_t y1, bool accumulate) {
+template <typename T>
+LINVIS_SIMD_INLINE void stencil_apply_body(const ImageOf<T>& src, const T* taps, bool transpose,
+                                           const MutImageOf<T>& dst, int64_t y0, int64_t y1, bool accumulate) {
     const int64_t C = src.C, f = transpose ? -1 : 1;
     for (int64_t y = y0; y < y1; ++y)
         for (int64_t x = 0; x < src.W; ++x) {
-            float* __restrict o = dst.at(y, x);
+            T* __restrict o = dst.at(y, x);
             if (!accumulate)
-                for (int64_t c = 0; c < C; ++c) o[c] = 0.0f;
+                for (int64_t c = 0; c < C; ++c) o[c] = T(0);
             for (int64_t dy = -1; dy <= 1; ++dy) {
                 const int64_t ys = y + f * dy;
                 if (ys < 0 || ys >= src.H) continue;
                 for (int64_t dx = -1; dx <= 1; ++dx) {
                     const int64_t xs = x + f * dx;
                     if (xs < 0 || xs >= src.W) continue;
-                    const float* __restrict s = src.at(ys, xs);
-                    const float* __restrict t = taps + ((dy + 1) * 3 + dx + 1) * C;
+                    const T* __restrict s = src.at(ys, xs);
+                    const T* __restrict t = taps + ((dy + 1) * 3 + dx + 1) * C;
                     for (int64_t c = 0; c < C; ++c) o[c] += t[c] * s[c];
                 }
             }
         }
 }
 
-LINVIS_SIMD_INLINE void stencil_reduce_body(const Image& a, const Image& b, float* acc, int64_t y0, int64_t y1) {
+template <typename T>
+LINVIS_SIMD_INLINE void stencil_reduce_body(const ImageOf<T>& a, const ImageOf<T>& b, T* acc, int64_t y0, int64_t y1) {
     const int64_t C = a.C;
     for (int64_t y = y0; y < y1; ++y)
         for (int64_t x = 0; x < a.W; ++x) {
-            const float* __restrict bv = b.at(y, x);
+            const T* __restrict bv = b.at(y, x);
             for (int64_t dy = -1; dy <= 1; ++dy) {
                 const int64_t ys = y + dy;
                 if (ys < 0 || ys >= a.H) continue;
                 for (int64_t dx = -1; dx <= 1; ++dx) {
                     const int64_t xs = x + dx;
                     if (xs < 0 || xs >= a.W) continue;
-                    const float* __restrict av = a.at(ys, xs);
-                    float* __restrict t = acc + ((dy + 1) * 3 + dx + 1) * C;
+                    const T* __restrict av = a.at(ys, xs);
+                    T* __restrict t = acc + ((dy + 1) * 3 + dx + 1) * C;
                     for (int64_t c = 0; c < C; ++c) t[c] += av[c] * bv[c];
                 }
             }
@@ -59,6 +61,13 @@ LINVIS_SIMD_CLONES(stencil_apply,
                     bool accumulate),
                    (src, taps, transpose, dst, y0, y1, accumulate))
 LINVIS_SIMD_CLONES(stencil_reduce, (const Image& a, const Image& b, float* acc, int64_t y0, int64_t y1),
+                   (a, b, acc, y0, y1))
+LINVIS_SIMD_CLONES(stencil_apply,
+                   (const ImageOf<double>& src, const double* taps, bool transpose, const MutImageOf<double>& dst,
+                    int64_t y0, int64_t y1, bool accumulate),
+                   (src, taps, transpose, dst, y0, y1, accumulate))
+LINVIS_SIMD_CLONES(stencil_reduce,
+                   (const ImageOf<double>& a, const ImageOf<double>& b, double* acc, int64_t y0, int64_t y1),
                    (a, b, acc, y0, y1))
 
 void normalize_groups(const float* G, int64_t rows, int64_t cols, int64_t ld, bool columns_are_groups, float* out,

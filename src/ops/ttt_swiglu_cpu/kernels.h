@@ -6,6 +6,7 @@
 // with LINVIS_SIMD_CLONES.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "ops/simd/simd.h"
@@ -17,26 +18,48 @@ using simd::Kernels;
 using simd::kernels;
 
 // One image of a (B, H, W, C) channels-last tensor: element (y, x, c) at base[y*sy + x*sx + c].
-struct Image {
-    const float* base;
+template <typename T>
+struct ImageOf {
+    const T* base;
     int64_t sy, sx, H, W, C;
-    const float* at(int64_t y, int64_t x) const { return base + y * sy + x * sx; }
+    const T* at(int64_t y, int64_t x) const { return base + y * sy + x * sx; }
 };
-struct MutImage {
-    float* base;
+template <typename T>
+struct MutImageOf {
+    T* base;
     int64_t sy, sx, H, W, C;
-    float* at(int64_t y, int64_t x) const { return base + y * sy + x * sx; }
+    T* at(int64_t y, int64_t x) const { return base + y * sy + x * sx; }
+};
+using Image = ImageOf<float>;
+using MutImage = MutImageOf<float>;
+
+// Parallel tasks over the token grids of B images of H x W tokens: each task is one sample's rows
+// [y0, y1), about token_block tokens, so a task's partial sums (stencil_reduce) are summed in a fixed
+// order whatever the thread count.
+struct GridTasks {
+    int64_t B, H, rows, chunks;
+    GridTasks(int64_t B_, int64_t H_, int64_t W_, int64_t token_block)
+        : B(B_), H(H_), rows(std::max<int64_t>(1, token_block / std::max<int64_t>(W_, 1))),
+          chunks((H_ + rows - 1) / rows) {}
+    int64_t count() const { return B * chunks; }
+    int64_t sample(int64_t task) const { return task / chunks; }
+    int64_t y0(int64_t task) const { return (task % chunks) * rows; }
+    int64_t y1(int64_t task) const { return std::min(H, y0(task) + rows); }
 };
 
 // 3x3 per-channel stencil over rows [y0, y1):
 //   dst(y, x, c) (+)= sum_{dy,dx in -1..1} taps[(dy+1)*3 + dx+1][c] * src(y + f*dy, x + f*dx, c)
 // with f = +1 (cross-correlation, conv2d) or -1 (its transpose), zero outside the image.
 // taps: 9 x C (tap-major). accumulate: add to dst instead of overwriting.
+// float and double (the float64 path of ops::depthwise_conv2d_tokens).
 void stencil_apply(const Image& src, const float* taps, bool transpose, const MutImage& dst, int64_t y0, int64_t y1,
                    bool accumulate);
+void stencil_apply(const ImageOf<double>& src, const double* taps, bool transpose, const MutImageOf<double>& dst,
+                   int64_t y0, int64_t y1, bool accumulate);
 // acc[tap][c] += sum_{y in [y0,y1), x} a(y + dy, x + dx, c) * b(y, x, c) (zero outside): the 3x3
 // per-channel correlation of a with b, i.e. dL/dtaps of stencil_apply(a, ·) for output gradient b.
 void stencil_reduce(const Image& a, const Image& b, float* acc, int64_t y0, int64_t y1);
+void stencil_reduce(const ImageOf<double>& a, const ImageOf<double>& b, double* acc, int64_t y0, int64_t y1);
 
 // Official gradient normalisation of one matrix G (rows x cols, row-major, row stride ld):
 // column j divided by (||G[:, j]||_2 + 1) when columns_are_groups, otherwise each row divided by

@@ -390,17 +390,6 @@ MutImage mut_image_of(const Tensor& cl, int64_t b) {
     return {cl.data_ptr<float>() + b * cl.stride(0), cl.stride(1), cl.stride(2), cl.size(1), cl.size(2), cl.size(3)};
 }
 
-struct GridTasks {
-    int64_t B, H, rows, chunks;
-    explicit GridTasks(int64_t B_, int64_t H_, int64_t W_)
-        : B(B_), H(H_), rows(std::max<int64_t>(1, kTokenBlock / std::max<int64_t>(W_, 1))),
-          chunks((H_ + rows - 1) / rows) {}
-    int64_t count() const { return B * chunks; }
-    int64_t sample(int64_t task) const { return task / chunks; }
-    int64_t y0(int64_t task) const { return (task % chunks) * rows; }
-    int64_t y1(int64_t task) const { return std::min(H, y0(task) + rows); }
-};
-
 // acc (B, 9, d) = Σ over the grid of stencil_reduce(a, b), chunk partials summed in fixed order.
 void grid_reduce(const Tensor& a, const Tensor& b, const GridTasks& g, int64_t d, float* acc) {
     std::vector<float> parts(g.count() * 9 * d, 0.0f);
@@ -447,7 +436,7 @@ void dwconv_updated_taps(const Tensor& w3, const float* G, int64_t B, int64_t d,
 Tensor dwconv_forward_cl(const Tensor& qc, const Tensor& kc, const Tensor& vc, const Tensor& w3f, double scale,
                          const Tensor& out) {
     const int64_t B = qc.size(0), H = qc.size(1), W = qc.size(2), d = qc.size(3);
-    const GridTasks g(B, H, W);
+    const GridTasks g(B, H, W, kTokenBlock);
     Tensor G = torch::empty({B, 9, d}, torch::kFloat32);
     grid_reduce(kc, vc, g, d, G.data_ptr<float>());
     G.mul_(-scale / static_cast<double>(H * W));
@@ -462,7 +451,7 @@ Tensor dwconv_forward_cl(const Tensor& qc, const Tensor& kc, const Tensor& vc, c
 Tensor dwconv_backward_cl(const Tensor& qc, const Tensor& kc, const Tensor& vc, const Tensor& w3f, const Tensor& G,
                           const Tensor& go, double scale, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
     const int64_t B = qc.size(0), H = qc.size(1), W = qc.size(2), d = qc.size(3);
-    const GridTasks g(B, H, W);
+    const GridTasks g(B, H, W, kTokenBlock);
     std::vector<float> taps(B * 9 * d), norms(B * d);
     dwconv_updated_taps(w3f, G.data_ptr<float>(), B, d, taps.data(), norms.data());
     grid_apply(go, taps.data(), true, dq, g, d);
