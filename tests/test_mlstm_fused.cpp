@@ -222,6 +222,59 @@ TEST(MlstmFused, StridedTokenMajorInputsMatchReference) {
     for (size_t t = 0; t < a.size(); ++t) EXPECT_TRUE(all_close(b[t], a[t], 1e-12, 1e-14)) << kNames[t];
 }
 
+TEST(MlstmFused, OutputNormFusedIntoTheWrite) {
+    // mlstm_normed: in inference the fused kernel normalises each (token, head) row as it writes it; with
+    // autograd the norm runs after the kernel. Both against the reference form followed by
+    // mlstm_output_norm, outputs and the gradients of every input including scale and shift.
+    const int64_t B = 2, NH = 3, S = 45, DH = 8, DV = 6;
+    auto in = make_inputs(B, NH, S, DH, DV, torch::kFloat64, 4321, 2.0);
+    torch::Tensor scale = (1.0 + 0.3 * torch::randn({NH * DV}, torch::kFloat64)).set_requires_grad(true);
+    torch::Tensor shift = (0.2 * torch::randn({NH * DV}, torch::kFloat64)).set_requires_grad(true);
+    const ops::MlstmOutputNorm norm{scale, shift, 1e-5};
+    auto probe = torch::randn({B, NH, S, DV}, torch::kFloat64);
+    auto run = [&](ops::Impl impl, const Inputs& x, const ops::MlstmOutputNorm& nrm) {
+        auto out = ops::mlstm_normed(x.q, x.k, x.v, x.i, x.f, nrm, ops::MlstmMode::Chunkwise, 16, ops::kMlstmEps, impl);
+        auto leaves = x.list();
+        leaves.push_back(nrm.scale);
+        leaves.push_back(nrm.shift);
+        auto grads = torch::autograd::grad({(out.to(torch::kFloat64) * probe).sum()}, leaves);
+        grads.insert(grads.begin(), out.detach());
+        return grads;
+    };
+    const auto ref = run(ops::Impl::Reference, in, norm);
+    // The reference path is the unfused norm itself: a manual per-row layer norm.
+    {
+        auto h = ops::mlstm(in.q, in.k, in.v, in.i, in.f, ops::MlstmMode::Chunkwise, 16).detach();
+        auto mean = h.mean(-1, true), var = h.var(-1, false, true);
+        auto manual = (h - mean) / torch::sqrt(var + 1e-5) * scale.detach().view({NH, 1, DV}) +
+                      shift.detach().view({NH, 1, DV});
+        EXPECT_TRUE(all_close(ref[0], manual, 1e-10, 1e-12));
+    }
+    for_each_simd_target([&](const SimdTarget&) {
+        const auto got = run(ops::Impl::Fused, in, norm);  // autograd: kernel, then the norm
+        for (size_t t = 0; t < ref.size(); ++t) EXPECT_TRUE(all_close(got[t], ref[t], 1e-9, 1e-11)) << "output " << t;
+        for (auto dtype : {torch::kFloat64, torch::kFloat32, torch::kBFloat16}) {
+            torch::NoGradGuard no_grad;  // inference: the norm inside the kernel's write
+            auto x = detached_copy(in, dtype);
+            const ops::MlstmOutputNorm nrm{scale.detach().to(dtype), shift.detach().to(dtype), 1e-5};
+            auto fused = ops::mlstm_normed(x.q, x.k, x.v, x.i, x.f, nrm, ops::MlstmMode::Chunkwise, 16,
+                                           ops::kMlstmEps, ops::Impl::Fused);
+            auto unfused = ops::mlstm_output_norm(
+                ops::mlstm(x.q, x.k, x.v, x.i, x.f, ops::MlstmMode::Chunkwise, 16, ops::kMlstmEps, ops::Impl::Fused),
+                nrm);
+            EXPECT_EQ(fused.scalar_type(), dtype);
+            EXPECT_TRUE(fused.transpose(1, 2).is_contiguous());  // token-major
+            const double tol = dtype == torch::kFloat64 ? 1e-12 : dtype == torch::kFloat32 ? 1e-5 : 1e-2;
+            if (dtype != torch::kBFloat16)  // bf16 inputs are rounded: against the unfused norm of the same only
+                EXPECT_LT(relative_error(fused, ref[0]), dtype == torch::kFloat64 ? 1e-10 : tol) << c10::toString(dtype);
+            EXPECT_LT(relative_error(fused, unfused), tol) << c10::toString(dtype);
+        }
+    });
+    EXPECT_THROW(ops::mlstm_normed(in.q, in.k, in.v, in.i, in.f, {scale.narrow(0, 0, 5), shift, 1e-5},
+                                   ops::MlstmMode::Chunkwise, 16, ops::kMlstmEps, ops::Impl::Fused),
+                 linvis::Error);
+}
+
 TEST(MlstmFused, SimdTargetsAgreeWithScalar) {
     auto in = make_inputs(1, 2, 90, 40, 20, torch::kFloat32, 31);
     auto probe = torch::randn({1, 2, 90, 20});

@@ -3,7 +3,6 @@
 #include "linvis/nn/vil.h"
 
 #include <cmath>
-#include <vector>
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
@@ -45,25 +44,15 @@ MultiHeadLayerNormImpl::MultiHeadLayerNormImpl(int64_t dim, double eps_) : eps(e
     bias = register_parameter("bias", torch::zeros({dim}));
 }
 
+ops::MlstmOutputNorm MultiHeadLayerNormImpl::as_output_norm() const {
+    return {1.0 + weight, bias, eps};
+}
+
 torch::Tensor MultiHeadLayerNormImpl::forward(const torch::Tensor& x) {
     LINVIS_CHECK(x.dim() == 4 && x.size(1) * x.size(3) == weight.size(0),
                  "MultiHeadLayerNorm: input: expected (B, NH, S, DH) with NH*DH = ", weight.size(0), ", got ",
                  shape_string(x.sizes()));
-    // The official group_norm over (B*S, NH*DH) with NH groups normalises each head's DH features of
-    // a token: the same statistics as a layer_norm over the last dim of (B, NH, S, DH), which needs
-    // no transpose copy and is several times faster on CPU. The affine is per channel (h, d).
-    // Token-major input ((B, S, NH, DH) memory, as the fused mLSTM writes it) is normalised in that layout
-    // and returned in it, so that the caller's transpose(1, 2).reshape to (B, S, NH * DH) is a view.
-    const int64_t NH = x.size(1), DH = x.size(3);
-    const bool token_major = x.transpose(1, 2).is_contiguous();
-    const torch::Tensor xs = token_major ? x.transpose(1, 2) : x;
-    const std::vector<int64_t> affine_shape = token_major ? std::vector<int64_t>{NH, DH} : std::vector<int64_t>{NH, 1, DH};
-    torch::Tensor normed = nn::layer_norm(xs, {DH}, torch::Tensor(), torch::Tensor(), eps);
-    const torch::Tensor scale = (1.0 + weight).view(affine_shape), shift = bias.view(affine_shape);
-    // In place: one elementwise pass bias + normed * scale written over normed.
-    torch::Tensor out = can_overwrite({normed, weight, bias}) ? torch::addcmul_out(normed, shift, normed, scale)
-                                                              : torch::addcmul(shift, normed, scale);
-    return token_major ? out.transpose(1, 2) : out;
+    return ops::mlstm_output_norm(x, as_output_norm());
 }
 
 LinearHeadwiseImpl::LinearHeadwiseImpl(int64_t dim, int64_t block_, ops::Impl impl_)
@@ -109,8 +98,12 @@ torch::Tensor MatrixLstmCellImpl::forward(const torch::Tensor& q, const torch::T
     torch::Tensor ig = gates.narrow(1, 0, num_heads);
     torch::Tensor fg = gates.narrow(1, num_heads, num_heads);
     auto heads = [&](const torch::Tensor& t) { return t.view({B, S, num_heads, DH}).transpose(1, 2); };
-    torch::Tensor h = ops::mlstm(heads(q), heads(k), heads(v), ig, fg, mode, chunk_size, ops::kMlstmEps, impl);
-    return outnorm->forward(h).transpose(1, 2).reshape({B, S, I});
+    // The output norm inside the op: the fused kernel applies it while writing h in inference. h is
+    // token-major there, so the reshape to (B, S, I) is a view.
+    const ops::MlstmOutputNorm norm = outnorm->as_output_norm();
+    torch::Tensor h = ops::mlstm_normed(heads(q), heads(k), heads(v), ig, fg, norm, mode, chunk_size, ops::kMlstmEps,
+                                        impl);
+    return h.transpose(1, 2).reshape({B, S, I});
 }
 
 VilLayerImpl::VilLayerImpl(int64_t dim, bool reversed_, ops::MlstmMode mode, int64_t chunk_size, ops::Impl impl)

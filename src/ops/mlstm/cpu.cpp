@@ -228,9 +228,17 @@ void chunk_outputs(const Head<T>& P, const ChunkGates<T>& G, int64_t t0, int64_t
     }
 }
 
-// h: S rows of DV with row stride ldh.
+// The output norm of one head (scale, shift: DV each; null scale: none).
 template <typename T>
-void forward_head(const Head<T>& P, T* h, int64_t ldh) {
+struct RowNorm {
+    const T* scale = nullptr;
+    const T* shift = nullptr;
+    T eps = 0;
+};
+
+// h: S rows of DV with row stride ldh, each normalised by `norm` when it has a scale.
+template <typename T>
+void forward_head(const Head<T>& P, T* h, int64_t ldh, const RowNorm<T>& norm) {
     const int64_t DH = P.DH, DV = P.DV, L = P.L;
     ChunkWork<T> w;
     w.reserve(L, DH, DV);
@@ -244,7 +252,23 @@ void forward_head(const Head<T>& P, T* h, int64_t ldh) {
         chunk_outputs(P, G, t0, Lc, st, w);
         for (int64_t i = 0; i < Lc; ++i) {
             const T inv = w.nrm[i];
-            for (int64_t e = 0; e < DV; ++e) h[(t0 + i) * ldh + e] = w.num[i * DV + e] / inv;
+            T* out = h + (t0 + i) * ldh;
+            if (norm.scale == nullptr) {
+                for (int64_t e = 0; e < DV; ++e) out[e] = w.num[i * DV + e] / inv;
+                continue;
+            }
+            // As torch.layer_norm: mean, then the biased variance of the centred row.
+            T* row = w.num.data() + i * DV;
+            T mean = 0;
+            for (int64_t e = 0; e < DV; ++e) {
+                row[e] /= inv;
+                mean += row[e];
+            }
+            mean /= static_cast<T>(DV);
+            T var = 0;
+            for (int64_t e = 0; e < DV; ++e) var += (row[e] - mean) * (row[e] - mean);
+            const T rstd = T(1) / std::sqrt(var / static_cast<T>(DV) + norm.eps);
+            for (int64_t e = 0; e < DV; ++e) out[e] = (row[e] - mean) * rstd * norm.scale[e] + norm.shift[e];
         }
         if (t0 + L < P.S) advance_state(P, G, t0, Lc, w.Ks.data(), st.C, st.n, st.m, st.argm, w.W.data());
     }
@@ -490,7 +514,9 @@ void count_flops(int64_t B, int64_t NH, int64_t S, int64_t DH, int64_t DV, int64
     flops::add(B * NH * (intra + inter));
 }
 
-torch::Tensor forward_impl(const Prepared& in, int64_t L, double eps) {
+// scale, shift: (NH * DV) contiguous in the compute dtype, or undefined for no output norm.
+torch::Tensor forward_impl(const Prepared& in, int64_t L, double eps, const torch::Tensor& scale = {},
+                           const torch::Tensor& shift = {}, double norm_eps = 0) {
     const int64_t B = in.q.size(0), NH = in.q.size(1), S = in.q.size(2), DV = in.v.size(3);
     torch::Tensor h = empty_token_major(B, NH, S, DV, in.q.options());
     if (S == 0 || B * NH == 0) return h;
@@ -499,7 +525,14 @@ torch::Tensor forward_impl(const Prepared& in, int64_t L, double eps) {
         at::parallel_for(0, B * NH, 1, [&](int64_t begin, int64_t end) {
             for (int64_t bh = begin; bh < end; ++bh) {
                 const int64_t b = bh / NH, hd = bh % NH;
-                forward_head(make_head<scalar_t>(in, b, hd, L, eps, kern), head_ptr<scalar_t>(h, b, hd), h.stride(2));
+                RowNorm<scalar_t> norm;
+                if (scale.defined()) {
+                    norm.scale = scale.data_ptr<scalar_t>() + hd * DV;
+                    norm.shift = shift.data_ptr<scalar_t>() + hd * DV;
+                    norm.eps = static_cast<scalar_t>(norm_eps);
+                }
+                forward_head(make_head<scalar_t>(in, b, hd, L, eps, kern), head_ptr<scalar_t>(h, b, hd), h.stride(2),
+                             norm);
             }
         });
     });
@@ -583,7 +616,7 @@ double mlstm_fused_gemm_gflops(int64_t L, int64_t DH, int64_t DV, double seconds
 
 torch::Tensor mlstm_chunkwise_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                     const torch::Tensor& igate_preact, const torch::Tensor& fgate_preact,
-                                    int64_t chunk_size, double eps) {
+                                    int64_t chunk_size, double eps, const MlstmOutputNorm* out_norm) {
     mlstm_checks::check_qkv(q, k, v);
     LINVIS_CHECK(q.device().is_cpu(), "mlstm (fused): only CPU tensors are supported, got ", q.device().str());
     LINVIS_CHECK(chunk_size > 0, "mlstm (fused): chunk_size: expected > 0, got ", chunk_size);
@@ -597,12 +630,23 @@ torch::Tensor mlstm_chunkwise_fused(const torch::Tensor& q, const torch::Tensor&
     torch::Tensor h;
     const bool needs_grad = torch::GradMode::is_enabled() &&
                             (in.q.requires_grad() || in.k.requires_grad() || in.v.requires_grad() ||
-                             in.ig.requires_grad() || in.fg.requires_grad());
+                             in.ig.requires_grad() || in.fg.requires_grad() ||
+                             (out_norm && (out_norm->scale.requires_grad() || out_norm->shift.requires_grad())));
+    if (out_norm && !needs_grad) {  // inference: each row normalised as it is written
+        const int64_t NH = q.size(1), DV = v.size(3);
+        LINVIS_CHECK(out_norm->scale.numel() == NH * DV && out_norm->shift.numel() == NH * DV,
+                     "mlstm output norm: scale and shift: expected NH * DHV = ", NH * DV, " elements, got ",
+                     out_norm->scale.numel(), " and ", out_norm->shift.numel());
+        return forward_impl(in, L, eps, out_norm->scale.to(compute).contiguous(),
+                            out_norm->shift.to(compute).contiguous(), out_norm->eps)
+            .to(q.scalar_type());
+    }
     if (needs_grad)
         h = MlstmChunkwiseFunction::apply(in.q, in.k, in.v, in.ig, in.fg, L, eps);
     else
         h = forward_impl(in, L, eps);  // inference: nothing is saved
-    return h.to(q.scalar_type());
+    h = h.to(q.scalar_type());
+    return out_norm ? mlstm_output_norm(h, *out_norm) : h;
 }
 
 }  // namespace linvis::ops::cpu
