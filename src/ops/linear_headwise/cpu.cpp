@@ -15,8 +15,11 @@ namespace {
 // Rows per parallel task: enough work per task to amortise the scheduling on small inputs.
 constexpr int64_t kRowGrain = 64;
 
+// y[n, h, o] = b[h O + o] + sum_i x[n, h, i] w[h, o, i], with the weight given transposed per head,
+// wt[h, i, o]: the o outputs of a head are then contiguous lanes (x[n, h, i] broadcast times a row of wt),
+// which the compiler vectorises; each output still sums b, then i = 0, 1, ... in order.
 template <typename T, int kO, int kI>
-void forward_rows(const T* x, int64_t ldx, const T* w, const T* b, T* y, int64_t N, int64_t H, int64_t O_,
+void forward_rows(const T* x, int64_t ldx, const T* wt, const T* b, T* y, int64_t N, int64_t H, int64_t O_,
                   int64_t I_) {
     const int64_t O = kO ? kO : O_, I = kI ? kI : I_;
     at::parallel_for(0, N, kRowGrain, [&](int64_t begin, int64_t end) {
@@ -25,11 +28,12 @@ void forward_rows(const T* x, int64_t ldx, const T* w, const T* b, T* y, int64_t
             T* yr = y + n * H * O;
             for (int64_t h = 0; h < H; ++h) {
                 const T* xh = xr + h * I;
-                const T* wh = w + h * O * I;
-                for (int64_t o = 0; o < O; ++o) {
-                    T acc = b[h * O + o];
-                    for (int64_t i = 0; i < I; ++i) acc += xh[i] * wh[o * I + i];
-                    yr[h * O + o] = acc;
+                const T* wth = wt + h * I * O;
+                T* yh = yr + h * O;
+                for (int64_t o = 0; o < O; ++o) yh[o] = b[h * O + o];
+                for (int64_t i = 0; i < I; ++i) {
+                    const T xi = xh[i];
+                    for (int64_t o = 0; o < O; ++o) yh[o] += xi * wth[i * O + o];
                 }
             }
         }
@@ -107,9 +111,10 @@ public:
         ctx->save_for_backward({x2d, weight});
         const int64_t N = x2d.size(0), H = weight.size(0), O = weight.size(1), I = weight.size(2);
         torch::Tensor y = torch::empty({N, H * O}, x2d.options());
+        const torch::Tensor wt = weight.transpose(1, 2).contiguous();  // (H, I, O), H * O * I elements
         AT_DISPATCH_FLOATING_TYPES(x2d.scalar_type(), "linear_headwise_fused", [&] {
             LINVIS_HEADWISE_CALL(forward_rows, scalar_t, O, I, x2d.data_ptr<scalar_t>(), x2d.stride(0),
-                                 weight.data_ptr<scalar_t>(),
+                                 wt.data_ptr<scalar_t>(),
                                  bias.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), N, H, O, I);
         });
         return y;

@@ -228,6 +228,20 @@ void chunk_outputs(const Head<T>& P, const ChunkGates<T>& G, int64_t t0, int64_t
     }
 }
 
+// sum_{e < n} f(e) with 8 independent partial sums: short dependency chains the compiler can
+// vectorise (a single float accumulator is one latency-bound chain).
+template <typename T, typename F>
+T lane_sum(int64_t n, F f) {
+    T acc[8] = {};
+    int64_t e = 0;
+    for (; e + 8 <= n; e += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += f(e + l);
+    T s = 0;
+    for (; e < n; ++e) s += f(e);
+    for (int l = 0; l < 8; ++l) s += acc[l];
+    return s;
+}
+
 // The output norm of one head (scale, shift: DV each; null scale: none).
 template <typename T>
 struct RowNorm {
@@ -259,15 +273,12 @@ void forward_head(const Head<T>& P, T* h, int64_t ldh, const RowNorm<T>& norm) {
             }
             // As torch.layer_norm: mean, then the biased variance of the centred row.
             T* row = w.num.data() + i * DV;
-            T mean = 0;
-            for (int64_t e = 0; e < DV; ++e) {
-                row[e] /= inv;
-                mean += row[e];
-            }
-            mean /= static_cast<T>(DV);
-            T var = 0;
-            for (int64_t e = 0; e < DV; ++e) var += (row[e] - mean) * (row[e] - mean);
-            const T rstd = T(1) / std::sqrt(var / static_cast<T>(DV) + norm.eps);
+            const T r = T(1) / inv;
+            for (int64_t e = 0; e < DV; ++e) row[e] *= r;
+            const T mean = lane_sum<T>(DV, [row](int64_t e) { return row[e]; }) / static_cast<T>(DV);
+            const T var = lane_sum<T>(DV, [row, mean](int64_t e) { return (row[e] - mean) * (row[e] - mean); }) /
+                          static_cast<T>(DV);
+            const T rstd = T(1) / std::sqrt(var + norm.eps);
             for (int64_t e = 0; e < DV; ++e) out[e] = (row[e] - mean) * rstd * norm.scale[e] + norm.shift[e];
         }
         if (t0 + L < P.S) advance_state(P, G, t0, Lc, w.Ks.data(), st.C, st.n, st.m, st.argm, w.W.data());
