@@ -3,6 +3,7 @@
 // (the unrolled path) and other block shapes (the generic path), no bias, strided input, finite
 // differences, and the errors for bad shapes.
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -100,6 +101,38 @@ TEST(LinearHeadwise, StridedInputIsReadCorrectly) {
     torch::Tensor w = torch::randn({4, 4, 4}), b = torch::randn({16});
     EXPECT_TRUE(all_close(ops::linear_headwise(half, w, b, ops::Impl::Fused),
                           ops::linear_headwise(half.contiguous(), w, b, ops::Impl::Reference), 1e-5, 1e-6));
+}
+
+TEST(LinearHeadwise, StridedInputGradientsMatchReference) {
+    // Row-strided input (a chunk of a wider leaf: read in place) and leading dims that do not merge into one
+    // row stride (a transposed view: copied first); outputs and the gradients of the wider leaf, w and b.
+    torch::manual_seed(8);
+    const torch::Tensor wide0 = torch::randn({3, 7, 40}, torch::kFloat64);
+    const torch::Tensor w0 = torch::randn({4, 4, 4}, torch::kFloat64), b0 = torch::randn({16}, torch::kFloat64);
+    const torch::Tensor probe = torch::randn({7, 3, 16}, torch::kFloat64);
+    using View = torch::Tensor (*)(const torch::Tensor&);
+    const std::vector<std::pair<const char*, View>> views = {
+        {"chunk", [](const torch::Tensor& t) { return t.narrow(-1, 8, 16); }},
+        {"transposed chunk", [](const torch::Tensor& t) { return t.narrow(-1, 8, 16).transpose(0, 1); }}};
+    for (const auto& [name, view] : views) {
+        for (auto dtype : {torch::kFloat64, torch::kFloat32}) {
+            SCOPED_TRACE(std::string(name) + " " + c10::toString(dtype));
+            std::vector<std::vector<torch::Tensor>> results;
+            for (auto impl : {ops::Impl::Reference, ops::Impl::Fused}) {
+                auto leaf = [dtype](const torch::Tensor& t) { return t.to(dtype).clone().set_requires_grad(true); };
+                torch::Tensor wide = leaf(wide0), w = leaf(w0), b = leaf(b0);
+                torch::Tensor x = view(wide);
+                ASSERT_FALSE(x.is_contiguous());
+                torch::Tensor y = ops::linear_headwise(x, w, b, impl);
+                torch::Tensor p = x.size(0) == 7 ? probe : probe.transpose(0, 1);
+                (y.to(torch::kFloat64) * p).sum().backward();
+                results.push_back({y.detach(), wide.grad(), w.grad(), b.grad()});
+            }
+            const double tol = dtype == torch::kFloat64 ? 1e-12 : 1e-5;
+            for (size_t t = 0; t < results[0].size(); ++t)
+                EXPECT_TRUE(all_close(results[1][t], results[0][t], tol, tol * 10)) << "output " << t;
+        }
+    }
 }
 
 TEST(LinearHeadwise, NoGradModeGivesSameOutput) {

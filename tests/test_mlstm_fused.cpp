@@ -157,6 +157,124 @@ TEST(MlstmFused, Float64MatchesReferenceOnEveryTarget) {
     });
 }
 
+namespace {
+
+// ViL's layout: q, k, v are heads of token-major (B, S, NH * D) chunks of one wider leaf (the
+// (B, S, NH, D)-as-(B, NH, S, D) view: token stride NH * D or wider, head stride D), the gates a
+// transposed (B, S, 2 NH) leaf. Returns h and the gradients of sum(h * probe) w.r.t. the two leaves,
+// probe given token-major (B, S, NH * DV) so that dh arrives token-major too.
+std::vector<torch::Tensor> strided_output_and_grads(const torch::Tensor& wide0, const torch::Tensor& gates0,
+                                                    int64_t NH, int64_t DH, int64_t DV, int64_t chunk,
+                                                    ops::MlstmMode mode, ops::Impl impl, const torch::Tensor& probe,
+                                                    torch::Dtype dtype) {
+    torch::Tensor wide = wide0.to(dtype).clone().set_requires_grad(true);
+    torch::Tensor gates = gates0.to(dtype).clone().set_requires_grad(true);
+    const int64_t B = wide.size(0), S = wide.size(1);
+    auto heads = [&](int64_t offset, int64_t D) {
+        return wide.narrow(2, offset, NH * D).view({B, S, NH, D}).transpose(1, 2);
+    };
+    torch::Tensor q = heads(0, DH), k = heads(NH * DH + 3, DH), v = heads(2 * NH * DH + 5, DV);
+    torch::Tensor g = gates.transpose(1, 2).unsqueeze(-1);  // (B, 2 NH, S, 1), token stride 2 NH
+    EXPECT_FALSE(q.is_contiguous());
+    torch::Tensor h = ops::mlstm(q, k, v, g.narrow(1, 0, NH), g.narrow(1, NH, NH), mode, chunk, ops::kMlstmEps, impl);
+    torch::Tensor tokens = h.transpose(1, 2).reshape({B, S, NH * DV});
+    auto grads = torch::autograd::grad({(tokens.to(torch::kFloat64) * probe).sum()}, {wide, gates});
+    return {h.detach(), grads[0], grads[1]};
+}
+
+}  // namespace
+
+TEST(MlstmFused, StridedTokenMajorInputsMatchReference) {
+    const int64_t B = 2, NH = 3, S = 70, DH = 8, DV = 6;
+    torch::manual_seed(1234);
+    // Gaps between and after the q, k, v chunks: token stride 2 NH DH + NH DV + 9.
+    const int64_t width = 2 * NH * DH + NH * DV + 9;
+    torch::Tensor wide = torch::randn({B, S, width}, torch::kFloat64);
+    torch::Tensor gates = torch::cat({2.0 * torch::randn({B, S, NH}, torch::kFloat64),
+                                      2.0 + 2.0 * torch::randn({B, S, NH}, torch::kFloat64)}, -1);
+    torch::Tensor probe = torch::randn({B, S, NH * DV}, torch::kFloat64);
+    const char* names[] = {"h", "d(q, k, v leaf)", "d(gates leaf)"};
+    const auto truth = strided_output_and_grads(wide, gates, NH, DH, DV, 16, ops::MlstmMode::Parallel,
+                                                ops::Impl::Reference, probe, torch::kFloat64);
+    for_each_simd_target([&](const SimdTarget&) {
+        for (int64_t chunk : {16, 64}) {
+            const auto got64 = strided_output_and_grads(wide, gates, NH, DH, DV, chunk, ops::MlstmMode::Chunkwise,
+                                                        ops::Impl::Fused, probe, torch::kFloat64);
+            const auto got32 = strided_output_and_grads(wide, gates, NH, DH, DV, chunk, ops::MlstmMode::Chunkwise,
+                                                        ops::Impl::Fused, probe, torch::kFloat32);
+            // The fused kernel writes h token-major: (B, S, NH, DV) memory.
+            EXPECT_TRUE(got64[0].transpose(1, 2).is_contiguous());
+            for (size_t t = 0; t < truth.size(); ++t) {
+                EXPECT_TRUE(all_close(got64[t], truth[t], 1e-9, 1e-11)) << names[t] << " chunk " << chunk;
+                EXPECT_LT(relative_error(got32[t], truth[t]), 1e-4) << names[t] << " chunk " << chunk;
+            }
+        }
+    });
+    // Contiguous copies of the same inputs give the same numbers as the strided views.
+    auto c = make_inputs(B, NH, S, DH, DV, torch::kFloat64, 99);
+    auto strided = [&](const torch::Tensor& t) {  // same values, token-major memory
+        return t.detach().transpose(1, 2).contiguous().transpose(1, 2).set_requires_grad(true);
+    };
+    Inputs s{strided(c.q), strided(c.k), strided(c.v), strided(c.i), strided(c.f)};
+    auto probe4 = torch::randn({B, NH, S, DV}, torch::kFloat64);
+    auto a = output_and_grads(c, ops::MlstmMode::Chunkwise, 16, ops::Impl::Fused, probe4);
+    auto b = output_and_grads(s, ops::MlstmMode::Chunkwise, 16, ops::Impl::Fused, probe4);
+    for (size_t t = 0; t < a.size(); ++t) EXPECT_TRUE(all_close(b[t], a[t], 1e-12, 1e-14)) << kNames[t];
+}
+
+TEST(MlstmFused, OutputNormFusedIntoTheWrite) {
+    // mlstm_normed: in inference the fused kernel normalises each (token, head) row as it writes it; with
+    // autograd the norm runs after the kernel. Both against the reference form followed by
+    // mlstm_output_norm, outputs and the gradients of every input including scale and shift.
+    const int64_t B = 2, NH = 3, S = 45, DH = 8, DV = 6;
+    auto in = make_inputs(B, NH, S, DH, DV, torch::kFloat64, 4321, 2.0);
+    torch::Tensor scale = (1.0 + 0.3 * torch::randn({NH * DV}, torch::kFloat64)).set_requires_grad(true);
+    torch::Tensor shift = (0.2 * torch::randn({NH * DV}, torch::kFloat64)).set_requires_grad(true);
+    const ops::MlstmOutputNorm norm{scale, shift, 1e-5};
+    auto probe = torch::randn({B, NH, S, DV}, torch::kFloat64);
+    auto run = [&](ops::Impl impl, const Inputs& x, const ops::MlstmOutputNorm& nrm) {
+        auto out = ops::mlstm_normed(x.q, x.k, x.v, x.i, x.f, nrm, ops::MlstmMode::Chunkwise, 16, ops::kMlstmEps, impl);
+        auto leaves = x.list();
+        leaves.push_back(nrm.scale);
+        leaves.push_back(nrm.shift);
+        auto grads = torch::autograd::grad({(out.to(torch::kFloat64) * probe).sum()}, leaves);
+        grads.insert(grads.begin(), out.detach());
+        return grads;
+    };
+    const auto ref = run(ops::Impl::Reference, in, norm);
+    // The reference path is the unfused norm itself: a manual per-row layer norm.
+    {
+        auto h = ops::mlstm(in.q, in.k, in.v, in.i, in.f, ops::MlstmMode::Chunkwise, 16).detach();
+        auto mean = h.mean(-1, true), var = h.var(-1, false, true);
+        auto manual = (h - mean) / torch::sqrt(var + 1e-5) * scale.detach().view({NH, 1, DV}) +
+                      shift.detach().view({NH, 1, DV});
+        EXPECT_TRUE(all_close(ref[0], manual, 1e-10, 1e-12));
+    }
+    for_each_simd_target([&](const SimdTarget&) {
+        const auto got = run(ops::Impl::Fused, in, norm);  // autograd: kernel, then the norm
+        for (size_t t = 0; t < ref.size(); ++t) EXPECT_TRUE(all_close(got[t], ref[t], 1e-9, 1e-11)) << "output " << t;
+        for (auto dtype : {torch::kFloat64, torch::kFloat32, torch::kBFloat16}) {
+            torch::NoGradGuard no_grad;  // inference: the norm inside the kernel's write
+            auto x = detached_copy(in, dtype);
+            const ops::MlstmOutputNorm nrm{scale.detach().to(dtype), shift.detach().to(dtype), 1e-5};
+            auto fused = ops::mlstm_normed(x.q, x.k, x.v, x.i, x.f, nrm, ops::MlstmMode::Chunkwise, 16,
+                                           ops::kMlstmEps, ops::Impl::Fused);
+            auto unfused = ops::mlstm_output_norm(
+                ops::mlstm(x.q, x.k, x.v, x.i, x.f, ops::MlstmMode::Chunkwise, 16, ops::kMlstmEps, ops::Impl::Fused),
+                nrm);
+            EXPECT_EQ(fused.scalar_type(), dtype);
+            EXPECT_TRUE(fused.transpose(1, 2).is_contiguous());  // token-major
+            const double tol = dtype == torch::kFloat64 ? 1e-12 : dtype == torch::kFloat32 ? 1e-5 : 1e-2;
+            if (dtype != torch::kBFloat16)  // bf16 inputs are rounded: against the unfused norm of the same only
+                EXPECT_LT(relative_error(fused, ref[0]), dtype == torch::kFloat64 ? 1e-10 : tol) << c10::toString(dtype);
+            EXPECT_LT(relative_error(fused, unfused), tol) << c10::toString(dtype);
+        }
+    });
+    EXPECT_THROW(ops::mlstm_normed(in.q, in.k, in.v, in.i, in.f, {scale.narrow(0, 0, 5), shift, 1e-5},
+                                   ops::MlstmMode::Chunkwise, 16, ops::kMlstmEps, ops::Impl::Fused),
+                 linvis::Error);
+}
+
 TEST(MlstmFused, SimdTargetsAgreeWithScalar) {
     auto in = make_inputs(1, 2, 90, 40, 20, torch::kFloat32, 31);
     auto probe = torch::randn({1, 2, 90, 20});

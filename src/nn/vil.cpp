@@ -45,18 +45,15 @@ MultiHeadLayerNormImpl::MultiHeadLayerNormImpl(int64_t dim, double eps_) : eps(e
     bias = register_parameter("bias", torch::zeros({dim}));
 }
 
+ops::MlstmOutputNorm MultiHeadLayerNormImpl::as_output_norm() const {
+    return {1.0 + weight, bias, eps};
+}
+
 torch::Tensor MultiHeadLayerNormImpl::forward(const torch::Tensor& x) {
     LINVIS_CHECK(x.dim() == 4 && x.size(1) * x.size(3) == weight.size(0),
                  "MultiHeadLayerNorm: input: expected (B, NH, S, DH) with NH*DH = ", weight.size(0), ", got ",
                  shape_string(x.sizes()));
-    // The official group_norm over (B*S, NH*DH) with NH groups normalises each head's DH features of
-    // a token: the same statistics as a layer_norm over the last dim of (B, NH, S, DH), which needs
-    // no transpose copy and is several times faster on CPU. The affine is per channel (h, d).
-    const int64_t NH = x.size(1), DH = x.size(3);
-    torch::Tensor normed = nn::layer_norm(x, {DH}, torch::Tensor(), torch::Tensor(), eps);
-    if (can_overwrite({normed, weight, bias}))
-        return normed.mul_(1.0 + weight.view({NH, 1, DH})).add_(bias.view({NH, 1, DH}));
-    return torch::addcmul(bias.view({NH, 1, DH}), normed, 1.0 + weight.view({NH, 1, DH}));
+    return ops::mlstm_output_norm(x, as_output_norm());
 }
 
 LinearHeadwiseImpl::LinearHeadwiseImpl(int64_t dim, int64_t block_, ops::Impl impl_)
@@ -102,8 +99,12 @@ torch::Tensor MatrixLstmCellImpl::forward(const torch::Tensor& q, const torch::T
     torch::Tensor ig = gates.narrow(1, 0, num_heads);
     torch::Tensor fg = gates.narrow(1, num_heads, num_heads);
     auto heads = [&](const torch::Tensor& t) { return t.view({B, S, num_heads, DH}).transpose(1, 2); };
-    torch::Tensor h = ops::mlstm(heads(q), heads(k), heads(v), ig, fg, mode, chunk_size, ops::kMlstmEps, impl);
-    return outnorm->forward(h).transpose(1, 2).reshape({B, S, I});
+    // The output norm inside the op: the fused kernel applies it while writing h in inference. h is
+    // token-major there, so the reshape to (B, S, I) is a view.
+    const ops::MlstmOutputNorm norm = outnorm->as_output_norm();
+    torch::Tensor h = ops::mlstm_normed(heads(q), heads(k), heads(v), ig, fg, norm, mode, chunk_size, ops::kMlstmEps,
+                                        impl);
+    return h.transpose(1, 2).reshape({B, S, I});
 }
 
 VilLayerImpl::VilLayerImpl(int64_t dim, bool reversed_, ops::MlstmMode mode, int64_t chunk_size, ops::Impl impl)

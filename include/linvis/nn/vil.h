@@ -28,11 +28,13 @@ public:
 TORCH_MODULE(ResidualLayerNorm);
 
 // MultiHeadLayerNorm (1.9): (B, NH, S, DH) -> group_norm over each head's DH features of every
-// token (biased variance), affine weight 1 + weight and bias of length NH * DH.
+// token (biased variance), affine weight 1 + weight and bias of length NH * DH: ops::mlstm_output_norm
+// with as_output_norm(), which the mLSTM cell hands to ops::mlstm_normed (fused in inference).
 class MultiHeadLayerNormImpl : public torch::nn::Module {
 public:
     MultiHeadLayerNormImpl(int64_t dim, double eps);
     torch::Tensor forward(const torch::Tensor& x);
+    ops::MlstmOutputNorm as_output_norm() const;
     torch::Tensor weight, bias;
     double eps;
 };

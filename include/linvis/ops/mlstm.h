@@ -4,7 +4,10 @@
 //
 // Shapes: q, k (B, NH, S, DHQK); v (B, NH, S, DHV); the gate pre-activations igate / fgate are
 // (B, NH, S, 1) as in the official code (B, NH, S is accepted too). Outputs h are (B, NH, S, DHV)
-// in the dtype of q. All functions are plain LibTorch ops with autograd and count their matrix
+// in the dtype of q. Any strides: the fused kernel reads q, k, v (unit stride along D) and the gates
+// through their strides, so the heads of token-major (B, S, NH * D) memory, e.g. a chunk of a wider
+// projection viewed as (B, S, NH, D) and transposed, need no copy; it writes h token-major
+// ((B, S, NH, DHV) memory), so that h.transpose(1, 2).reshape({B, S, NH * DHV}) is a view. All functions are plain LibTorch ops with autograd and count their matrix
 // products with linvis::flops. Spec: shared/spec/vil_official.md sections 1.7 and 4.
 //
 // The key is scaled by 1/sqrt(DHQK) before it is used, in every form, as ViL's
@@ -32,6 +35,18 @@
 namespace linvis::ops {
 
 enum class MlstmMode { Parallel, Chunkwise, Recurrent };
+
+// ViL's per-head LayerNorm of the output (MultiHeadLayerNorm, spec 1.9): every (token, head) row of
+// DHV features is normalised (mean, biased variance, eps) and then scaled and shifted per channel,
+// out[b, h, s, e] = normalised[b, h, s, e] * scale[h DHV + e] + shift[h DHV + e]; scale, shift (NH * DHV).
+struct MlstmOutputNorm {
+    torch::Tensor scale, shift;
+    double eps = 1e-5;
+};
+
+// That norm of h (B, NH, S, DHV) with LibTorch ops (autograd; bf16 / f16 normalised in float32 and
+// rounded once). Token-major h is normalised in its layout and returned token-major.
+torch::Tensor mlstm_output_norm(const torch::Tensor& h, const MlstmOutputNorm& norm);
 
 // "parallel" | "chunkwise" | "recurrent"; throws linvis::Error for anything else.
 MlstmMode parse_mlstm_mode(const std::string& name);
@@ -98,6 +113,13 @@ torch::Tensor mlstm_chunkwise(const torch::Tensor& q, const torch::Tensor& k, co
                               const torch::Tensor& igate_preact, const torch::Tensor& fgate_preact,
                               int64_t chunk_size = kMlstmDefaultChunkSize, double eps = kMlstmEps,
                               Impl impl = Impl::Auto);
+
+// mlstm_output_norm(mlstm(...), norm) (ViL's cell output). The fused chunkwise kernel normalises each
+// row while it writes h when autograd records nothing (inference): no separate pass over h.
+torch::Tensor mlstm_normed(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                           const torch::Tensor& igate_preact, const torch::Tensor& fgate_preact,
+                           const MlstmOutputNorm& norm, MlstmMode mode, int64_t chunk_size = kMlstmDefaultChunkSize,
+                           double eps = kMlstmEps, Impl impl = Impl::Auto);
 
 // Dispatch on mode; chunk_size is used by the chunkwise form only. impl = Impl::Fused exists for
 // the chunkwise form only: with mode parallel or recurrent it throws linvis::Error (no silent

@@ -1,6 +1,7 @@
 // Fused CPU head-wise linear: one pass over the rows for the forward and for the input gradient,
 // and a pass per group of heads for the weight and bias gradients. No layout copies (x is read in
-// its (N, H, I) layout) and no batched GEMM of tiny blocks; see linvis/ops/linear_headwise.h.
+// its (N, H, I) layout, row n at x + n * ldx, so a chunk of a wider tensor is read in place) and no
+// batched GEMM of tiny blocks; see linvis/ops/linear_headwise.h.
 #include "ops/linear_headwise/cpu.h"
 
 #include <ATen/Dispatch.h>
@@ -14,20 +15,25 @@ namespace {
 // Rows per parallel task: enough work per task to amortise the scheduling on small inputs.
 constexpr int64_t kRowGrain = 64;
 
+// y[n, h, o] = b[h O + o] + sum_i x[n, h, i] w[h, o, i], with the weight given transposed per head,
+// wt[h, i, o]: the o outputs of a head are then contiguous lanes (x[n, h, i] broadcast times a row of wt),
+// which the compiler vectorises; each output still sums b, then i = 0, 1, ... in order.
 template <typename T, int kO, int kI>
-void forward_rows(const T* x, const T* w, const T* b, T* y, int64_t N, int64_t H, int64_t O_, int64_t I_) {
+void forward_rows(const T* x, int64_t ldx, const T* wt, const T* b, T* y, int64_t N, int64_t H, int64_t O_,
+                  int64_t I_) {
     const int64_t O = kO ? kO : O_, I = kI ? kI : I_;
     at::parallel_for(0, N, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t n = begin; n < end; ++n) {
-            const T* xr = x + n * H * I;
+            const T* xr = x + n * ldx;
             T* yr = y + n * H * O;
             for (int64_t h = 0; h < H; ++h) {
                 const T* xh = xr + h * I;
-                const T* wh = w + h * O * I;
-                for (int64_t o = 0; o < O; ++o) {
-                    T acc = b[h * O + o];
-                    for (int64_t i = 0; i < I; ++i) acc += xh[i] * wh[o * I + i];
-                    yr[h * O + o] = acc;
+                const T* wth = wt + h * I * O;
+                T* yh = yr + h * O;
+                for (int64_t o = 0; o < O; ++o) yh[o] = b[h * O + o];
+                for (int64_t i = 0; i < I; ++i) {
+                    const T xi = xh[i];
+                    for (int64_t o = 0; o < O; ++o) yh[o] += xi * wth[i * O + o];
                 }
             }
         }
@@ -58,7 +64,8 @@ void input_grad_rows(const T* dy, const T* w, T* dx, int64_t N, int64_t H, int64
 // dw[h, o, i] = sum_n dy[n, h, o] x[n, h, i];  db[h O + o] = sum_n dy[n, h, o]. Parallel over heads,
 // so each task owns its slice of dw / db and sums over all rows in the same order on any thread count.
 template <typename T, int kO, int kI>
-void weight_grad_heads(const T* dy, const T* x, T* dw, T* db, int64_t N, int64_t H, int64_t O_, int64_t I_) {
+void weight_grad_heads(const T* dy, const T* x, int64_t ldx, T* dw, T* db, int64_t N, int64_t H, int64_t O_,
+                       int64_t I_) {
     const int64_t O = kO ? kO : O_, I = kI ? kI : I_;
     at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
         std::fill(dw + begin * O * I, dw + end * O * I, T(0));
@@ -67,7 +74,7 @@ void weight_grad_heads(const T* dy, const T* x, T* dw, T* db, int64_t N, int64_t
         // task's accumulators stay in cache; each entry still sums over n in ascending order.
         for (int64_t n = 0; n < N; ++n) {
             const T* dyr = dy + n * H * O;
-            const T* xr = x + n * H * I;
+            const T* xr = x + n * ldx;
             for (int64_t h = begin; h < end; ++h) {
                 const T* dyh = dyr + h * O;
                 const T* xh = xr + h * I;
@@ -90,9 +97,11 @@ torch::ScalarType compute_type(const torch::Tensor& x) {
     return x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
 }
 
-// x as (N, H * I) rows in the compute dtype, contiguous.
+// x as (N, H * I) rows in the compute dtype with unit column stride. reshape keeps a view when the leading
+// dims merge into one row stride (a chunk of a wider tensor does); a copy only when they do not.
 torch::Tensor rows(const torch::Tensor& x, torch::ScalarType type) {
-    return x.to(type).contiguous().view({-1, x.size(-1)});
+    torch::Tensor r = x.to(type).reshape({-1, x.size(-1)});
+    return r.size(1) <= 1 || r.stride(1) == 1 ? r : r.contiguous();
 }
 
 class LinearHeadwiseFunction : public torch::autograd::Function<LinearHeadwiseFunction> {
@@ -102,8 +111,10 @@ public:
         ctx->save_for_backward({x2d, weight});
         const int64_t N = x2d.size(0), H = weight.size(0), O = weight.size(1), I = weight.size(2);
         torch::Tensor y = torch::empty({N, H * O}, x2d.options());
+        const torch::Tensor wt = weight.transpose(1, 2).contiguous();  // (H, I, O), H * O * I elements
         AT_DISPATCH_FLOATING_TYPES(x2d.scalar_type(), "linear_headwise_fused", [&] {
-            LINVIS_HEADWISE_CALL(forward_rows, scalar_t, O, I, x2d.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+            LINVIS_HEADWISE_CALL(forward_rows, scalar_t, O, I, x2d.data_ptr<scalar_t>(), x2d.stride(0),
+                                 wt.data_ptr<scalar_t>(),
                                  bias.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), N, H, O, I);
         });
         return y;
@@ -119,7 +130,7 @@ public:
         torch::Tensor dx, dw, db;
         AT_DISPATCH_FLOATING_TYPES(x2d.scalar_type(), "linear_headwise_fused_backward", [&] {
             if (ctx->needs_input_grad(0)) {
-                dx = torch::empty_like(x2d);
+                dx = torch::empty({N, H * I}, x2d.options());
                 LINVIS_HEADWISE_CALL(input_grad_rows, scalar_t, O, I, dy.data_ptr<scalar_t>(),
                                      weight.data_ptr<scalar_t>(), dx.data_ptr<scalar_t>(), N, H, O, I);
             }
@@ -127,7 +138,7 @@ public:
                 dw = torch::empty_like(weight);
                 db = torch::empty({H * O}, weight.options());
                 LINVIS_HEADWISE_CALL(weight_grad_heads, scalar_t, O, I, dy.data_ptr<scalar_t>(),
-                                     x2d.data_ptr<scalar_t>(), dw.data_ptr<scalar_t>(),
+                                     x2d.data_ptr<scalar_t>(), x2d.stride(0), dw.data_ptr<scalar_t>(),
                                      db.data_ptr<scalar_t>(), N, H, O, I);
             }
         });

@@ -55,13 +55,16 @@ T log_sigmoid(T x) {
 // ---------------------------------------------------------------------------------------------
 // Per (batch, head) problem.
 
+// Every sequence is read through its token stride (row t of q at q + t * ldq, unit stride inside a
+// row), so a head of token-major (B, S, NH, D) memory or a chunk of a wider tensor needs no copy.
 template <typename T>
 struct Head {
-    const T* q;   // S x DH
-    const T* k;   // S x DH (unscaled)
-    const T* v;   // S x DV
-    const T* ig;  // S
-    const T* fg;  // S
+    const T* q;   // S rows of DH, row stride ldq
+    const T* k;   // S rows of DH (unscaled), row stride ldk
+    const T* v;   // S rows of DV, row stride ldv
+    const T* ig;  // S, stride ldi
+    const T* fg;  // S, stride ldf
+    int64_t ldq, ldk, ldv, ldi, ldf;
     int64_t S, DH, DV, L;
     T eps;
     Gemm gemm;
@@ -79,12 +82,12 @@ struct ChunkGates {
         a.resize(Lc);
         T acc = 0;
         for (int64_t j = 0; j < Lc; ++j) {
-            lf[j] = log_sigmoid(P.fg[t0 + j]);
+            lf[j] = log_sigmoid(P.fg[(t0 + j) * P.ldf]);
             acc += lf[j];
             b[j] = acc;
         }
         g = b[Lc - 1];
-        for (int64_t j = 0; j < Lc; ++j) a[j] = g - b[j] + P.ig[t0 + j];
+        for (int64_t j = 0; j < Lc; ++j) a[j] = g - b[j] + P.ig[(t0 + j) * P.ldi];
     }
 };
 
@@ -102,8 +105,10 @@ struct StateRef {
 template <typename T>
 void scaled_keys(const Head<T>& P, int64_t t0, int64_t Lc, T* Ks) {
     const T sq = static_cast<T>(std::sqrt(static_cast<double>(P.DH)));
-    const T* k = P.k + t0 * P.DH;
-    for (int64_t x = 0; x < Lc * P.DH; ++x) Ks[x] = k[x] / sq;
+    for (int64_t j = 0; j < Lc; ++j) {
+        const T* k = P.k + (t0 + j) * P.ldk;
+        for (int64_t d = 0; d < P.DH; ++d) Ks[j * P.DH + d] = k[d] / sq;
+    }
 }
 
 // State after the chunk from the state before it (in place): m' = max(g + m, max_j a_j),
@@ -129,7 +134,7 @@ void advance_state(const Head<T>& P, const ChunkGates<T>& G, int64_t t0, int64_t
         }
     }
     // C += W^T V: A(i = d, p = j) = W[j * DH + d].
-    P.gemm(DH, DV, Lc, W, 1, DH, P.v + t0 * DV, DV, C, DV, true);
+    P.gemm(DH, DV, Lc, W, 1, DH, P.v + t0 * P.ldv, P.ldv, C, DV, true);
     m = m_next;
     argm = arg_next;
 }
@@ -168,22 +173,23 @@ template <typename T>
 void chunk_outputs(const Head<T>& P, const ChunkGates<T>& G, int64_t t0, int64_t Lc, const StateRef<T>& st,
                    ChunkWork<T>& w) {
     const int64_t DH = P.DH, DV = P.DV, L = P.L;  // L: leading dimension of the chunk matrices
-    const T* q = P.q + t0 * DH;
+    const T* q = P.q + t0 * P.ldq;
+    const int64_t ldq = P.ldq;
     transpose(w.Ks.data(), Lc, DH, DH, w.Kt.data(), L);
     // S = Q Ks^T (Lc x Lc), into Sm; masked and weighted below. Causal: a block of rows
     // [r0, r0 + kRowBlock) needs only the columns j < r0 + kRowBlock.
     for (int64_t r0 = 0; r0 < Lc; r0 += kRowBlock) {
         const int64_t rows = std::min(kRowBlock, Lc - r0);
-        P.gemm(rows, r0 + rows, DH, q + r0 * DH, DH, 1, w.Kt.data(), L, w.Sm.data() + r0 * L, L, false);
+        P.gemm(rows, r0 + rows, DH, q + r0 * ldq, ldq, 1, w.Kt.data(), L, w.Sm.data() + r0 * L, L, false);
     }
-    const T* ig = P.ig + t0;
+    const T* ig = P.ig + t0 * P.ldi;
     for (int64_t i = 0; i < Lc; ++i) {
         T* Drow = w.D.data() + i * L;
         T* Srow = w.Sm.data() + i * L;
         T m_intra = -std::numeric_limits<T>::infinity();
         int64_t jmax = 0;
         for (int64_t j = 0; j <= i; ++j) {
-            Drow[j] = (G.b[i] - G.b[j]) + ig[j];  // log D_ij, as the reference: (b_i - b_j) + i_j
+            Drow[j] = (G.b[i] - G.b[j]) + ig[j * P.ldi];  // log D_ij, as the reference: (b_i - b_j) + i_j
             if (Drow[j] > m_intra) {
                 m_intra = Drow[j];
                 jmax = j;
@@ -207,7 +213,7 @@ void chunk_outputs(const Head<T>& P, const ChunkGates<T>& G, int64_t t0, int64_t
         T* qb = w.Qbar.data() + i * DH;
         T qn = 0;
         for (int64_t d = 0; d < DH; ++d) {
-            qb[d] = q[i * DH + d] * w.beta[i];
+            qb[d] = q[i * ldq + d] * w.beta[i];
             qn += qb[d] * st.n[d];
         }
         w.den[i] = qn + rowsum;
@@ -217,12 +223,36 @@ void chunk_outputs(const Head<T>& P, const ChunkGates<T>& G, int64_t t0, int64_t
     P.gemm(Lc, DV, DH, w.Qbar.data(), DH, 1, st.C, DV, w.num.data(), DV, false);
     for (int64_t r0 = 0; r0 < Lc; r0 += kRowBlock) {  // Sm is zero right of the diagonal
         const int64_t rows = std::min(kRowBlock, Lc - r0);
-        P.gemm(rows, DV, r0 + rows, w.Sm.data() + r0 * L, L, 1, P.v + t0 * DV, DV, w.num.data() + r0 * DV, DV, true);
+        P.gemm(rows, DV, r0 + rows, w.Sm.data() + r0 * L, L, 1, P.v + t0 * P.ldv, P.ldv, w.num.data() + r0 * DV, DV,
+               true);
     }
 }
 
+// sum_{e < n} f(e) with 8 independent partial sums: short dependency chains the compiler can
+// vectorise (a single float accumulator is one latency-bound chain).
+template <typename T, typename F>
+T lane_sum(int64_t n, F f) {
+    T acc[8] = {};
+    int64_t e = 0;
+    for (; e + 8 <= n; e += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += f(e + l);
+    T s = 0;
+    for (; e < n; ++e) s += f(e);
+    for (int l = 0; l < 8; ++l) s += acc[l];
+    return s;
+}
+
+// The output norm of one head (scale, shift: DV each; null scale: none).
 template <typename T>
-void forward_head(const Head<T>& P, T* h) {
+struct RowNorm {
+    const T* scale = nullptr;
+    const T* shift = nullptr;
+    T eps = 0;
+};
+
+// h: S rows of DV with row stride ldh, each normalised by `norm` when it has a scale.
+template <typename T>
+void forward_head(const Head<T>& P, T* h, int64_t ldh, const RowNorm<T>& norm) {
     const int64_t DH = P.DH, DV = P.DV, L = P.L;
     ChunkWork<T> w;
     w.reserve(L, DH, DV);
@@ -236,15 +266,30 @@ void forward_head(const Head<T>& P, T* h) {
         chunk_outputs(P, G, t0, Lc, st, w);
         for (int64_t i = 0; i < Lc; ++i) {
             const T inv = w.nrm[i];
-            for (int64_t e = 0; e < DV; ++e) h[(t0 + i) * DV + e] = w.num[i * DV + e] / inv;
+            T* out = h + (t0 + i) * ldh;
+            if (norm.scale == nullptr) {
+                for (int64_t e = 0; e < DV; ++e) out[e] = w.num[i * DV + e] / inv;
+                continue;
+            }
+            // As torch.layer_norm: mean, then the biased variance of the centred row.
+            T* row = w.num.data() + i * DV;
+            const T r = T(1) / inv;
+            for (int64_t e = 0; e < DV; ++e) row[e] *= r;
+            const T mean = lane_sum<T>(DV, [row](int64_t e) { return row[e]; }) / static_cast<T>(DV);
+            const T var = lane_sum<T>(DV, [row, mean](int64_t e) { return (row[e] - mean) * (row[e] - mean); }) /
+                          static_cast<T>(DV);
+            const T rstd = T(1) / std::sqrt(var + norm.eps);
+            for (int64_t e = 0; e < DV; ++e) out[e] = (row[e] - mean) * rstd * norm.scale[e] + norm.shift[e];
         }
         if (t0 + L < P.S) advance_state(P, G, t0, Lc, w.Ks.data(), st.C, st.n, st.m, st.argm, w.W.data());
     }
 }
 
-// Gradients of one (batch, head). dh (S x DV) in; dq, dk, dv (S x D*), dig, dfg (S) out (overwritten).
+// Gradients of one (batch, head). dh (S rows of DV, row stride lddh) in; dq, dk, dv (S rows, row strides
+// lddq, lddk, lddv) and dig, dfg (S, contiguous) out (overwritten).
 template <typename T>
-void backward_head(const Head<T>& P, const T* dh, T* dq, T* dk, T* dv, T* dig, T* dfg) {
+void backward_head(const Head<T>& P, const T* dh, int64_t lddh, T* dq, int64_t lddq, T* dk, int64_t lddk, T* dv,
+                   int64_t lddv, T* dig, T* dfg) {
     const int64_t S = P.S, DH = P.DH, DV = P.DV, L = P.L;
     const int64_t NC = (S + L - 1) / L;
     const T sq = static_cast<T>(std::sqrt(static_cast<double>(DH)));
@@ -286,13 +331,13 @@ void backward_head(const Head<T>& P, const T* dh, T* dq, T* dk, T* dv, T* dig, T
         G.compute(P, t0, Lc);
         scaled_keys(P, t0, Lc, w.Ks.data());
         chunk_outputs(P, G, t0, Lc, st, w);
-        const T* q = P.q + t0 * DH;
-        const T* v = P.v + t0 * DV;
+        const T* q = P.q + t0 * P.ldq;
+        const T* v = P.v + t0 * P.ldv;
         const T* Ks = w.Ks.data();
 
         // Output normalisation: h = num / nrm, nrm = max(|den|, exp(-m)) + eps.
         for (int64_t i = 0; i < Lc; ++i) {
-            const T* dhi = dh + (t0 + i) * DV;
+            const T* dhi = dh + (t0 + i) * lddh;
             const T nrm = w.nrm[i];
             T hdot = 0;
             for (int64_t e = 0; e < DV; ++e) {
@@ -310,7 +355,7 @@ void backward_head(const Head<T>& P, const T* dh, T* dq, T* dk, T* dv, T* dig, T
         }
 
         // dSm = G_hat V^T + delta 1^T; P = dSm * Sm (d log D); dS = dSm * D.
-        transpose(v, Lc, DV, DV, w.Vt.data(), L);
+        transpose(v, Lc, DV, P.ldv, w.Vt.data(), L);
         for (int64_t r0 = 0; r0 < Lc; r0 += kRowBlock) {  // only j <= i is used
             const int64_t rows = std::min(kRowBlock, Lc - r0);
             P.gemm(rows, r0 + rows, DV, G_hat.data() + r0 * DV, DV, 1, w.Vt.data(), L, w.dSm.data() + r0 * L, L,
@@ -329,16 +374,16 @@ void backward_head(const Head<T>& P, const T* dh, T* dq, T* dk, T* dv, T* dig, T
                 }
             }
         }
-        T* dqc = dq + t0 * DH;
-        T* dkc = dk + t0 * DH;  // holds d(scaled k) until the end of this chunk
-        T* dvc = dv + t0 * DV;
+        T* dqc = dq + t0 * lddq;
+        T* dkc = dk + t0 * lddk;  // holds d(scaled k) until the end of this chunk
+        T* dvc = dv + t0 * lddv;
         // Intra: dQ = dS Ks, dKs = dS^T Q, dV = Sm^T G_hat.
         for (int64_t r0 = 0; r0 < Lc; r0 += kRowBlock) {  // dS is zero right of the diagonal
             const int64_t rows = std::min(kRowBlock, Lc - r0);
-            P.gemm(rows, DH, r0 + rows, w.dSm.data() + r0 * L, L, 1, Ks, DH, dqc + r0 * DH, DH, false);
+            P.gemm(rows, DH, r0 + rows, w.dSm.data() + r0 * L, L, 1, Ks, DH, dqc + r0 * lddq, lddq, false);
         }
-        P.gemm(Lc, DH, Lc, w.dSm.data(), 1, L, q, DH, dkc, DH, false);
-        P.gemm(Lc, DV, Lc, w.Sm.data(), 1, L, G_hat.data(), DV, dvc, DV, false);
+        P.gemm(Lc, DH, Lc, w.dSm.data(), 1, L, q, P.ldq, dkc, lddk, false);
+        P.gemm(Lc, DV, Lc, w.Sm.data(), 1, L, G_hat.data(), DV, dvc, lddv, false);
         // Inter read-out: tmp = G_hat C^T + delta n^T; dq += beta tmp; R_i = Qbar_i . tmp_i (d log beta).
         transpose(C, DH, DV, DV, w.Ct.data(), DH);
         P.gemm(Lc, DH, DV, G_hat.data(), DV, 1, w.Ct.data(), DH, w.tmp.data(), DH, false);
@@ -346,7 +391,7 @@ void backward_head(const Head<T>& P, const T* dh, T* dq, T* dk, T* dv, T* dig, T
             T r = 0;
             for (int64_t d = 0; d < DH; ++d) {
                 const T t = w.tmp[i * DH + d] + delta[i] * n[d];
-                dqc[i * DH + d] += w.beta[i] * t;
+                dqc[i * lddq + d] += w.beta[i] * t;
                 r += w.Qbar[i * DH + d] * t;
             }
             R[i] = r;
@@ -364,12 +409,12 @@ void backward_head(const Head<T>& P, const T* dh, T* dq, T* dk, T* dv, T* dig, T
             for (int64_t j = 0; j < Lc; ++j) abar[j] = std::exp(G.a[j] - m_next);
             // u = V dC^T + dn (Lc x DH): dKs_j += abar_j u_j; da_j = abar_j Ks_j . u_j.
             transpose(dC.data(), DH, DV, DV, dCt.data(), DH);
-            P.gemm(Lc, DH, DV, v, DV, 1, dCt.data(), DH, u.data(), DH, false);
+            P.gemm(Lc, DH, DV, v, P.ldv, 1, dCt.data(), DH, u.data(), DH, false);
             for (int64_t j = 0; j < Lc; ++j) {
                 T s = 0;
                 for (int64_t d = 0; d < DH; ++d) {
                     const T uj = u[j * DH + d] + dn[d];
-                    dkc[j * DH + d] += abar[j] * uj;
+                    dkc[j * lddk + d] += abar[j] * uj;
                     s += Ks[j * DH + d] * uj;
                 }
                 da[j] = abar[j] * s;
@@ -377,7 +422,7 @@ void backward_head(const Head<T>& P, const T* dh, T* dq, T* dk, T* dv, T* dig, T
             // dV_j += abar_j Ks_j dC.
             P.gemm(Lc, DV, DH, Ks, DH, 1, dC.data(), DV, w.tmp.data(), DV, false);
             for (int64_t j = 0; j < Lc; ++j)
-                for (int64_t e = 0; e < DV; ++e) dvc[j * DV + e] += abar[j] * w.tmp[j * DV + e];
+                for (int64_t e = 0; e < DV; ++e) dvc[j * lddv + e] += abar[j] * w.tmp[j * DV + e];
             T cdot = 0, ndot = 0;
             for (int64_t x = 0; x < DH * DV; ++x) cdot += dC[x] * C[x];
             for (int64_t d = 0; d < DH; ++d) ndot += dn[d] * n[d];
@@ -406,14 +451,15 @@ void backward_head(const Head<T>& P, const T* dh, T* dq, T* dk, T* dv, T* dig, T
             acc += db[r];
             dfg[t0 + r] = acc;  // d log sigmoid(f_r) so far
         }
-        for (int64_t x = 0; x < Lc * DH; ++x) dkc[x] /= sq;
+        for (int64_t j = 0; j < Lc; ++j)
+            for (int64_t d = 0; d < DH; ++d) dkc[j * lddk + d] /= sq;
     }
     // Stabiliser path: d lf_r += sum_{t >= r} m_diff[t]; then through log sigmoid.
     T acc = 0;
     for (int64_t r = S - 1; r >= 0; --r) {
         acc += m_diff[r];
         const T dlf = dfg[r] + acc;
-        const T f = P.fg[r];
+        const T f = P.fg[r * P.ldf];
         dfg[r] = dlf / (T(1) + std::exp(f));  // d log sigmoid(f) / df = sigmoid(-f)
     }
 }
@@ -421,26 +467,51 @@ void backward_head(const Head<T>& P, const T* dh, T* dq, T* dk, T* dv, T* dig, T
 // ---------------------------------------------------------------------------------------------
 // Tensor-level driver.
 
+// q, k, v (B, NH, S, D) with unit stride along D, gates (B, NH, S), all in the compute dtype and read
+// through their strides: the heads of token-major (B, S, NH, D) memory or a chunk of a wider tensor as
+// they are.
 struct Prepared {
-    torch::Tensor q, k, v, ig, fg;  // contiguous, compute dtype; gates (B, NH, S)
+    torch::Tensor q, k, v, ig, fg;
 };
 
+// Sequence (b, h) of a (B, NH, S[, D]) tensor.
 template <typename T>
-Head<T> make_head(const Prepared& in, int64_t bh, int64_t L, double eps, const simd::Kernels* kern) {
-    const int64_t S = in.q.size(2), DH = in.q.size(3), DV = in.v.size(3);
+T* head_ptr(const torch::Tensor& t, int64_t b, int64_t h) {
+    return t.data_ptr<T>() + b * t.stride(0) + h * t.stride(1);
+}
+
+template <typename T>
+Head<T> make_head(const Prepared& in, int64_t b, int64_t h, int64_t L, double eps, const simd::Kernels* kern) {
     Head<T> P;
-    P.q = in.q.data_ptr<T>() + bh * S * DH;
-    P.k = in.k.data_ptr<T>() + bh * S * DH;
-    P.v = in.v.data_ptr<T>() + bh * S * DV;
-    P.ig = in.ig.data_ptr<T>() + bh * S;
-    P.fg = in.fg.data_ptr<T>() + bh * S;
-    P.S = S;
-    P.DH = DH;
-    P.DV = DV;
+    P.q = head_ptr<T>(in.q, b, h);
+    P.k = head_ptr<T>(in.k, b, h);
+    P.v = head_ptr<T>(in.v, b, h);
+    P.ig = head_ptr<T>(in.ig, b, h);
+    P.fg = head_ptr<T>(in.fg, b, h);
+    P.ldq = in.q.stride(2);
+    P.ldk = in.k.stride(2);
+    P.ldv = in.v.stride(2);
+    P.ldi = in.ig.stride(2);
+    P.ldf = in.fg.stride(2);
+    P.S = in.q.size(2);
+    P.DH = in.q.size(3);
+    P.DV = in.v.size(3);
     P.L = L;
     P.eps = static_cast<T>(eps);
     P.gemm.k = kern;
     return P;
+}
+
+// (B, NH, S, D) in token-major memory: (B, S, NH, D) contiguous, so that the caller's
+// transpose(1, 2).reshape({B, S, NH * D}) is a view.
+torch::Tensor empty_token_major(int64_t B, int64_t NH, int64_t S, int64_t D, const torch::TensorOptions& options) {
+    return torch::empty_strided({B, NH, S, D}, {S * NH * D, D, NH * D, 1}, options);
+}
+
+// t in the compute dtype with unit stride along the last dim (a copy only when it has none).
+torch::Tensor unit_rows(const torch::Tensor& t, torch::ScalarType compute) {
+    torch::Tensor c = t.to(compute);
+    return c.size(-1) <= 1 || c.stride(-1) == 1 ? c : c.contiguous();
 }
 
 // Forward multiply-adds, counted exactly as the reference chunkwise form counts its products (over
@@ -454,16 +525,26 @@ void count_flops(int64_t B, int64_t NH, int64_t S, int64_t DH, int64_t DV, int64
     flops::add(B * NH * (intra + inter));
 }
 
-torch::Tensor forward_impl(const Prepared& in, int64_t L, double eps) {
+// scale, shift: (NH * DV) contiguous in the compute dtype, or undefined for no output norm.
+torch::Tensor forward_impl(const Prepared& in, int64_t L, double eps, const torch::Tensor& scale = {},
+                           const torch::Tensor& shift = {}, double norm_eps = 0) {
     const int64_t B = in.q.size(0), NH = in.q.size(1), S = in.q.size(2), DV = in.v.size(3);
-    torch::Tensor h = torch::empty({B, NH, S, DV}, in.q.options());
+    torch::Tensor h = empty_token_major(B, NH, S, DV, in.q.options());
     if (S == 0 || B * NH == 0) return h;
     const simd::Kernels* kern = &simd::kernels();
     AT_DISPATCH_FLOATING_TYPES(in.q.scalar_type(), "mlstm_fused_forward", [&] {
-        scalar_t* out = h.data_ptr<scalar_t>();
         at::parallel_for(0, B * NH, 1, [&](int64_t begin, int64_t end) {
-            for (int64_t bh = begin; bh < end; ++bh)
-                forward_head(make_head<scalar_t>(in, bh, L, eps, kern), out + bh * S * DV);
+            for (int64_t bh = begin; bh < end; ++bh) {
+                const int64_t b = bh / NH, hd = bh % NH;
+                RowNorm<scalar_t> norm;
+                if (scale.defined()) {
+                    norm.scale = scale.data_ptr<scalar_t>() + hd * DV;
+                    norm.shift = shift.data_ptr<scalar_t>() + hd * DV;
+                    norm.eps = static_cast<scalar_t>(norm_eps);
+                }
+                forward_head(make_head<scalar_t>(in, b, hd, L, eps, kern), head_ptr<scalar_t>(h, b, hd), h.stride(2),
+                             norm);
+            }
         });
     });
     count_flops(B, NH, S, in.q.size(3), DV, L);
@@ -472,24 +553,28 @@ torch::Tensor forward_impl(const Prepared& in, int64_t L, double eps) {
 
 std::vector<torch::Tensor> backward_impl(const Prepared& in, const torch::Tensor& dh_in, int64_t L, double eps) {
     const int64_t B = in.q.size(0), NH = in.q.size(1), S = in.q.size(2), DH = in.q.size(3), DV = in.v.size(3);
-    torch::Tensor dh = dh_in.to(in.q.scalar_type()).contiguous();
-    torch::Tensor dq = torch::empty_like(in.q), dk = torch::empty_like(in.k), dv = torch::empty_like(in.v);
-    torch::Tensor dig = torch::empty_like(in.ig), dfg = torch::empty_like(in.fg);
+    const torch::Tensor dh = unit_rows(dh_in, in.q.scalar_type());
+    const auto opt = in.q.options();
+    torch::Tensor dq = empty_token_major(B, NH, S, DH, opt), dk = empty_token_major(B, NH, S, DH, opt);
+    torch::Tensor dv = empty_token_major(B, NH, S, DV, opt);
+    torch::Tensor dig = torch::empty({B, NH, S}, opt), dfg = torch::empty({B, NH, S}, opt);
     if (S == 0 || B * NH == 0) return {dq, dk, dv, dig, dfg};
     const simd::Kernels* kern = &simd::kernels();
     AT_DISPATCH_FLOATING_TYPES(in.q.scalar_type(), "mlstm_fused_backward", [&] {
         at::parallel_for(0, B * NH, 1, [&](int64_t begin, int64_t end) {
-            for (int64_t bh = begin; bh < end; ++bh)
-                backward_head(make_head<scalar_t>(in, bh, L, eps, kern), dh.data_ptr<scalar_t>() + bh * S * DV,
-                              dq.data_ptr<scalar_t>() + bh * S * DH, dk.data_ptr<scalar_t>() + bh * S * DH,
-                              dv.data_ptr<scalar_t>() + bh * S * DV, dig.data_ptr<scalar_t>() + bh * S,
-                              dfg.data_ptr<scalar_t>() + bh * S);
+            for (int64_t bh = begin; bh < end; ++bh) {
+                const int64_t b = bh / NH, hd = bh % NH;
+                backward_head(make_head<scalar_t>(in, b, hd, L, eps, kern), head_ptr<scalar_t>(dh, b, hd),
+                              dh.stride(2), head_ptr<scalar_t>(dq, b, hd), dq.stride(2),
+                              head_ptr<scalar_t>(dk, b, hd), dk.stride(2), head_ptr<scalar_t>(dv, b, hd),
+                              dv.stride(2), head_ptr<scalar_t>(dig, b, hd), head_ptr<scalar_t>(dfg, b, hd));
+            }
         });
     });
     return {dq, dk, dv, dig, dfg};
 }
 
-// Saves only the five (already contiguous) inputs; everything else is recomputed in backward.
+// Saves only the five inputs (views, no copies); everything else is recomputed in backward.
 class MlstmChunkwiseFunction : public torch::autograd::Function<MlstmChunkwiseFunction> {
 public:
     static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
@@ -542,24 +627,37 @@ double mlstm_fused_gemm_gflops(int64_t L, int64_t DH, int64_t DV, double seconds
 
 torch::Tensor mlstm_chunkwise_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                     const torch::Tensor& igate_preact, const torch::Tensor& fgate_preact,
-                                    int64_t chunk_size, double eps) {
+                                    int64_t chunk_size, double eps, const MlstmOutputNorm* out_norm) {
     mlstm_checks::check_qkv(q, k, v);
     LINVIS_CHECK(q.device().is_cpu(), "mlstm (fused): only CPU tensors are supported, got ", q.device().str());
     LINVIS_CHECK(chunk_size > 0, "mlstm (fused): chunk_size: expected > 0, got ", chunk_size);
     const auto compute = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
-    auto prep = [&](const torch::Tensor& t) { return t.to(compute).contiguous(); };
-    Prepared in{prep(q), prep(k), prep(v), prep(gate_vector(igate_preact, q, "igate_preact")),
-                prep(gate_vector(fgate_preact, q, "fgate_preact"))};
+    // No layout copies: q, k, v and the gates are read through their strides (a copy only for a
+    // dtype conversion or a non-unit stride along D), h is written token-major.
+    Prepared in{unit_rows(q, compute), unit_rows(k, compute), unit_rows(v, compute),
+                gate_vector(igate_preact, q, "igate_preact").to(compute),
+                gate_vector(fgate_preact, q, "fgate_preact").to(compute)};
     const int64_t L = std::min<int64_t>(chunk_size, std::max<int64_t>(q.size(2), 1));
     torch::Tensor h;
     const bool needs_grad = torch::GradMode::is_enabled() &&
                             (in.q.requires_grad() || in.k.requires_grad() || in.v.requires_grad() ||
-                             in.ig.requires_grad() || in.fg.requires_grad());
+                             in.ig.requires_grad() || in.fg.requires_grad() ||
+                             (out_norm && (out_norm->scale.requires_grad() || out_norm->shift.requires_grad())));
+    if (out_norm && !needs_grad) {  // inference: each row normalised as it is written
+        const int64_t NH = q.size(1), DV = v.size(3);
+        LINVIS_CHECK(out_norm->scale.numel() == NH * DV && out_norm->shift.numel() == NH * DV,
+                     "mlstm output norm: scale and shift: expected NH * DHV = ", NH * DV, " elements, got ",
+                     out_norm->scale.numel(), " and ", out_norm->shift.numel());
+        return forward_impl(in, L, eps, out_norm->scale.to(compute).contiguous(),
+                            out_norm->shift.to(compute).contiguous(), out_norm->eps)
+            .to(q.scalar_type());
+    }
     if (needs_grad)
         h = MlstmChunkwiseFunction::apply(in.q, in.k, in.v, in.ig, in.fg, L, eps);
     else
         h = forward_impl(in, L, eps);  // inference: nothing is saved
-    return h.to(q.scalar_type());
+    h = h.to(q.scalar_type());
+    return out_norm ? mlstm_output_norm(h, *out_norm) : h;
 }
 
 }  // namespace linvis::ops::cpu

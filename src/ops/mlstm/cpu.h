@@ -7,6 +7,8 @@
 
 #include <torch/torch.h>
 
+#include "linvis/ops/mlstm.h"
+
 namespace linvis::ops::cpu {
 
 // Same function as mlstm_chunkwise (reference, spec 4.3 with m0 = -inf) for q, k (B, NH, S, DHQK),
@@ -15,9 +17,12 @@ namespace linvis::ops::cpu {
 // backward). float32 / float64 compute in their own dtype, bfloat16 / float16 in float32.
 // The inner products are the SIMD layer's GEMM (ops/simd/simd.h) for the target
 // ops::fused_kernel_target() names (LINVIS_SIMD / LINVIS_FORCE_SCALAR lower it).
+// q, k, v and the gates are read through their strides (a copy only for a dtype conversion or a non-unit
+// stride along D); h is written token-major. With out_norm: mlstm_output_norm(h, *out_norm), applied to
+// each row as it is written when autograd records nothing, by LibTorch ops after the kernel otherwise.
 torch::Tensor mlstm_chunkwise_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                     const torch::Tensor& igate_preact, const torch::Tensor& fgate_preact,
-                                    int64_t chunk_size, double eps);
+                                    int64_t chunk_size, double eps, const MlstmOutputNorm* out_norm = nullptr);
 
 // Rate (GFLOP/s, 2 per multiply-add) of this kernel's own small products on the chunk shapes of
 // the forward (L x L x DHQK, L x DHQK x DHV, L x L x DHV, DHQK x L x DHV), on the calling thread,
