@@ -1,6 +1,7 @@
 #include "linvis/tools/bench.h"
 
 #include <fcntl.h>
+#include <malloc.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -49,13 +50,13 @@ models::ModelPtr build_model(const BenchCase& c, const std::string& impl, int64_
 }
 
 // A case's speed from its timed passes (median and spread, per image) and the process's peak memory.
-void record_timings(BenchResult& result, const std::vector<double>& times, int64_t batch) {
+void record_timings(BenchResult& result, const std::vector<double>& times, int64_t batch, const PeakRssGrowth& growth) {
     result.iterations = static_cast<int>(times.size());
     result.latency_ms = median(times) * 1e3;
     result.images_per_s = static_cast<double>(batch) / median(times);
     result.images_per_s_min = static_cast<double>(batch) / *std::max_element(times.begin(), times.end());
     result.images_per_s_max = static_cast<double>(batch) / *std::min_element(times.begin(), times.end());
-    result.peak_mem_bytes = peak_rss_bytes();
+    result.peak_mem_bytes = growth.base_bytes() + growth.bytes();
 }
 
 // One timed unit of work: an inference pass, or a training step's forward and backward.
@@ -115,14 +116,15 @@ BenchResult measure_dense_case(const BenchCase& c) {
         loss.backward();
         for (auto& p : module->parameters()) p.mutable_grad() = torch::Tensor();
     };
-    result.base_mem_bytes = current_rss_bytes();
+    const PeakRssGrowth growth;  // after the build: what the passes add
+    result.base_mem_bytes = growth.base_bytes();
     {
         flops::Counter counter;
         pass();
         result.gflops = counter.gflops() / static_cast<double>(c.batch);
     }
     const std::vector<double> times = time_passes(pass, std::max(1, c.warmup) - 1, c.iters, c.max_seconds);
-    record_timings(result, times, c.batch);
+    record_timings(result, times, c.batch, growth);
     return result;
 }
 
@@ -171,14 +173,15 @@ BenchResult measure_diffusion_case(const BenchCase& c) {
             for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
         }
     };
-    result.base_mem_bytes = current_rss_bytes();
+    const PeakRssGrowth growth;  // after the build: what the passes add
+    result.base_mem_bytes = growth.base_bytes();
     {
         flops::Counter counter;
         pass();
         result.gflops = counter.gflops() / static_cast<double>(B);
     }
     const std::vector<double> times = time_passes(pass, std::max(1, c.warmup) - 1, c.iters, c.max_seconds);
-    record_timings(result, times, B);
+    record_timings(result, times, B, growth);
     return result;
 }
 
@@ -232,6 +235,11 @@ int64_t proc_status_bytes(const char* key) {
 }  // namespace
 
 PeakRssGrowth::PeakRssGrowth() {
+#ifdef __GLIBC__
+    // Memory freed so far goes back to the kernel first: the linvis binary keeps freed memory in the
+    // process (runtime::kMallocKeepBytes), and a pass reusing resident pages would not show its growth.
+    malloc_trim(0);
+#endif
     std::ofstream("/proc/self/clear_refs") << "5";  // 5: reset VmHWM to the current RSS (Linux >= 4.0)
     base_bytes_ = proc_status_bytes("VmRSS:");
 }
@@ -415,7 +423,8 @@ BenchResult measure_case(const BenchCase& c) {
         const torch::ScalarType dtype = parse_dtype(c.dtype);
         torch::Tensor images = torch::randn({c.batch, 3, c.res, c.res}).to(dtype);
         torch::Tensor labels = torch::randint(0, model->num_classes(), {c.batch}, torch::kLong);
-        result.base_mem_bytes = current_rss_bytes();
+        const PeakRssGrowth growth;  // after the build: what the passes add
+    result.base_mem_bytes = growth.base_bytes();
         {  // the first warm-up pass counts the FLOPs
             flops::Counter counter;
             run_pass(*model, images, labels, c.train);
@@ -423,7 +432,7 @@ BenchResult measure_case(const BenchCase& c) {
         }
         const std::vector<double> times = time_passes([&] { run_pass(*model, images, labels, c.train); },
                                                       std::max(1, c.warmup) - 1, c.iters, c.max_seconds);
-        record_timings(result, times, c.batch);
+        record_timings(result, times, c.batch, growth);
     } catch (const std::exception& e) {
         result.status = "error";
         result.message = e.what();
