@@ -83,6 +83,7 @@ ops::TttLinearInputs TttLinearBranchImpl::scan_inputs(const torch::Tensor& x) {
     auto heads = [&](const torch::Tensor& t) { return t.reshape({B, T, nh, d}).permute({0, 2, 1, 3}); };
     torch::Tensor xq = heads(causal_conv(conv_q, u));
     torch::Tensor xk = heads(causal_conv(conv_k, u));
+    u = torch::Tensor();  // freed before xv exists: one (B, T, D) less at the mixer's peak
     torch::Tensor xv = heads(linear(v_proj, x));
     torch::Tensor lr = ops::ttt_learning_rate(x, learnable_ttt_lr_weight, learnable_ttt_lr_bias, options_.eta_base, d);
     return {xq, xk, xv, lr, learnable_token_idx, W1, b1, ttt_norm_weight, ttt_norm_bias};
