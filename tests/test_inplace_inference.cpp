@@ -6,7 +6,6 @@
 #include <torch/torch.h>
 
 #include <string>
-#include <vector>
 
 #include "linvis/models/registry.h"
 #include "linvis/nn/common.h"
@@ -49,58 +48,6 @@ TEST(InPlaceInference, CanOverwriteOnlyWithoutAGraph) {
     // Broadcasting sums are not written in place (the fresh tensor would have to grow).
     torch::Tensor row = torch::randn({1, 3});
     EXPECT_EQ(linvis::nn::add_into(row, torch::randn({2, 3})).sizes(), (std::vector<int64_t>{2, 3}));
-}
-
-// A token-wise branch runs over runs of tokens added into x in inference, over all of x with a graph.
-TEST(InPlaceInference, TokenBranchInRunsEqualsTheWholeSequence) {
-    torch::manual_seed(3);
-    const torch::Tensor x = torch::randn({2, 23, 6}), w = torch::randn({6, 6});
-    std::vector<int64_t> run_lengths;
-    auto branch = [&](const torch::Tensor& t) {
-        run_lengths.push_back(t.size(1));
-        return torch::tanh(torch::matmul(torch::layer_norm(t, {6}), w));
-    };
-    const torch::Tensor expected = x + branch(x);
-    run_lengths.clear();
-    torch::Tensor fresh = x.clone();
-    torch::Tensor out;
-    {
-        torch::NoGradGuard no_grad;
-        out = linvis::nn::add_token_branch_in_runs(fresh, branch, 10);
-    }
-    EXPECT_EQ(out.data_ptr(), fresh.data_ptr());  // added into x
-    EXPECT_EQ(run_lengths, (std::vector<int64_t>{10, 10, 3}));
-    EXPECT_TRUE(torch::allclose(out, expected, 1e-6, 1e-6)) << (out - expected).abs().max();
-    // With a graph to record: the whole sequence at once, x untouched, gradients flow.
-    run_lengths.clear();
-    const torch::Tensor tracked = x.clone().requires_grad_();
-    const torch::Tensor graph_out = linvis::nn::add_token_branch_in_runs(tracked, branch, 10);
-    EXPECT_EQ(run_lengths, (std::vector<int64_t>{23}));
-    EXPECT_TRUE(graph_out.requires_grad());
-    EXPECT_TRUE(torch::equal(tracked.detach(), x));
-    EXPECT_TRUE(torch::allclose(graph_out.detach(), expected, 1e-6, 1e-6));
-}
-
-// Models whose MLP residual runs in token runs (more tokens than nn::kTokenRun): the same logits as with a
-// graph recorded (whole sequence).
-TEST(InPlaceInference, MlpInTokenRunsSameLogits) {
-    for (const char* name : {"deit_tiny", "vittt_tiny", "vit3_tiny", "t5_tiny"}) {
-        SCOPED_TRACE(name);
-        torch::manual_seed(11);
-        auto model = linvis::models::create_model(
-            name, ModelConfig().set("img_size", int64_t{528}).set("depth", int64_t{1}).set("num_classes", int64_t{5}));
-        model->eval();
-        ASSERT_GT((528 / 16) * (528 / 16), linvis::nn::kTokenRun);
-        torch::manual_seed(12);
-        const torch::Tensor input = torch::randn({1, 3, 528, 528});
-        const torch::Tensor whole = model->forward(input).detach();  // weights require grad: a graph, no runs
-        torch::Tensor runs;
-        {
-            torch::NoGradGuard no_grad;
-            runs = model->forward(input);
-        }
-        EXPECT_TRUE(torch::allclose(runs, whole, 1e-4, 1e-5)) << (runs - whole).abs().max();
-    }
 }
 
 class InPlaceInferenceFamily : public ::testing::TestWithParam<std::string> {};

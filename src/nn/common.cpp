@@ -37,16 +37,6 @@ bool can_overwrite(std::initializer_list<torch::Tensor> operands) {
     return true;
 }
 
-torch::Tensor add_token_branch_in_runs(torch::Tensor x, const std::function<torch::Tensor(const torch::Tensor&)>& branch,
-                                       int64_t run) {
-    if (x.dim() != 3 || x.size(1) <= run || run <= 0 || !can_overwrite({x})) return add_into(branch(x), x);
-    for (int64_t start = 0; start < x.size(1); start += run) {
-        torch::Tensor tokens = x.narrow(1, start, std::min(run, x.size(1) - start));
-        tokens.add_(branch(tokens));
-    }
-    return x;
-}
-
 torch::Tensor add_into(torch::Tensor fresh, const torch::Tensor& other) {
     // Never into a tensor that shares memory with `other` (a branch that returned its input).
     const bool separate = !fresh.storage().is_alias_of(other.storage());

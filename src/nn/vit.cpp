@@ -134,11 +134,7 @@ torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x_in, int64_t h
         x = ops::depthwise_conv2d_tokens(x, height, width, cpe->weight, cpe->bias, ops::DwEpilogue::Residual,
                                          options_.impl);
     x = add_into(drop_path(attn->forward(nn::layer_norm(norm1, x), height, width), options_.drop_path, is_training()), x);
-    if (is_training() && options_.drop_path > 0.0)
-        return add_into(drop_path(mlp->forward(nn::layer_norm(norm2, x)), options_.drop_path, true), x);
-    // x is this block's own sum; the MLP with its depthwise conv is not token-wise.
-    if (mlp->dwc) return add_into(mlp->forward(nn::layer_norm(norm2, x), height, width), x);
-    return add_token_branch_in_runs(x, [&](const torch::Tensor& t) { return mlp->forward(nn::layer_norm(norm2, t)); });
+    return add_into(drop_path(mlp->forward(nn::layer_norm(norm2, x)), options_.drop_path, is_training()), x);
 }
 
 }  // namespace linvis::nn

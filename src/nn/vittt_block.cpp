@@ -205,9 +205,8 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
     torch::Tensor gated = can_overwrite({z_forth, z_back, gate}) ? z_forth.add_(z_back).mul_(gate)
                                                                  : gate * (z_forth + z_back);
     y = add_into(drop_path(linear(o_proj, gated)), y);
-    if (is_training() && options_.drop_path > 0.0) return add_into(drop_path(mlp->forward(nn::layer_norm(norm2, y))), y);
-    // y is this block's own sum (add_into above).
-    return nn::add_token_branch_in_runs(y, [&](const torch::Tensor& t) { return mlp->forward(nn::layer_norm(norm2, t)); });
+    y = add_into(drop_path(mlp->forward(nn::layer_norm(norm2, y))), y);
+    return y;
 }
 
 // ------------------------------------------------------------------ position embedding

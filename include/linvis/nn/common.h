@@ -3,7 +3,6 @@
 
 #include <array>
 #include <cstdint>
-#include <functional>
 #include <initializer_list>
 
 #include <torch/torch.h>
@@ -34,19 +33,6 @@ bool can_overwrite(std::initializer_list<torch::Tensor> operands);
 // fresh + other, written into `fresh` when can_overwrite({fresh, other}), the shapes and dtypes match and the
 // two share no memory.
 torch::Tensor add_into(torch::Tensor fresh, const torch::Tensor& other);
-
-// Tokens per run of add_token_branch_in_runs: a 1024-token run of a 768-wide MLP hidden layer is 3 MiB.
-inline constexpr int64_t kTokenRun = 1024;
-
-// x + branch(x) for a token-wise branch (each output token depends on its own input token only: a
-// LayerNorm + MLP), where x (B, T, D) is a tensor the caller has just computed and that nothing else
-// references. When can_overwrite({x}) and T > run, the branch runs on runs of `run` tokens and each run's
-// result is added into x in place, so the branch's temporaries (the MLP's hidden layer, 2-5x as wide as
-// x) exist for one run at a time rather than for the whole sequence: at 2048 px (16384 tokens) that is 3
-// MiB instead of 48 for a 768-wide hidden layer. Otherwise (a graph is recorded, or a short sequence) it is
-// add_into(branch(x), x). The same values either way: the branch is token-wise.
-torch::Tensor add_token_branch_in_runs(torch::Tensor x, const std::function<torch::Tensor(const torch::Tensor&)>& branch,
-                                       int64_t run = kTokenRun);
 
 // timm's resample_abs_pos_embed: pos_embed (1, P + Ho*Wo, D) with P prefix (class) tokens ->
 // (1, P + Hn*Wn, D). The prefix positions are kept unchanged; the grid part is reshaped to
