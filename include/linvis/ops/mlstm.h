@@ -7,8 +7,9 @@
 // in the dtype of q. Any strides: the fused kernel reads q, k, v (unit stride along D) and the gates
 // through their strides, so the heads of token-major (B, S, NH * D) memory, e.g. a chunk of a wider
 // projection viewed as (B, S, NH, D) and transposed, need no copy; it writes h token-major
-// ((B, S, NH, DHV) memory), so that h.transpose(1, 2).reshape({B, S, NH * DHV}) is a view. All functions are plain LibTorch ops with autograd and count their matrix
-// products with linvis::flops. Spec: shared/spec/vil_official.md sections 1.7 and 4.
+// ((B, S, NH, DHV) memory), so that h.transpose(1, 2).reshape({B, S, NH * DHV}) is a view. All
+// functions are plain LibTorch ops with autograd and count their matrix products with linvis::flops.
+// Spec: shared/spec/vil_official.md sections 1.7 and 4.
 //
 // The key is scaled by 1/sqrt(DHQK) before it is used, in every form, as ViL's
 // parallel_stabilized_simple does (1.16.3). The recurrent and chunkwise forms start from

@@ -91,10 +91,11 @@ std::vector<double> time_passes(const std::function<void()>& pass, int warmup, i
                                 double max_seconds = std::numeric_limits<double>::infinity(), int min_reps = 3);
 
 // The peak resident memory this process adds over what it holds when the object is made: the
-// constructor returns memory malloc holds free to the kernel (glibc's malloc_trim), resets the kernel's high-water mark (VmHWM, through /proc/self/clear_refs, where the
-// kernel allows it) and notes the current resident set; bytes() is the high-water mark since then
-// minus that. Make it once the inputs of a measurement exist, so that it reports what the measured
-// work itself allocates at its peak.
+// constructor returns the memory malloc holds free to the kernel (glibc's malloc_trim), resets the
+// kernel's high-water mark (VmHWM, through /proc/self/clear_refs, where the kernel allows it) and
+// notes the current resident set; bytes() is the high-water mark since then minus that. Make it once
+// the inputs of a measurement exist, so that it reports what the measured work itself allocates at
+// its peak.
 class PeakRssGrowth {
 public:
     PeakRssGrowth();
