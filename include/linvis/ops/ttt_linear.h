@@ -87,10 +87,11 @@ struct TttLinearInputs {
 
 // Several independent scans with the same options in one call (Vision-TTT's forward and backward
 // directions); results in order, each what ttt_linear returns for its inputs. The scans may differ in
-// every size. In inference the fused kernel runs the (scan, sample, head) tasks of all of them in one
-// parallel region: a scan is serial within a head, so vittt_tiny's 3 heads leave one of 2 cores idle for
-// a third of every one-direction call, while 2 x 3 heads fill both. With gradients each scan is its own
-// autograd node, as ttt_linear.
+// every size. The fused kernel runs the (scan, sample, head) tasks of all of them in one parallel region,
+// forward and (one autograd node for all scans) backward: a scan is serial within a head, so vittt_tiny's
+// 3 heads leave one of 2 cores idle for a third of every one-direction call, while 2 x 3 heads fill both.
+// Scans of different dtypes run the reference under Impl::Auto (the kernel
+// runs one dtype per call); Impl::Fused on them is an error.
 std::vector<TttLinearResult> ttt_linear_many(const std::vector<TttLinearInputs>& scans,
                                              const TttLinearOptions& options = TttLinearOptions(),
                                              Impl impl = Impl::Auto);

@@ -82,8 +82,13 @@ std::vector<TttLinearResult> ttt_linear_many(const std::vector<TttLinearInputs>&
                                   ? std::string("inner model 'linear' (the fused kernel runs the residual LayerNorm "
                                                 "inner model)")
                                   : std::string();
-    for (const TttLinearInputs& in : ready)
-        if (unsupported.empty() && !in.xq.device().is_cpu()) unsupported = "CPU tensors only, got " + in.xq.device().str();
+    for (size_t i = 0; i < ready.size() && unsupported.empty(); ++i) {
+        const torch::Tensor& xq = ready[i].xq;
+        if (!xq.device().is_cpu()) unsupported = "CPU tensors only, got " + xq.device().str();
+        else if (xq.scalar_type() != ready[0].xq.scalar_type())  // one kernel call runs one dtype
+            unsupported = "scan " + std::to_string(i) + " has dtype " + std::string(c10::toString(xq.scalar_type())) +
+                          ", scan 0 " + c10::toString(ready[0].xq.scalar_type()) + " (one call runs one dtype)";
+    }
     std::vector<TttLinearResult> results;
     // The fused scan beats the reference's per-mini-batch small products on every SIMD target
     // (AVX-512, AVX2 and scalar; docs/ops.md).
