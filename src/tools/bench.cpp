@@ -4,7 +4,6 @@
 #include <malloc.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -186,19 +185,6 @@ BenchResult measure_diffusion_case(const BenchCase& c) {
 }
 
 }  // namespace
-
-int64_t current_rss_bytes() {
-    std::ifstream statm("/proc/self/statm");
-    int64_t pages_total = 0, pages_resident = 0;
-    statm >> pages_total >> pages_resident;
-    return pages_resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-}
-
-int64_t peak_rss_bytes() {
-    struct rusage usage {};
-    getrusage(RUSAGE_SELF, &usage);
-    return static_cast<int64_t>(usage.ru_maxrss) * 1024;  // Linux reports KiB
-}
 
 double median(std::vector<double> values) {
     if (values.empty()) return 0.0;

@@ -52,8 +52,8 @@ struct BenchResult {
     double images_per_s_max = 0.0;
     double latency_ms = 0.0;       // median time of one iteration (one batch)
     int iterations = 0;
-    int64_t peak_mem_bytes = 0;    // peak resident set size of the measuring process
-    int64_t base_mem_bytes = 0;    // resident set size after the model was built, before the first pass
+    int64_t peak_mem_bytes = 0;    // base_mem_bytes plus the passes' peak growth (PeakRssGrowth)
+    int64_t base_mem_bytes = 0;    // resident set after the build and malloc_trim, before the first pass
     double gflops = 0.0;           // per image, one FLOP per multiply-add
     int64_t params = 0;
     double check_rel_err = -1.0;   // fused vs reference relative L2 error (fused runs only)
@@ -74,10 +74,6 @@ nlohmann::json to_json(const BenchResult& result);
 BenchResult bench_result_from_json(const nlohmann::json& j);
 nlohmann::json to_json(const BenchCase& bench_case);
 BenchCase bench_case_from_json(const nlohmann::json& j);
-
-// Current and peak (lifetime) resident set size of this process in bytes.
-int64_t current_rss_bytes();
-int64_t peak_rss_bytes();
 
 // ---------------------------------------------------------------- timing and memory of a measurement
 
