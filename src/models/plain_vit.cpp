@@ -193,7 +193,7 @@ torch::Tensor PlainVit::forward_block(int64_t index, const torch::Tensor& tokens
 
 torch::Tensor PlainVit::forward_features(const torch::Tensor& images) {
     Embedding e = embed(images);
-    torch::Tensor x = e.tokens;
+    torch::Tensor x = std::move(e.tokens);  // not kept alive beside every block's activations
     const int64_t h = e.height, w = e.width;
     for (auto& block : blocks_)
         x = nn::checkpoint_if(
@@ -238,7 +238,7 @@ std::vector<torch::Tensor> PlainVit::forward_intermediates(const torch::Tensor& 
     const std::vector<int64_t> wanted = nn::take_indices(sub_blocks(), indices, o_.name);
     const int64_t last = wanted.empty() ? -1 : *std::max_element(wanted.begin(), wanted.end());
     Embedding e = embed(images);
-    torch::Tensor x = e.tokens;
+    torch::Tensor x = std::move(e.tokens);
     std::vector<torch::Tensor> outputs(wanted.size());
     int64_t tap = 0;
     for (auto& block : blocks_) {

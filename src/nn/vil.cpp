@@ -127,31 +127,36 @@ VilLayerImpl::VilLayerImpl(int64_t dim, bool reversed_, ops::MlstmMode mode, int
     proj_down->bias.zero_();
 }
 
-torch::Tensor VilLayerImpl::forward(const torch::Tensor& input, int64_t grid_h, int64_t grid_w) {
-    const int64_t S = input.size(1);
+torch::Tensor VilLayerImpl::forward(torch::Tensor input, int64_t grid_h, int64_t grid_w) {
+    const int64_t S = input.size(1), I = inner_dim;
     LINVIS_CHECK(S == grid_h * grid_w, "ViLLayer: input: expected ", grid_h, "x", grid_w, " = ", grid_h * grid_w,
                  " tokens, got shape ", shape_string(input.sizes()));
-    torch::Tensor x = reversed ? input.flip({1}) : input;
-    torch::Tensor x_inner = flops::linear(x, proj_up->weight, proj_up->bias);
-    auto halves = torch::chunk(x_inner, 2, -1);
-    const torch::Tensor& x_mlstm = halves[0];
-    const torch::Tensor& z = halves[1];
-    // silu(conv(x_mlstm)) on the token grid, x_mlstm read in place (a chunk of x_inner, row stride 2I).
-    torch::Tensor x_act =
-        ops::depthwise_conv2d_tokens(x_mlstm, grid_h, grid_w, conv->weight, conv->bias, ops::DwEpilogue::Silu, impl);
-    torch::Tensor q = q_proj->forward(x_act);
-    torch::Tensor k = k_proj->forward(x_act);
-    torch::Tensor v = v_proj->forward(x_mlstm);
-    torch::Tensor h_tilde = mlstm_cell->forward(q, k, v);
+    if (reversed) input = input.flip({1});
+    // proj_up as two products, x_mlstm now and z after the cell: the cell then runs beside the (S, D) input
+    // instead of z's (S, I) half, and x_mlstm goes once v exists. Same FLOPs as the one (S, 2I) product.
+    auto up_half = [&](int64_t half) {
+        return flops::linear(input, proj_up->weight.narrow(0, half * I, I), proj_up->bias.narrow(0, half * I, I));
+    };
+    torch::Tensor x_act, h_tilde;
+    {
+        torch::Tensor x_mlstm = up_half(0);
+        x_act = ops::depthwise_conv2d_tokens(x_mlstm, grid_h, grid_w, conv->weight, conv->bias,
+                                             ops::DwEpilogue::Silu, impl);  // silu(conv(x_mlstm)) on the token grid
+        torch::Tensor v = v_proj->forward(x_mlstm);
+        x_mlstm = torch::Tensor();
+        h_tilde = mlstm_cell->forward(q_proj->forward(x_act), k_proj->forward(x_act), v);
+    }
+    torch::Tensor z = up_half(1);
+    input = torch::Tensor();
     torch::Tensor h;
     if (can_overwrite({h_tilde, learnable_skip, x_act, z})) {
-        // z is x_inner's second half, needed nowhere else.
-        torch::Tensor gate = z;
-        h = h_tilde.addcmul_(learnable_skip, x_act).mul_(torch::silu_(gate));
+        h = h_tilde.addcmul_(learnable_skip, x_act).mul_(torch::silu_(z));  // z and h_tilde are fresh
     } else {
         h = (h_tilde + learnable_skip * x_act) * torch::silu(z);
     }
+    x_act = z = h_tilde = torch::Tensor();
     torch::Tensor y = flops::linear(h, proj_down->weight, proj_down->bias);
+    h = torch::Tensor();
     return reversed ? y.flip({1}) : y;
 }
 

@@ -165,7 +165,7 @@ torch::Tensor VitttBlockImpl::drop_path(const torch::Tensor& x) const {
     return nn::drop_path(x, options_.drop_path, is_training());
 }
 
-std::pair<torch::Tensor, torch::Tensor> VitttBlockImpl::mixer_branches(const torch::Tensor& x,
+std::pair<torch::Tensor, torch::Tensor> VitttBlockImpl::mixer_branches(torch::Tensor x,
                                                                        torch::Tensor* norms_forth,
                                                                        torch::Tensor* norms_back) {
     // Both directions' scans in one call: their heads share the cores (ops::ttt_linear_many).
@@ -173,6 +173,7 @@ std::pair<torch::Tensor, torch::Tensor> VitttBlockImpl::mixer_branches(const tor
     TttLinearBranchImpl& back_ = *back_branch();
     std::vector<ops::TttLinearInputs> inputs{forth_.scan_inputs(x)};
     inputs.push_back(back_.scan_inputs(torch::flip(x, {1})));  // the flipped copy is freed here
+    x = torch::Tensor();  // the scans need only their inputs (autograd keeps what backward needs)
     std::vector<ops::TttLinearResult> scanned = ops::ttt_linear_many(
         inputs, forth_.scan_options(norms_forth != nullptr || norms_back != nullptr), forth_.options().impl);
     inputs.clear();
@@ -192,21 +193,26 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
     torch::Tensor y = ops::depthwise_conv2d_tokens(y_in, h, w, dwconv->weight, dwconv->bias, ops::DwEpilogue::Residual,
                                                    options_.branch.impl);
 
+    y = add_into(drop_path(mixer(y)), y);
+    y = add_into(drop_path(mlp->forward(nn::layer_norm(norm2, y))), y);
+    return y;
+}
+
+torch::Tensor VitttBlockImpl::mixer(const torch::Tensor& y) {
+    // The mixer's temporaries (x, gate, both directions) live in this frame only: none is alive in the MLP.
     torch::Tensor x = nn::layer_norm(norm1, y);
     torch::Tensor gate = flops::linear_gelu(x, g_proj->weight, g_proj->bias, "tanh");
     nn::Probe* probe_forth = probing("ttt.grad_norms.forth");
     nn::Probe* probe_back = probing("ttt.grad_norms.back");
     torch::Tensor norms_forth, norms_back;
     auto [z_forth, z_back] =
-        mixer_branches(x, probe_forth ? &norms_forth : nullptr, probe_back ? &norms_back : nullptr);
+        mixer_branches(std::move(x), probe_forth ? &norms_forth : nullptr, probe_back ? &norms_back : nullptr);
     if (probe_forth) probe_forth->record("ttt.grad_norms.forth", norms_forth);
     if (probe_back) probe_back->record("ttt.grad_norms.back", norms_back);
     // z_forth and z_back are fresh (post_norm outputs; z_back a flipped copy): sum and gate into z_forth.
     torch::Tensor gated = can_overwrite({z_forth, z_back, gate}) ? z_forth.add_(z_back).mul_(gate)
                                                                  : gate * (z_forth + z_back);
-    y = add_into(drop_path(linear(o_proj, gated)), y);
-    y = add_into(drop_path(mlp->forward(nn::layer_norm(norm2, y))), y);
-    return y;
+    return linear(o_proj, gated);
 }
 
 // ------------------------------------------------------------------ position embedding

@@ -76,7 +76,8 @@ class VilLayerImpl : public torch::nn::Module {
 public:
     VilLayerImpl(int64_t dim, bool reversed, ops::MlstmMode mode, int64_t chunk_size,
                  ops::Impl impl = ops::Impl::Auto);
-    torch::Tensor forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w);
+    // x by value: a caller that moves it in (VilBlock passes its norm's output) lets it go early.
+    torch::Tensor forward(torch::Tensor x, int64_t grid_h, int64_t grid_w);
     torch::Tensor learnable_skip;
     torch::nn::Linear proj_up{nullptr}, proj_down{nullptr};
     LinearHeadwise q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};

@@ -85,7 +85,8 @@ public:
     torch::Tensor forward(const torch::Tensor& y, int64_t h, int64_t w) override;
     // The two directions' post-normed outputs before the merge, each in raster order (flip
     // undone for back), and optionally their inner gradient norms (B, nh, T) in raster order.
-    std::pair<torch::Tensor, torch::Tensor> mixer_branches(const torch::Tensor& x, torch::Tensor* norms_forth = nullptr,
+    // x is taken by value: a caller that moves it in lets it go before the scans run.
+    std::pair<torch::Tensor, torch::Tensor> mixer_branches(torch::Tensor x, torch::Tensor* norms_forth = nullptr,
                                                            torch::Tensor* norms_back = nullptr);
     void reset_parameters();
 
@@ -102,6 +103,7 @@ public:
 
 private:
     torch::Tensor drop_path(const torch::Tensor& x) const;
+    torch::Tensor mixer(const torch::Tensor& y);  // o_proj(gate * Z) from y (see above)
     VitttBlockOptions options_;
 };
 TORCH_MODULE(VitttBlock);
