@@ -47,6 +47,8 @@ struct Kernels {
     GemmF64 gemm_f64 = nullptr;
     // y[i] = 1 / (1 + exp(-x[i])), n elements (x and y may alias).
     void (*sigmoid)(const float* x, float* y, int64_t n) = nullptr;
+    // y[i] = GELU(x[i]), the exact (erf) form to within 1.5e-7 |x| / 2 (kernels.cpp); x and y may alias.
+    void (*gelu_erf)(const float* x, float* y, int64_t n) = nullptr;
 };
 
 // The kernels of active_target(), or of a given (supported) target.
