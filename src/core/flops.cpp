@@ -1,5 +1,6 @@
 #include "linvis/core/flops.h"
 
+#include <ATen/Parallel.h>
 #include <oneapi/dnnl/dnnl.h>
 
 #include <cstdlib>
@@ -73,10 +74,12 @@ bool takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, const tor
     return backend(x, weight, bias) != Backend::Torch;
 }
 
-// Row-major C (M x N) = op(A) . op(B) through oneDNN (op = transpose for 'T'); lda/ldb are the stored rows' lengths.
+// Row-major C (M x N) = op(A) . op(B) [+ C when accumulate] through oneDNN (op = transpose for 'T'); lda/ldb are
+// the stored rows' lengths.
 void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-           int64_t ldb, float* C) {
-    const dnnl_status_t status = dnnl_sgemm(transa, transb, M, N, K, 1.0f, A, lda, B, ldb, 0.0f, C, N);
+           int64_t ldb, float* C, bool accumulate = false) {
+    const dnnl_status_t status =
+        dnnl_sgemm(transa, transb, M, N, K, 1.0f, A, lda, B, ldb, accumulate ? 1.0f : 0.0f, C, N);
     LINVIS_CHECK(status == dnnl_success, "linear: oneDNN sgemm failed with status ", static_cast<int>(status), " for (",
                  M, " x ", K, ") . (", K, " x ", N, ")");
 }
@@ -119,9 +122,18 @@ torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const to
     const auto [A, ta] = layout(a);
     const auto [B, tb] = layout(b);
     torch::Tensor c = torch::empty({M, N}, a.options());
+    if (bias.defined()) {
+        // The bias rows first and the product accumulated onto them (beta = 1): the GEMM adds the bias while
+        // each tile of C is in cache, instead of a separate pass over C afterwards.
+        const torch::Tensor row = bias.contiguous();
+        const float* src = row.data_ptr<float>();
+        float* dst = c.data_ptr<float>();
+        at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+            for (int64_t i = begin; i < end; ++i) std::memcpy(dst + i * N, src, sizeof(float) * N);
+        });
+    }
     sgemm(ta, tb, M, N, K, A.data_ptr<float>(), ta == 'N' ? K : M, B.data_ptr<float>(), tb == 'N' ? N : K,
-          c.data_ptr<float>());
-    if (bias.defined()) c.add_(bias);
+          c.data_ptr<float>(), bias.defined());
     return activate(c, activation);
 }
 
