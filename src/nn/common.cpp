@@ -4,15 +4,16 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/precision.h"
+#include "linvis/ops/layer_norm.h"
 
 namespace linvis::nn {
 
 torch::Tensor layer_norm(const torch::Tensor& x, torch::IntArrayRef normalized_shape, const torch::Tensor& weight,
                          const torch::Tensor& bias, double eps) {
     const torch::ScalarType acc = precision::accumulation_dtype(x);
-    if (acc == x.scalar_type()) return torch::layer_norm(x, normalized_shape, weight, bias, eps);
+    if (acc == x.scalar_type()) return ops::layer_norm(x, normalized_shape, weight, bias, eps);
     const auto widen = [acc](const torch::Tensor& t) { return t.defined() ? t.to(acc) : t; };
-    return torch::layer_norm(x.to(acc), normalized_shape, widen(weight), widen(bias), eps).to(x.scalar_type());
+    return ops::layer_norm(x.to(acc), normalized_shape, widen(weight), widen(bias), eps).to(x.scalar_type());
 }
 
 torch::Tensor layer_norm(const torch::nn::LayerNorm& norm, const torch::Tensor& x) {
