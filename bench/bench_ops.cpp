@@ -9,6 +9,7 @@
 //   build/bench_ops attention [--threads 2] [--tokens 4097] [--heads 3] [--head-dim 64]
 //                                   [--reps 5]
 //   build/bench_ops depthwise_conv [--threads 2] [--reps 20] [--side 64]
+//   build/bench_ops layer_norm [--threads 2] [--reps 50] [--width 192]
 //
 // ttt_linear: the TTT-Linear scan of vittt_tiny (3 heads of d = 64, mini-batches of 16).
 // vit3_t5: the ViT³ TTT mixer (vit3_ttt_mix, both branches; C = 192, 6 heads of d = 32) and the T⁵ TTT
@@ -22,6 +23,8 @@
 // depthwise_conv: the depthwise convolutions on tokens (ops/depthwise_conv.h): vittt_tiny's / vit3_tiny's
 //   residual 3x3 (C = 192), ViL's silu(3x3) on a chunk of the up-projection (C = 384, token stride 768)
 //   and vittt_tiny's causal Conv1d (C = 192, k = 4).
+// layer_norm: the models' LayerNorm (ops/layer_norm.h) on (rows, 192) with weight and bias, for 197
+//   (a 224-px image and its class token), 4096 (1024 px) and 16384 (2048 px) rows.
 //
 // Each op is first checked on the benchmark inputs: the fused output and every input gradient
 // against a float64 truth, next to the float32 reference's own error. An op that fails prints no
@@ -54,6 +57,7 @@
 #include "linvis/models/registry.h"
 #include "linvis/ops/attention.h"
 #include "linvis/ops/depthwise_conv.h"
+#include "linvis/ops/layer_norm.h"
 #include "linvis/ops/linear_headwise.h"
 #include "linvis/ops/mlstm.h"
 #include "linvis/ops/t5_ttt.h"
@@ -419,6 +423,66 @@ int run_depthwise_conv(const DepthwiseConvOptions& o, Harness& h) {
         }
     }
     std::printf("\n%-12s %-5s | %9s %9s %7s | %9s %9s\n", "op", "mode", "ref ms", "fused ms", "speedup", "ref MiB",
+                "fused MiB");
+    for (const auto& row : table) std::printf("%s\n", row.c_str());
+    std::printf("\nMiB: peak RSS of the child process above its RSS after building the inputs.\n");
+    return h.failed ? 1 : 0;
+}
+
+// ================================================================ layer_norm
+
+struct LayerNormOptions {
+    int reps = 50;
+    int64_t width = 192;  // the tiny models' C
+};
+
+const int64_t kLayerNormRows[] = {197, 4096, 16384};
+
+// x (rows, C), weight, bias.
+std::vector<Tensor> layer_norm_inputs(int64_t rows, int64_t width) {
+    torch::manual_seed(0);
+    return {torch::randn({rows, width}) * 2 + 0.5, torch::randn({width}) * 0.5 + 1, torch::randn({width}) * 0.3};
+}
+
+OpFn layer_norm_op(Impl impl) {
+    return [impl](const std::vector<Tensor>& x) { return ops::layer_norm(x[0], {x[0].size(-1)}, x[1], x[2], 1e-6, impl); };
+}
+
+int run_layer_norm(const LayerNormOptions& o, Harness& h) {
+    if (!h.child.empty()) {  // <rows>_<fwd|train>_<reference|fused>
+        const auto parts = split_case(h.child);
+        if (parts.size() != 3) unknown_case(h.child);
+        const std::vector<Tensor> inputs = layer_norm_inputs(std::stoll(parts[0]), o.width);
+        const OpFn op = layer_norm_op(ops::parse_impl(parts[2]));
+        return print_answer(measure_passes(op_pass(op, inputs, Tensor(), parts[1] == "train"), 3, o.reps));
+    }
+    std::printf("layer_norm: (rows, %lld) with weight and bias, threads %d, reps %d, SIMD %s (fused kernels: %s), "
+                "OpenMP wait: %s\n",
+                static_cast<long long>(o.width), h.threads, o.reps, runtime::simd_name(runtime::detect_simd()),
+                ops::fused_kernel_target(), runtime::openmp_wait_policy().c_str());
+    std::vector<std::string> table;
+    for (const int64_t rows : kLayerNormRows) {
+        const std::string name = std::to_string(rows);
+        torch::manual_seed(1);
+        const Tensor probe = torch::randn({rows, o.width});
+        const OpFn reference = layer_norm_op(Impl::Reference);
+        if (!passes({{"output", "dx", "dweight", "dbias"}, layer_norm_inputs(rows, o.width), probe, reference, reference,
+                     layer_norm_op(Impl::Fused), 1e-5},
+                    "layer_norm " + name)) {
+            h.failed = true;
+            continue;
+        }
+        for (const std::string mode : {"fwd", "train"}) {
+            const auto ref = h.measure(name + "_" + mode + "_reference");
+            const auto fused = h.measure(name + "_" + mode + "_fused");
+            if (!ref || !fused) continue;
+            char row[256];
+            std::snprintf(row, sizeof(row), "%-7s %-5s | %9.4f %9.4f %6.2fx | %9.1f %9.1f", name.c_str(), mode.c_str(),
+                          ref->ms, fused->ms, ref->ms / fused->ms, ref->peak_mib, fused->peak_mib);
+            table.push_back(row);
+        }
+    }
+    std::printf("\n%-7s %-5s | %9s %9s %7s | %9s %9s\n", "rows", "mode", "ref ms", "fused ms", "speedup", "ref MiB",
                 "fused MiB");
     for (const auto& row : table) std::printf("%s\n", row.c_str());
     std::printf("\nMiB: peak RSS of the child process above its RSS after building the inputs.\n");
@@ -799,7 +863,15 @@ int main(int argc, char** argv) {
     depthwise_command->add_option("--side", depthwise.side, "token grid side (64 = 1024x1024 image, patch 16)")
         ->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
 
-    for (CLI::App* command : {ttt_command, vit3_t5_command, mlstm_command, attention_command, depthwise_command})
+    LayerNormOptions layer_norm;
+    CLI::App* layer_norm_command =
+        app.add_subcommand("layer_norm", "fused vs reference LayerNorm on (rows, 192) for 197, 4096 and 16384 rows");
+    layer_norm_command->add_option("--reps", layer_norm.reps, "timed repetitions (median)")->check(CLI::PositiveNumber);
+    layer_norm_command->add_option("--width", layer_norm.width, "row length C (the tiny models: 192)")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+
+    for (CLI::App* command :
+         {ttt_command, vit3_t5_command, mlstm_command, attention_command, depthwise_command, layer_norm_command})
         add_harness_options(*command, harness);
     try {
         app.parse(argc, argv);
@@ -814,6 +886,7 @@ int main(int argc, char** argv) {
         if (mlstm_command->parsed()) status = run_mlstm(mlstm, harness);
         if (attention_command->parsed()) status = run_attention(attention, harness);
         if (depthwise_command->parsed()) status = run_depthwise_conv(depthwise, harness);
+        if (layer_norm_command->parsed()) status = run_layer_norm(layer_norm, harness);
         return status;
     } catch (const c10::Error& e) {
         std::fprintf(stderr, "bench_ops: %s\n", e.what_without_backtrace());
