@@ -31,8 +31,9 @@ private:
     Counter* parent_ = nullptr;
 };
 
-// While alive, the counters made before it on this thread do not see the products issued: work a paper's count leaves out (Vittt's
-// learning-rate gate, docs/vittt.md) run through the fast wrappers below without changing the count.
+// While alive, the counters made before it on this thread do not see the products issued: work a paper's
+// count leaves out (Vittt's learning-rate gate, docs/vittt.md) runs through the fast wrappers below without
+// changing the count.
 class Uncounted {
 public:
     Uncounted();
