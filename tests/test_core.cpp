@@ -31,6 +31,17 @@ TEST(Flops, CountsMultiplyAddsOfLinearMatmulAndConv) {
         EXPECT_EQ(inner.macs(), 3 * 4 * 5 * 6);
     }
     EXPECT_EQ(counter.macs(), 2 * 10 * 8 * 16 + 3 * 4 * 5 * 6);
+    {
+        // Work a paper leaves out: the counters alive before it do not see it (one made inside does, and
+        // passes nothing on); counting resumes after.
+        const linvis::flops::Uncounted uncounted;
+        EXPECT_FALSE(linvis::flops::counting());
+        linvis::flops::Counter nested;
+        linvis::flops::linear(x, w);
+        EXPECT_EQ(nested.macs(), 2 * 10 * 8 * 16);
+    }
+    EXPECT_TRUE(linvis::flops::counting());
+    EXPECT_EQ(counter.macs(), 2 * 10 * 8 * 16 + 3 * 4 * 5 * 6);
     linvis::flops::Counter conv_counter;
     auto img = torch::randn({1, 3, 32, 32});
     auto cw = torch::randn({8, 3, 16, 16});

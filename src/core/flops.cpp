@@ -179,6 +179,10 @@ public:
 
 Counter::Counter() : parent_(active_counter) { active_counter = this; }
 
+Uncounted::Uncounted() : saved_(active_counter) { active_counter = nullptr; }
+
+Uncounted::~Uncounted() { active_counter = saved_; }
+
 Counter::~Counter() {
     active_counter = parent_;
     if (parent_ != nullptr) parent_->macs_ += macs_;

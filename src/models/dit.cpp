@@ -10,6 +10,7 @@
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/models/registry.h"
+#include "linvis/nn/common.h"
 #include "linvis/nn/vit.h"
 #include "linvis/nn/vit3_layers.h"
 #include "linvis/ops/attention.h"
@@ -151,7 +152,7 @@ public:
         fc1 = register_module("fc1", torch::nn::Linear(dim, hidden));
         fc2 = register_module("fc2", torch::nn::Linear(hidden, dim));
     }
-    torch::Tensor forward(const torch::Tensor& x) { return linear(fc2, flops::linear_gelu(x, fc1->weight, fc1->bias, "tanh")); }
+    torch::Tensor forward(const torch::Tensor& x) { return linear(fc2, nn::linear_gelu(x, fc1->weight, fc1->bias, ops::GeluForm::Tanh)); }
     torch::nn::Linear fc1{nullptr}, fc2{nullptr};
 };
 

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "linvis/core/error.h"
+#include "linvis/core/flops.h"
 #include "linvis/core/precision.h"
 #include "linvis/ops/layer_norm.h"
 
@@ -45,6 +46,16 @@ torch::Tensor add_into(torch::Tensor fresh, const torch::Tensor& other) {
         fresh.scalar_type() == other.scalar_type())
         return fresh.add_(other);
     return fresh + other;
+}
+
+ops::Impl elementwise_impl(ops::Impl model_impl) {
+    return model_impl == ops::Impl::Reference ? ops::Impl::Reference : ops::Impl::Auto;
+}
+
+torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                          ops::GeluForm form, ops::Impl impl) {
+    if (x.scalar_type() == torch::kFloat32) return ops::gelu_(flops::linear(x, weight, bias), impl, form);
+    return flops::linear_gelu(x, weight, bias, form == ops::GeluForm::Tanh ? "tanh" : "none");
 }
 
 torch::Tensor resample_abs_pos_embed(const torch::Tensor& pos_embed, std::array<int64_t, 2> new_grid,

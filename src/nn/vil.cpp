@@ -7,6 +7,7 @@
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/core/precision.h"
+#include "linvis/ops/activation.h"
 #include "linvis/ops/depthwise_conv.h"
 #include "linvis/ops/linear_headwise.h"
 
@@ -148,13 +149,12 @@ torch::Tensor VilLayerImpl::forward(torch::Tensor input, int64_t grid_h, int64_t
     }
     torch::Tensor z = up_half(1);
     input = torch::Tensor();
-    torch::Tensor h;
-    if (can_overwrite({h_tilde, learnable_skip, x_act, z})) {
-        h = h_tilde.addcmul_(learnable_skip, x_act).mul_(torch::silu_(z));  // z and h_tilde are fresh
-    } else {
-        h = (h_tilde + learnable_skip * x_act) * torch::silu(z);
-    }
-    x_act = z = h_tilde = torch::Tensor();
+    // (h_tilde + skip * x_act) * silu(z): h_tilde and z are fresh, the sum goes into h_tilde, the gated product
+    // into z outside a graph.
+    torch::Tensor skipped = can_overwrite({h_tilde, learnable_skip, x_act}) ? h_tilde.addcmul_(learnable_skip, x_act)
+                                                                             : h_tilde + learnable_skip * x_act;
+    torch::Tensor h = ops::silu_mul_(z, skipped, elementwise_impl(impl));
+    x_act = z = h_tilde = skipped = torch::Tensor();
     torch::Tensor y = flops::linear(h, proj_down->weight, proj_down->bias);
     h = torch::Tensor();
     return reversed ? y.flip({1}) : y;

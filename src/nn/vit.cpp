@@ -6,7 +6,7 @@
 #include "linvis/core/flops.h"
 #include "linvis/nn/common.h"
 #include "linvis/ops/depthwise_conv.h"
-#include "linvis/ops/gelu.h"
+#include "linvis/ops/activation.h"
 
 namespace linvis::nn {
 
@@ -110,12 +110,10 @@ MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool with_dwc, ops::Impl impl_) : 
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x, int64_t height, int64_t width) {
-    // float32: GELU in place on the fresh product (ops::gelu_); bf16: on the product's float32 accumulator.
-    torch::Tensor y = x.scalar_type() == torch::kFloat32 ? ops::gelu_(flops::linear(x, fc1->weight, fc1->bias), impl)
-                                                         : flops::linear_gelu(x, fc1->weight, fc1->bias);
+    torch::Tensor y = nn::linear_gelu(x, fc1->weight, fc1->bias, ops::GeluForm::Erf, elementwise_impl(impl));
     if (dwc) {
         y = ops::depthwise_conv2d_tokens(y, height, width, dwc->weight, dwc->bias, ops::DwEpilogue::Residual, impl);
-        y = ops::gelu_(y, impl);
+        y = ops::gelu_(y, elementwise_impl(impl));
     }
     return flops::linear(y, fc2->weight, fc2->bias);
 }

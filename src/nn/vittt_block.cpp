@@ -5,6 +5,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "linvis/ops/activation.h"
 #include "linvis/ops/depthwise_conv.h"
 #include "linvis/ops/ttt_linear.h"
 
@@ -109,7 +110,7 @@ torch::Tensor TttLinearBranchImpl::forward(const torch::Tensor& x, torch::Tensor
 }
 
 // ------------------------------------------------------------------ SwiGluMlp
-SwiGluMlpImpl::SwiGluMlpImpl(int64_t dim, int64_t hidden) {
+SwiGluMlpImpl::SwiGluMlpImpl(int64_t dim, int64_t hidden, ops::Impl impl) : impl_(elementwise_impl(impl)) {
     gate_proj = register_module("gate_proj", make_linear(dim, hidden, false));
     up_proj = register_module("up_proj", make_linear(dim, hidden, false));
     down_proj = register_module("down_proj", make_linear(hidden, dim, false));
@@ -119,10 +120,8 @@ SwiGluMlpImpl::SwiGluMlpImpl(int64_t dim, int64_t hidden) {
 }
 
 torch::Tensor SwiGluMlpImpl::forward(const torch::Tensor& x) {
-    torch::Tensor gate = linear(gate_proj, x);
-    if (!can_overwrite({gate})) return linear(down_proj, torch::silu(gate) * linear(up_proj, x));
-    torch::silu_(gate);
-    return linear(down_proj, gate.mul_(linear(up_proj, x)));  // one hidden-size temporary fewer
+    // silu(gate) * up written into gate outside a graph: one hidden-size temporary fewer.
+    return linear(down_proj, ops::silu_mul_(linear(gate_proj, x), linear(up_proj, x), impl_));
 }
 
 // ------------------------------------------------------------------ VitttBlock
@@ -139,7 +138,7 @@ VitttBlockImpl::VitttBlockImpl(const VitttBlockOptions& options) : options_(opti
     }
     o_proj = register_module("o_proj", make_linear(D, D, false));
     norm2 = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({D}).eps(options.norm_eps)));
-    mlp = register_module("mlp", SwiGluMlp(D, options.mlp_hidden));
+    mlp = register_module("mlp", SwiGluMlp(D, options.mlp_hidden, options.branch.impl));
     init_linear(g_proj);
     init_linear(o_proj);
 }
@@ -201,7 +200,8 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
 torch::Tensor VitttBlockImpl::mixer(const torch::Tensor& y) {
     // The mixer's temporaries (x, gate, both directions) live in this frame only: none is alive in the MLP.
     torch::Tensor x = nn::layer_norm(norm1, y);
-    torch::Tensor gate = flops::linear_gelu(x, g_proj->weight, g_proj->bias, "tanh");
+    torch::Tensor gate = nn::linear_gelu(x, g_proj->weight, g_proj->bias, ops::GeluForm::Tanh,
+                                             elementwise_impl(options_.branch.impl));
     nn::Probe* probe_forth = probing("ttt.grad_norms.forth");
     nn::Probe* probe_back = probing("ttt.grad_norms.back");
     torch::Tensor norms_forth, norms_back;

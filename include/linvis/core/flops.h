@@ -31,6 +31,20 @@ private:
     Counter* parent_ = nullptr;
 };
 
+// While alive, the counters made before it on this thread do not see the products issued: work a paper's
+// count leaves out (Vittt's learning-rate gate, docs/vittt.md) runs through the fast wrappers below without
+// changing the count.
+class Uncounted {
+public:
+    Uncounted();
+    ~Uncounted();
+    Uncounted(const Uncounted&) = delete;
+    Uncounted& operator=(const Uncounted&) = delete;
+
+private:
+    Counter* saved_;
+};
+
 // Adds `macs` multiply-adds to the active counter, if any.
 void add(int64_t macs);
 bool counting();

@@ -7,6 +7,8 @@
 
 #include <torch/torch.h>
 
+#include "linvis/ops/activation.h"
+
 namespace linvis::nn {
 
 // ops::layer_norm (Impl::Auto: the fused float32 kernel where it takes the input, else torch::layer_norm)
@@ -34,6 +36,16 @@ bool can_overwrite(std::initializer_list<torch::Tensor> operands);
 // fresh + other, written into `fresh` when can_overwrite({fresh, other}), the shapes and dtypes match and the
 // two share no memory.
 torch::Tensor add_into(torch::Tensor fresh, const torch::Tensor& other);
+
+// The Impl of a layer's elementwise passes (ops/activation.h) under its model's Impl: Reference stays the
+// reference; Fused, which asks for the fused mixers, leaves the passes to Auto, so float64 models (which the
+// mixers' kernels take) still run: the passes take float32 only.
+ops::Impl elementwise_impl(ops::Impl model_impl);
+
+// GELU(x w^T + b), the erf or tanh form (ops::GeluForm): float32 as the product then ops::gelu_ (the fused pass
+// under `impl`); bf16 / f16 as flops::linear_gelu (GELU on the product's float32 accumulator, rounded once).
+torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                          ops::GeluForm form, ops::Impl impl = ops::Impl::Auto);
 
 // timm's resample_abs_pos_embed: pos_embed (1, P + Ho*Wo, D) with P prefix (class) tokens ->
 // (1, P + Hn*Wn, D). The prefix positions are kept unchanged; the grid part is reshaped to

@@ -58,9 +58,12 @@ TORCH_MODULE(TttLinearBranch);
 // SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x)), no biases.
 class SwiGluMlpImpl : public torch::nn::Module {
 public:
-    SwiGluMlpImpl(int64_t dim, int64_t hidden);
+    SwiGluMlpImpl(int64_t dim, int64_t hidden, ops::Impl impl = ops::Impl::Auto);
     torch::Tensor forward(const torch::Tensor& x);
     torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+
+private:
+    ops::Impl impl_;  // of silu(gate) * up (ops::silu_mul_)
 };
 TORCH_MODULE(SwiGluMlp);
 

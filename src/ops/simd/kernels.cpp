@@ -76,8 +76,48 @@ void gelu_erf(const float* x, float* y, int64_t n) {
     }
 }
 
+// x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) with Highway's Tanh.
+template <class D, class V>
+HWY_INLINE V gelu_tanh_vec(D d, V x) {
+    const auto inner =
+        hn::Mul(hn::Set(d, 0.7978845608028654f), hn::MulAdd(hn::Mul(hn::Set(d, 0.044715f), hn::Mul(x, x)), x, x));
+    return hn::Mul(hn::Mul(hn::Set(d, 0.5f), x), hn::Add(hn::Set(d, 1.0f), hn::Tanh(d, inner)));
+}
+
+void gelu_tanh(const float* x, float* y, int64_t n) {
+    using D = hn::ScalableTag<float>;
+    const D d;
+    const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+    int64_t i = 0;
+    for (; i + N <= n; i += N) hn::StoreU(gelu_tanh_vec(d, hn::LoadU(d, x + i)), d, y + i);
+    if (i < n) {
+        const auto m = hn::FirstN(d, static_cast<size_t>(n - i));
+        hn::BlendedStore(gelu_tanh_vec(d, hn::MaskedLoad(m, d, x + i)), m, d, y + i);
+    }
+}
+
+// g sigmoid(g) u, the sigmoid as in `sigmoid` above.
+template <class D, class V>
+HWY_INLINE V silu_mul_vec(D d, V g, V u) {
+    const auto one = hn::Set(d, 1.0f);
+    const auto t = hn::Min(hn::Max(hn::Neg(g), hn::Set(d, -88.0f)), hn::Set(d, 88.0f));
+    return hn::Mul(hn::Div(g, hn::Add(one, hn::Exp(d, t))), u);
+}
+
+void silu_mul(const float* g, const float* u, float* y, int64_t n) {
+    using D = hn::ScalableTag<float>;
+    const D d;
+    const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+    int64_t i = 0;
+    for (; i + N <= n; i += N) hn::StoreU(silu_mul_vec(d, hn::LoadU(d, g + i), hn::LoadU(d, u + i)), d, y + i);
+    if (i < n) {
+        const auto m = hn::FirstN(d, static_cast<size_t>(n - i));
+        hn::BlendedStore(silu_mul_vec(d, hn::MaskedLoad(m, d, g + i), hn::MaskedLoad(m, d, u + i)), m, d, y + i);
+    }
+}
+
 const Kernels& table() {
-    static const Kernels k{kTarget, gemm_f32, gemm_f64, sigmoid, gelu_erf};
+    static const Kernels k{kTarget, gemm_f32, gemm_f64, sigmoid, gelu_erf, gelu_tanh, silu_mul};
     return k;
 }
 

@@ -49,6 +49,10 @@ struct Kernels {
     void (*sigmoid)(const float* x, float* y, int64_t n) = nullptr;
     // y[i] = GELU(x[i]), the exact (erf) form to within 1.5e-7 |x| / 2 (kernels.cpp); x and y may alias.
     void (*gelu_erf)(const float* x, float* y, int64_t n) = nullptr;
+    // y[i] = GELU(x[i]), the tanh form, with Highway's Tanh; x and y may alias.
+    void (*gelu_tanh)(const float* x, float* y, int64_t n) = nullptr;
+    // y[i] = silu(g[i]) u[i] = g[i] sigmoid(g[i]) u[i]; y may alias g or u.
+    void (*silu_mul)(const float* g, const float* u, float* y, int64_t n) = nullptr;
 };
 
 // The kernels of active_target(), or of a given (supported) target.

@@ -137,8 +137,13 @@ torch::Tensor ttt_learning_rate(const torch::Tensor& x, const torch::Tensor& w_l
     LINVIS_CHECK(b_lr.dim() == 2 && b_lr.size(0) == nh && b_lr.size(1) == 1,
                  "ttt_learning_rate: b_lr: expected [", nh, ", 1], got ", shape_string(b_lr.sizes()));
     LINVIS_CHECK(head_dim > 0, "ttt_learning_rate: head_dim must be positive, got ", head_dim);
-    // (B, T, C) x (C, nh) -> (B, T, nh) -> (B, nh, T)
-    torch::Tensor logits = torch::matmul(x, w_lr.squeeze(1).t()) + b_lr.view({1, 1, nh});
+    // (B, T, C) x (C, nh) -> (B, T, nh) -> (B, nh, T); through flops::linear (oneDNN): LibTorch's matmul with
+    // N = nh took 16 ms of 470 per vittt_tiny image at 1024 px. Not counted, as in the paper (docs/vittt.md).
+    torch::Tensor logits;
+    {
+        const flops::Uncounted uncounted;
+        logits = flops::linear(x, w_lr.squeeze(1), b_lr.view({nh}));
+    }
     return eta_base * torch::sigmoid(logits).permute({0, 2, 1}) / static_cast<double>(head_dim);
 }
 

@@ -1,0 +1,27 @@
+// Elementwise activations on tensors the caller owns (an MLP's hidden layer, fresh from its product):
+//   gelu_      GELU, the exact (erf) form or the tanh form;
+//   silu_mul_  silu(gate) * up, SwiGLU's hidden layer.
+// Reference: LibTorch (torch::gelu_ / torch::silu and mul; out of place where autograd records an operand).
+// Fused: one vectorised pass of the SIMD layer (AVX-512, AVX2 or portable; ops/simd) over contiguous float32
+// CPU tensors, parallel over blocks of elements; erf as torch's vectorised CPU erf evaluates it
+// (Abramowitz-Stegun 7.1.26, |error| <= 1.5e-7), tanh and exp with Highway's. In a graph the backward is
+// LibTorch's (gelu_backward, silu_backward). Debian's LibTorch 1.13 runs these with scalar libm calls
+// (erff, expf). docs/ops.md.
+#pragma once
+
+#include <torch/torch.h>
+
+#include "linvis/ops/impl.h"
+
+namespace linvis::ops {
+
+enum class GeluForm { Erf, Tanh };
+
+// GELU(x): in place when autograd does not record x (the result is x), else a new tensor with a graph.
+torch::Tensor gelu_(torch::Tensor x, Impl impl = Impl::Auto, GeluForm form = GeluForm::Erf);
+
+// silu(gate) * up (same shape): into gate when autograd records neither operand, else a new tensor with a
+// graph.
+torch::Tensor silu_mul_(torch::Tensor gate, const torch::Tensor& up, Impl impl = Impl::Auto);
+
+}  // namespace linvis::ops

@@ -1,0 +1,116 @@
+// linvis::ops::gelu_ / silu_mul_ (include/linvis/ops/activation.h): the references (LibTorch) and the fused
+// passes (the SIMD layer's gelu_erf, gelu_tanh and silu_mul, parallel over blocks of elements) side by side,
+// and the choice between them.
+#include "linvis/ops/activation.h"
+
+#include <ATen/Parallel.h>
+
+#include <string>
+
+#include "linvis/core/error.h"
+#include "ops/simd/simd.h"
+
+namespace linvis::ops {
+namespace {
+
+bool records_graph(const torch::Tensor& x) { return torch::GradMode::is_enabled() && x.requires_grad(); }
+
+const char* gelu_approximate(GeluForm form) { return form == GeluForm::Tanh ? "tanh" : "none"; }
+
+// Empty when the fused passes take t, else why not.
+std::string unsupported(const char* name, const torch::Tensor& t) {
+    if (!t.device().is_cpu()) return std::string(name) + " is on " + t.device().str() + ", the kernel is CPU only";
+    if (t.scalar_type() != torch::kFloat32)
+        return std::string(name) + " is " + c10::toString(t.scalar_type()) + ", the kernel takes float32";
+    if (!t.is_contiguous()) return std::string(name) + " is not contiguous";
+    return "";
+}
+
+// Auto: the vectorised targets (passes bound by memory, against LibTorch's scalar libm calls); the portable
+// target runs the reference.
+bool fused_is_faster() { return simd::vectorised(); }
+
+// Blocks of 16 Ki elements: a 2-core split of a (196, 768) hidden layer, and no task shorter than a few
+// microseconds.
+constexpr int64_t kGrain = int64_t{1} << 14;
+
+// out = GELU(x) over contiguous float32 (out may be x).
+void gelu_pass(const torch::Tensor& x, const torch::Tensor& out, GeluForm form) {
+    const simd::Kernels& k = simd::kernels();
+    const auto pass = form == GeluForm::Tanh ? k.gelu_tanh : k.gelu_erf;
+    const float* in = x.data_ptr<float>();
+    float* y = out.data_ptr<float>();
+    at::parallel_for(0, x.numel(), kGrain, [&](int64_t b, int64_t e) { pass(in + b, y + b, e - b); });
+}
+
+// out = silu(gate) * up over contiguous float32 (out may be gate or up).
+void silu_mul_pass(const torch::Tensor& gate, const torch::Tensor& up, const torch::Tensor& out) {
+    const simd::Kernels& k = simd::kernels();
+    const float* g = gate.data_ptr<float>();
+    const float* u = up.data_ptr<float>();
+    float* y = out.data_ptr<float>();
+    at::parallel_for(0, gate.numel(), kGrain, [&](int64_t b, int64_t e) { k.silu_mul(g + b, u + b, y + b, e - b); });
+}
+
+// In a graph: the fused pass forward, LibTorch's derivative backward.
+class FusedGelu : public torch::autograd::Function<FusedGelu> {
+public:
+    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, bool tanh_form) {
+        ctx->save_for_backward({x});
+        ctx->saved_data["tanh"] = tanh_form;
+        torch::Tensor y = torch::empty_like(x);
+        gelu_pass(x, y, tanh_form ? GeluForm::Tanh : GeluForm::Erf);
+        return y;
+    }
+    static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::tensor_list grads) {
+        const GeluForm form = ctx->saved_data["tanh"].toBool() ? GeluForm::Tanh : GeluForm::Erf;
+        return {torch::gelu_backward(grads[0], ctx->get_saved_variables()[0], gelu_approximate(form)), {}};
+    }
+};
+
+class FusedSiluMul : public torch::autograd::Function<FusedSiluMul> {
+public:
+    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& gate,
+                                 const torch::Tensor& up) {
+        ctx->save_for_backward({gate, up});
+        torch::Tensor y = torch::empty_like(gate);
+        silu_mul_pass(gate, up, y);
+        return y;
+    }
+    static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::tensor_list grads) {
+        const auto saved = ctx->get_saved_variables();
+        const torch::Tensor& gate = saved[0];
+        const torch::Tensor& up = saved[1];
+        torch::Tensor d_gate, d_up;
+        if (ctx->needs_input_grad(0)) d_gate = torch::silu_backward(grads[0] * up, gate);
+        if (ctx->needs_input_grad(1)) d_up = grads[0] * torch::silu(gate);
+        return {d_gate, d_up};
+    }
+};
+
+}  // namespace
+
+torch::Tensor gelu_(torch::Tensor x, Impl impl, GeluForm form) {
+    if (!use_fused(impl, "gelu_", unsupported("x", x), fused_is_faster()))
+        return records_graph(x) ? torch::gelu(x, gelu_approximate(form)) : torch::gelu_(x, gelu_approximate(form));
+    if (records_graph(x)) return FusedGelu::apply(x, form == GeluForm::Tanh);
+    gelu_pass(x, x, form);
+    return x;
+}
+
+torch::Tensor silu_mul_(torch::Tensor gate, const torch::Tensor& up, Impl impl) {
+    LINVIS_CHECK(gate.sizes() == up.sizes(), "silu_mul_: up: expected the shape of gate ", shape_string(gate.sizes()),
+                 ", got ", shape_string(up.sizes()));
+    std::string why = unsupported("gate", gate);
+    if (why.empty()) why = unsupported("up", up);
+    const bool graph = records_graph(gate) || records_graph(up);
+    if (!use_fused(impl, "silu_mul_", why, fused_is_faster()))
+        return graph ? torch::silu(gate) * up : torch::silu_(gate).mul_(up);
+    if (graph) return FusedSiluMul::apply(gate, up);
+    silu_mul_pass(gate, up, gate);
+    return gate;
+}
+
+}  // namespace linvis::ops

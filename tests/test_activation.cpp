@@ -1,0 +1,147 @@
+// ops::gelu_ and ops::silu_mul_ (include/linvis/ops/activation.h): the fused passes on every SIMD target this
+// CPU runs against the exact function computed in float64, in place and with tails of every length; in a graph,
+// LibTorch's gradients under every Impl; the dispatch (dtype, layout).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+
+#include "linvis/core/error.h"
+#include "linvis/ops/activation.h"
+#include "support/simd_targets.h"
+
+namespace {
+
+using linvis::ops::GeluForm;
+using linvis::ops::Impl;
+using linvis::testing::for_each_simd_target;
+using linvis::testing::SimdTarget;
+
+// The exact GELU of float32 inputs, in float64.
+torch::Tensor exact_gelu(const torch::Tensor& x) { return torch::gelu(x.to(torch::kFloat64)); }
+
+// Bound of the fused result: erf within 1.5e-7 (Abramowitz-Stegun 7.1.26) plus the float32 roundings of its
+// evaluation (the polynomial, Highway's Exp and 1 - P e: terms up to 1, about ten units of 6e-8 in all),
+// scaled by |x| / 2, plus two roundings of the result. Seen: 4.7e-7 at x = 3.19, where the bound is 1.6e-6.
+torch::Tensor bound(const torch::Tensor& x, const torch::Tensor& y) {
+    const torch::Tensor ax = x.to(torch::kFloat64).abs();
+    return ax * 0.5 * (1.5e-7 + 10 * 6e-8) + y.abs() * 2 * 6e-8 + 1e-30;
+}
+
+TEST(Activation, FusedMatchesExactGeluOnEveryTargetInPlace) {
+    for_each_simd_target([](const SimdTarget&) {
+        torch::manual_seed(3);
+        // Lengths around the vector widths and the parallel block (16 Ki elements), values up to +-12
+        // (exp(-a^2) underflows past |a| ~ 9.4) and exact zeros.
+        for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{16}, int64_t{33}, int64_t{16384 + 5}, int64_t{197 * 771}}) {
+            torch::Tensor x = torch::randn({n}) * 4;
+            if (n > 3) {
+                x[0] = 12.0f;
+                x[1] = -12.0f;
+                x[2] = 0.0f;
+            }
+            const torch::Tensor expected = exact_gelu(x);
+            torch::Tensor y = x.clone();
+            torch::Tensor out = linvis::ops::gelu_(y, Impl::Fused);
+            EXPECT_TRUE(out.is_same(y)) << "n = " << n << ": not in place";
+            const torch::Tensor err = (out.to(torch::kFloat64) - expected).abs();
+            EXPECT_TRUE(torch::all(err <= bound(x, expected)).item<bool>())
+                << "n = " << n << ": max error " << err.max().item<double>();
+            EXPECT_FALSE(torch::any(torch::isnan(out)).item<bool>()) << "n = " << n;
+        }
+    });
+}
+
+TEST(Activation, AutoMatchesReferenceAndKeepsTheGraph) {
+    torch::manual_seed(4);
+    const torch::Tensor x = torch::randn({197, 768}) * 3;
+    torch::Tensor reference = linvis::ops::gelu_(x.clone(), Impl::Reference);
+    torch::Tensor automatic = linvis::ops::gelu_(x.clone(), Impl::Auto);
+    EXPECT_TRUE(torch::allclose(automatic, reference, 1e-6, 1e-6));
+    // Where autograd records x, every Impl gives a new tensor with torch::gelu's gradient.
+    for (Impl impl : {Impl::Auto, Impl::Reference, Impl::Fused}) {
+        torch::Tensor leaf = x.clone().requires_grad_(true);
+        torch::Tensor y = linvis::ops::gelu_(leaf * 1.0, impl);
+        EXPECT_TRUE(torch::allclose(y, torch::gelu(x), 1e-6, 1e-6)) << linvis::ops::impl_name(impl);
+        (y * y).sum().backward();
+        torch::Tensor leaf2 = x.clone().requires_grad_(true);
+        torch::Tensor y2 = torch::gelu(leaf2);
+        (y2 * y2).sum().backward();
+        EXPECT_TRUE(torch::allclose(leaf.grad(), leaf2.grad(), 1e-5, 1e-6)) << linvis::ops::impl_name(impl);
+    }
+}
+
+TEST(Activation, InputsTheKernelDoesNotTakeRunTheReferenceUnderAuto) {
+    torch::manual_seed(5);
+    const torch::Tensor x = torch::randn({64, 48});
+    // Not contiguous: a transposed view; float64; bfloat16.
+    for (const torch::Tensor& t : {x.t(), x.to(torch::kFloat64), x.to(torch::kBFloat16)}) {
+        const torch::Tensor expected = torch::gelu(t);
+        EXPECT_TRUE(torch::allclose(linvis::ops::gelu_(t.clone(), Impl::Auto).to(torch::kFloat64),
+                                    expected.to(torch::kFloat64), 1e-6, 1e-7));
+        EXPECT_THROW(linvis::ops::gelu_(t.clone(), Impl::Fused), linvis::Error);
+    }
+}
+
+// The tanh form and silu(g) * u: within a few float32 roundings of the float64 functions (Highway's Tanh and
+// Exp are within a few units in the last place; the products add a rounding each).
+TEST(Activation, GeluTanhAndSiluMulMatchFloat64OnEveryTarget) {
+    for_each_simd_target([](const SimdTarget&) {
+        torch::manual_seed(6);
+        for (int64_t n : {int64_t{1}, int64_t{15}, int64_t{16384 + 3}, int64_t{197 * 513}}) {
+            torch::Tensor x = torch::randn({n}) * 4;
+            torch::Tensor u = torch::randn({n}) * 2;
+            if (n > 3) {
+                x[0] = 100.0f;
+                x[1] = -100.0f;
+                x[2] = 0.0f;
+            }
+            const torch::Tensor x64 = x.to(torch::kFloat64), u64 = u.to(torch::kFloat64);
+            const torch::Tensor tanh_expected = torch::gelu(x64, "tanh");
+            torch::Tensor g = linvis::ops::gelu_(x.clone(), Impl::Fused, GeluForm::Tanh);
+            torch::Tensor err = (g.to(torch::kFloat64) - tanh_expected).abs();
+            EXPECT_TRUE(torch::all(err <= x64.abs() * 6e-7 + 1e-30).item<bool>())
+                << "gelu tanh, n = " << n << ": max error " << err.max().item<double>();
+            const torch::Tensor silu_expected = torch::silu(x64) * u64;
+            torch::Tensor gate = x.clone();
+            torch::Tensor s = linvis::ops::silu_mul_(gate, u, Impl::Fused);
+            EXPECT_TRUE(s.is_same(gate)) << "silu_mul_, n = " << n << ": not into gate";
+            err = (s.to(torch::kFloat64) - silu_expected).abs();
+            EXPECT_TRUE(torch::all(err <= (x64 * u64).abs() * 6e-7 + 1e-30).item<bool>())
+                << "silu_mul, n = " << n << ": max error " << err.max().item<double>();
+            EXPECT_FALSE(torch::any(torch::isnan(g)).item<bool>() || torch::any(torch::isnan(s)).item<bool>());
+        }
+    });
+}
+
+TEST(Activation, SiluMulGradientsUnderEveryImpl) {
+    torch::manual_seed(7);
+    const torch::Tensor g0 = torch::randn({197, 64}) * 3, u0 = torch::randn({197, 64});
+    torch::Tensor g_ref = g0.clone().requires_grad_(true), u_ref = u0.clone().requires_grad_(true);
+    torch::Tensor y_ref = torch::silu(g_ref) * u_ref;
+    (y_ref * y_ref).sum().backward();
+    for (Impl impl : {Impl::Auto, Impl::Reference, Impl::Fused}) {
+        torch::Tensor g = g0.clone().requires_grad_(true), u = u0.clone().requires_grad_(true);
+        torch::Tensor y = linvis::ops::silu_mul_(g * 1.0, u * 1.0, impl);
+        EXPECT_TRUE(torch::allclose(y, y_ref, 1e-5, 1e-6)) << linvis::ops::impl_name(impl);
+        (y * y).sum().backward();
+        EXPECT_TRUE(torch::allclose(g.grad(), g_ref.grad(), 1e-5, 1e-6)) << linvis::ops::impl_name(impl);
+        EXPECT_TRUE(torch::allclose(u.grad(), u_ref.grad(), 1e-5, 1e-6)) << linvis::ops::impl_name(impl);
+    }
+    // Only one operand needing a gradient; shapes that differ are an error naming both.
+    torch::Tensor u = u0.clone().requires_grad_(true);
+    linvis::ops::silu_mul_(g0.clone(), u * 1.0, Impl::Fused).sum().backward();
+    EXPECT_TRUE(torch::allclose(u.grad(), torch::silu(g0), 1e-5, 1e-6));
+    EXPECT_THROW(linvis::ops::silu_mul_(g0.clone(), u0.narrow(0, 0, 5), Impl::Auto), linvis::Error);
+}
+
+TEST(Activation, GeluTanhGradientInAGraph) {
+    torch::manual_seed(8);
+    const torch::Tensor x = torch::randn({33, 65}) * 3;
+    torch::Tensor a = x.clone().requires_grad_(true), b = x.clone().requires_grad_(true);
+    linvis::ops::gelu_(a * 1.0, Impl::Fused, GeluForm::Tanh).pow(2).sum().backward();
+    torch::gelu(b, "tanh").pow(2).sum().backward();
+    EXPECT_TRUE(torch::allclose(a.grad(), b.grad(), 1e-5, 1e-6));
+}
+
+}  // namespace
