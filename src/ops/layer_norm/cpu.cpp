@@ -1,6 +1,6 @@
 // The fused CPU LayerNorm (see linvis/ops/layer_norm.h). One row of N values at a time: the mean (the
-// sum of x - x[0] in 16 partial sums, folded pairwise, plus x[0]), the variance of (x - mean) the same way (two passes: no
-// cancellation when the mean is large against the spread), rstd = 1 / sqrt(var + eps), then
+// sum of x - x[0] in 16 partial sums, folded pairwise, plus x[0]), the variance of (x - mean) the same
+// way (two passes: no cancellation when the mean is large against the spread), rstd = 1 / sqrt(var + eps), then
 // y = (x - mean) * rstd * weight + bias. The row loops are compiled per SIMD target with
 // LINVIS_SIMD_CLONES; rows are split into blocks of about 16 Ki values with at::parallel_for.
 #include "ops/layer_norm/cpu.h"
