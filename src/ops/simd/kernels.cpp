@@ -24,34 +24,42 @@ void gemm_f64(int64_t M, int64_t N, int64_t K, const double* A, int64_t a_row, i
     gemm<Vec<double>>(M, N, K, A, a_row, a_col, B, ldb, C, ldc, accumulate ? GemmInit::Accumulate : GemmInit::Zero);
 }
 
-// 1 / (1 + exp(-x)) with Highway's Exp (hwy/contrib/math), whose argument is kept in [-88, 88] (its valid
-// range; exp(88) is finite, so the result is 0 or 1 to float precision beyond it, never NaN).
-void sigmoid(const float* x, float* y, int64_t n) {
-    using D = hn::ScalableTag<float>;
-    const D d;
+using FloatTag = hn::ScalableTag<float>;
+using FloatVec = hn::Vec<FloatTag>;
+
+// y[i] = f(in[i]...) over n floats, f taking one whole vector per input array: full vectors, then one masked
+// tail whose inactive lanes read 0 and are not stored.
+template <class F, class... In>
+HWY_INLINE void map_floats(float* y, int64_t n, F f, const In*... in) {
+    const FloatTag d;
     const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-    const auto one = hn::Set(d, 1.0f), lo = hn::Set(d, -88.0f), hi = hn::Set(d, 88.0f);
     int64_t i = 0;
-    for (; i + N <= n; i += N) {
-        const auto t = hn::Min(hn::Max(hn::Neg(hn::LoadU(d, x + i)), lo), hi);
-        hn::StoreU(hn::Div(one, hn::Add(one, hn::Exp(d, t))), d, y + i);
-    }
+    for (; i + N <= n; i += N) hn::StoreU(f(d, hn::LoadU(d, in + i)...), d, y + i);
     if (i < n) {
         const auto m = hn::FirstN(d, static_cast<size_t>(n - i));
-        const auto t = hn::Min(hn::Max(hn::Neg(hn::MaskedLoad(m, d, x + i)), lo), hi);
-        hn::BlendedStore(hn::Div(one, hn::Add(one, hn::Exp(d, t))), m, d, y + i);
+        hn::BlendedStore(f(d, hn::MaskedLoad(m, d, in + i)...), m, d, y + i);
     }
+}
+
+// exp(-x) with Highway's Exp (hwy/contrib/math), its argument kept in [-88, 88] (its valid range; exp(88) is
+// finite, so a sigmoid built on it is 0 or 1 to float precision beyond, never NaN).
+HWY_INLINE FloatVec exp_neg(FloatTag d, FloatVec x) {
+    return hn::Exp(d, hn::Min(hn::Max(hn::Neg(x), hn::Set(d, -88.0f)), hn::Set(d, 88.0f)));
+}
+
+// 1 / (1 + exp(-x)).
+HWY_INLINE FloatVec sigmoid_vec(FloatTag d, FloatVec x) {
+    const auto one = hn::Set(d, 1.0f);
+    return hn::Div(one, hn::Add(one, exp_neg(d, x)));
 }
 
 // x/2 (1 + erf(x / sqrt 2)) with erf(a) = sign(a) (1 - P(t) exp(-a^2)), t = 1 / (1 + p |a|): Abramowitz and
 // Stegun 7.1.26, |error in erf| <= 1.5e-7 (the form torch's vectorised CPU erf evaluates). exp(-a^2) is taken
 // with a^2 capped at 88, past which the term is 0 to float precision.
-template <class D, class V>
-HWY_INLINE V gelu_erf_vec(D d, V x) {
+HWY_INLINE FloatVec gelu_erf_vec(FloatTag d, FloatVec x) {
     const auto half = hn::Set(d, 0.5f), one = hn::Set(d, 1.0f);
     const auto a = hn::Mul(x, hn::Set(d, 0.70710678118654752f));
-    const auto abs_a = hn::Abs(a);
-    const auto t = hn::Div(one, hn::MulAdd(hn::Set(d, 0.3275911f), abs_a, one));
+    const auto t = hn::Div(one, hn::MulAdd(hn::Set(d, 0.3275911f), hn::Abs(a), one));
     auto poly = hn::Set(d, 1.061405429f);
     poly = hn::MulAdd(poly, t, hn::Set(d, -1.453152027f));
     poly = hn::MulAdd(poly, t, hn::Set(d, 1.421413741f));
@@ -59,62 +67,26 @@ HWY_INLINE V gelu_erf_vec(D d, V x) {
     poly = hn::MulAdd(poly, t, hn::Set(d, 0.254829592f));
     poly = hn::Mul(poly, t);
     const auto e = hn::Exp(d, hn::Neg(hn::Min(hn::Mul(a, a), hn::Set(d, 88.0f))));
-    const auto erf_abs = hn::NegMulAdd(poly, e, one);  // 1 - P(t) exp(-a^2)
-    const auto erf = hn::CopySign(erf_abs, a);
+    const auto erf = hn::CopySign(hn::NegMulAdd(poly, e, one), a);  // sign(a) (1 - P(t) exp(-a^2))
     return hn::Mul(hn::Mul(half, x), hn::Add(one, erf));
 }
 
-void gelu_erf(const float* x, float* y, int64_t n) {
-    using D = hn::ScalableTag<float>;
-    const D d;
-    const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-    int64_t i = 0;
-    for (; i + N <= n; i += N) hn::StoreU(gelu_erf_vec(d, hn::LoadU(d, x + i)), d, y + i);
-    if (i < n) {
-        const auto m = hn::FirstN(d, static_cast<size_t>(n - i));
-        hn::BlendedStore(gelu_erf_vec(d, hn::MaskedLoad(m, d, x + i)), m, d, y + i);
-    }
-}
-
 // x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) with Highway's Tanh.
-template <class D, class V>
-HWY_INLINE V gelu_tanh_vec(D d, V x) {
+HWY_INLINE FloatVec gelu_tanh_vec(FloatTag d, FloatVec x) {
     const auto inner =
         hn::Mul(hn::Set(d, 0.7978845608028654f), hn::MulAdd(hn::Mul(hn::Set(d, 0.044715f), hn::Mul(x, x)), x, x));
     return hn::Mul(hn::Mul(hn::Set(d, 0.5f), x), hn::Add(hn::Set(d, 1.0f), hn::Tanh(d, inner)));
 }
 
-void gelu_tanh(const float* x, float* y, int64_t n) {
-    using D = hn::ScalableTag<float>;
-    const D d;
-    const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-    int64_t i = 0;
-    for (; i + N <= n; i += N) hn::StoreU(gelu_tanh_vec(d, hn::LoadU(d, x + i)), d, y + i);
-    if (i < n) {
-        const auto m = hn::FirstN(d, static_cast<size_t>(n - i));
-        hn::BlendedStore(gelu_tanh_vec(d, hn::MaskedLoad(m, d, x + i)), m, d, y + i);
-    }
+// g sigmoid(g) u.
+HWY_INLINE FloatVec silu_mul_vec(FloatTag d, FloatVec g, FloatVec u) {
+    return hn::Mul(hn::Div(g, hn::Add(hn::Set(d, 1.0f), exp_neg(d, g))), u);
 }
 
-// g sigmoid(g) u, the sigmoid as in `sigmoid` above.
-template <class D, class V>
-HWY_INLINE V silu_mul_vec(D d, V g, V u) {
-    const auto one = hn::Set(d, 1.0f);
-    const auto t = hn::Min(hn::Max(hn::Neg(g), hn::Set(d, -88.0f)), hn::Set(d, 88.0f));
-    return hn::Mul(hn::Div(g, hn::Add(one, hn::Exp(d, t))), u);
-}
-
-void silu_mul(const float* g, const float* u, float* y, int64_t n) {
-    using D = hn::ScalableTag<float>;
-    const D d;
-    const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-    int64_t i = 0;
-    for (; i + N <= n; i += N) hn::StoreU(silu_mul_vec(d, hn::LoadU(d, g + i), hn::LoadU(d, u + i)), d, y + i);
-    if (i < n) {
-        const auto m = hn::FirstN(d, static_cast<size_t>(n - i));
-        hn::BlendedStore(silu_mul_vec(d, hn::MaskedLoad(m, d, g + i), hn::MaskedLoad(m, d, u + i)), m, d, y + i);
-    }
-}
+void sigmoid(const float* x, float* y, int64_t n) { map_floats(y, n, sigmoid_vec, x); }
+void gelu_erf(const float* x, float* y, int64_t n) { map_floats(y, n, gelu_erf_vec, x); }
+void gelu_tanh(const float* x, float* y, int64_t n) { map_floats(y, n, gelu_tanh_vec, x); }
+void silu_mul(const float* g, const float* u, float* y, int64_t n) { map_floats(y, n, silu_mul_vec, g, u); }
 
 const Kernels& table() {
     static const Kernels k{kTarget, gemm_f32, gemm_f64, sigmoid, gelu_erf, gelu_tanh, silu_mul};
