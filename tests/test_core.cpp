@@ -83,6 +83,17 @@ TEST(Flops, OnednnLinearMatchesLibTorch) {
         unsetenv("LINVIS_GEMM");
         EXPECT_LT(((y - y_torch).norm() / y_torch.norm()).item<double>(), 1e-6);
     }
+    // Slices of wider tensors are read in place with their row stride as the leading dimension: a column
+    // block of a weight (ViL's gate weights are blocks of one matrix) and a chunk of a wider activation.
+    {
+        torch::NoGradGuard no_grad;
+        const torch::Tensor wide_w = torch::randn({8, 3 * 96}), wide_x = torch::randn({2, 197, 2 * 96});
+        const torch::Tensor w = wide_w.narrow(1, 96, 96), x = wide_x.narrow(2, 96, 96), b = torch::randn({8});
+        const torch::Tensor y = linvis::flops::linear(x, w, b);
+        const torch::Tensor judge = torch::nn::functional::linear(x.to(torch::kFloat64), w.to(torch::kFloat64),
+                                                                  b.to(torch::kFloat64));
+        EXPECT_LT(((y.to(torch::kFloat64) - judge).norm() / judge.norm()).item<double>(), 1e-6);
+    }
     // Empty products stay with LibTorch: no rows gives no rows, K = 0 gives the bias alone.
     const torch::Tensor no_rows = torch::randn({0, 8}), no_k = torch::randn({3, 0}), w8 = torch::randn({4, 8});
     const torch::Tensor bias4 = torch::randn({4});

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <oneapi/dnnl/dnnl.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -113,14 +114,22 @@ torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const to
         const auto f32 = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kFloat32) : t; };
         return onednn_mm(f32(a), f32(b), f32(bias), activation).to(torch::kBFloat16);
     }
-    // Row-major storage is 'N' with the row length as ld, a transposed contiguous tensor is 'T'.
-    const auto layout = [](const torch::Tensor& t) -> std::pair<torch::Tensor, char> {
-        if (t.is_contiguous()) return {t, 'N'};
-        if (t.t().is_contiguous()) return {t, 'T'};
-        return {t.contiguous(), 'N'};
+    // Rows of unit column stride are 'N' with the row stride as ld, columns of unit row stride are 'T' with the
+    // column stride as ld: a narrowed or transposed operand (a slice of a wider weight) is read in place.
+    struct Operand {
+        torch::Tensor t;
+        char trans;
+        int64_t ld;
     };
-    const auto [A, ta] = layout(a);
-    const auto [B, tb] = layout(b);
+    const auto layout = [](const torch::Tensor& t) -> Operand {
+        const int64_t rows = t.size(0), cols = t.size(1);
+        if (t.is_contiguous()) return {t, 'N', std::max<int64_t>(cols, 1)};
+        if (t.stride(1) == 1 && t.stride(0) >= cols) return {t, 'N', std::max<int64_t>(t.stride(0), 1)};
+        if (t.stride(0) == 1 && t.stride(1) >= rows) return {t, 'T', std::max<int64_t>(t.stride(1), 1)};
+        return {t.contiguous(), 'N', std::max<int64_t>(cols, 1)};
+    };
+    const Operand A = layout(a);
+    const Operand B = layout(b);
     torch::Tensor c = torch::empty({M, N}, a.options());
     if (bias.defined()) {
         // The bias rows first and the product accumulated onto them (beta = 1): the GEMM adds the bias while
@@ -132,8 +141,8 @@ torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const to
             for (int64_t i = begin; i < end; ++i) std::memcpy(dst + i * N, src, sizeof(float) * N);
         });
     }
-    sgemm(ta, tb, M, N, K, A.data_ptr<float>(), ta == 'N' ? K : M, B.data_ptr<float>(), tb == 'N' ? N : K,
-          c.data_ptr<float>(), bias.defined());
+    sgemm(A.trans, B.trans, M, N, K, A.t.data_ptr<float>(), A.ld, B.t.data_ptr<float>(), B.ld, c.data_ptr<float>(),
+          bias.defined());
     return activate(c, activation);
 }
 
