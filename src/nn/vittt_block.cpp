@@ -201,7 +201,7 @@ torch::Tensor VitttBlockImpl::mixer(const torch::Tensor& y) {
     // The mixer's temporaries (x, gate, both directions) live in this frame only: none is alive in the MLP.
     torch::Tensor x = nn::layer_norm(norm1, y);
     torch::Tensor gate = nn::linear_gelu(x, g_proj->weight, g_proj->bias, ops::GeluForm::Tanh,
-                                             elementwise_impl(options_.branch.impl));
+                                         elementwise_impl(options_.branch.impl));
     nn::Probe* probe_forth = probing("ttt.grad_norms.forth");
     nn::Probe* probe_back = probing("ttt.grad_norms.back");
     torch::Tensor norms_forth, norms_back;
