@@ -8,12 +8,11 @@
 #include <string>
 
 #include "linvis/core/error.h"
+#include "ops/records_graph.h"
 #include "ops/simd/simd.h"
 
 namespace linvis::ops {
 namespace {
-
-bool records_graph(const torch::Tensor& x) { return torch::GradMode::is_enabled() && x.requires_grad(); }
 
 const char* gelu_approximate(GeluForm form) { return form == GeluForm::Tanh ? "tanh" : "none"; }
 
@@ -101,8 +100,8 @@ public:
 
 torch::Tensor gelu_(torch::Tensor x, Impl impl, GeluForm form) {
     if (!use_fused(impl, "gelu_", unsupported("x", x), fused_is_faster(form, x.numel())))
-        return records_graph(x) ? torch::gelu(x, gelu_approximate(form)) : torch::gelu_(x, gelu_approximate(form));
-    if (records_graph(x)) return FusedGelu::apply(x, form == GeluForm::Tanh);
+        return records_graph({x}) ? torch::gelu(x, gelu_approximate(form)) : torch::gelu_(x, gelu_approximate(form));
+    if (records_graph({x})) return FusedGelu::apply(x, form == GeluForm::Tanh);
     gelu_pass(x, x, form);
     return x;
 }
@@ -112,7 +111,7 @@ torch::Tensor silu_mul_(torch::Tensor gate, const torch::Tensor& up, Impl impl) 
                  ", got ", shape_string(up.sizes()));
     std::string why = unsupported("gate", gate);
     if (why.empty()) why = unsupported("up", up);
-    const bool graph = records_graph(gate) || records_graph(up);
+    const bool graph = records_graph({gate, up});
     if (!use_fused(impl, "silu_mul_", why, silu_mul_fused_is_faster()))
         return graph ? torch::silu(gate) * up : torch::silu_(gate).mul_(up);
     if (graph) return FusedSiluMul::apply(gate, up);

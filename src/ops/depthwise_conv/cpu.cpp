@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "linvis/core/error.h"
+#include "ops/records_graph.h"
 #include "ops/ttt_swiglu_cpu/entry_points.h"
 #include "ops/ttt_swiglu_cpu/kernels.h"
 
@@ -404,11 +405,6 @@ public:
     }
 };
 
-bool needs_graph(const Tensor& x, const Tensor& weight, const Tensor& bias) {
-    return torch::GradMode::is_enabled() &&
-           (x.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
-}
-
 // x with unit channel stride (a copy only when the channels are strided).
 Tensor channels_unit(const Tensor& x) { return x.stride(2) == 1 ? x : x.contiguous(); }
 
@@ -441,7 +437,7 @@ Tensor depthwise_conv2d_tokens_fused(const Tensor& x_in, int64_t height, int64_t
                                      const Tensor& bias_in, DwEpilogue epilogue) {
     const Compute compute(x_in);
     const Tensor x = channels_unit(compute(x_in)), weight = compute(weight_in), bias = compute(bias_in);
-    if (needs_graph(x, weight, bias)) {
+    if (records_graph({x, weight, bias})) {
         // A missing bias is a zero vector: LibTorch 1.13's autograd functions reject undefined inputs.
         const Tensor b = bias.defined() ? bias : torch::zeros({x.size(2)}, weight.options());
         return compute.back(
@@ -453,7 +449,7 @@ Tensor depthwise_conv2d_tokens_fused(const Tensor& x_in, int64_t height, int64_t
 Tensor causal_depthwise_conv1d_tokens_fused(const Tensor& x_in, const Tensor& weight_in, const Tensor& bias_in) {
     const Compute compute(x_in);
     const Tensor x = channels_unit(compute(x_in)), weight = compute(weight_in), bias = compute(bias_in);
-    if (needs_graph(x, weight, bias)) {
+    if (records_graph({x, weight, bias})) {
         const Tensor b = bias.defined() ? bias : torch::zeros({x.size(2)}, weight.options());
         return compute.back(CausalConv1dFunction::apply(x, weight, b));
     }

@@ -5,17 +5,11 @@
 #include <string>
 
 #include "ops/layer_norm/cpu.h"
+#include "ops/records_graph.h"
 #include "ops/simd/simd.h"
 
 namespace linvis::ops {
 namespace {
-
-bool records_graph(std::initializer_list<torch::Tensor> ts) {
-    if (!torch::GradMode::is_enabled()) return false;
-    for (const torch::Tensor& t : ts)
-        if (t.defined() && t.requires_grad()) return true;
-    return false;
-}
 
 // In a graph: the fused kernel forward (saving the per-row mean and rstd), LibTorch's
 // native_layer_norm_backward (the reference's own derivative) backward. Function::apply takes defined

@@ -65,6 +65,7 @@ HWY_AFTER_NAMESPACE();
 #include <ATen/Parallel.h>
 
 #include "linvis/core/error.h"
+#include "ops/records_graph.h"
 #include "ops/simd/per_target.h"
 #include "ops/simd/simd.h"
 
@@ -323,10 +324,7 @@ TttLinearResult result_of(const ForwardOut& r, const TttLinearOptions& options, 
 }
 
 bool needs_grad(const TttLinearInputs& in, const torch::Tensor& tau) {
-    if (!torch::GradMode::is_enabled()) return false;
-    for (const torch::Tensor* t : {&in.xq, &in.xk, &in.xv, &in.lr, &tau, &in.w0, &in.b0, &in.ln_weight, &in.ln_bias})
-        if (t->requires_grad()) return true;
-    return false;
+    return records_graph({in.xq, in.xk, in.xv, in.lr, tau, in.w0, in.b0, in.ln_weight, in.ln_bias});
 }
 
 }  // namespace

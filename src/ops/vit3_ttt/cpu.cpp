@@ -20,6 +20,7 @@
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/ops/vit3_ttt.h"
+#include "ops/records_graph.h"
 #include "ops/ttt_swiglu_cpu/kernels.h"
 #include "ops/ttt_swiglu_cpu/entry_points.h"
 
@@ -571,32 +572,25 @@ public:
     }
 };
 
-bool needs_autograd(std::initializer_list<Tensor> ts) {
-    if (!torch::GradMode::is_enabled()) return false;
-    for (const auto& t : ts)
-        if (t.requires_grad()) return true;
-    return false;
-}
-
 }  // namespace
 
 Tensor vit3_swiglu_branch_fused(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w1, const Tensor& w2,
                                 double scale) {
-    if (needs_autograd({q, k, v, w1, w2})) return Vit3SwigluFunction::apply(q, k, v, w1, w2, scale);
+    if (records_graph({q, k, v, w1, w2})) return Vit3SwigluFunction::apply(q, k, v, w1, w2, scale);
     torch::NoGradGuard no_grad;
     Tensor w1f = w1.to(torch::kFloat32).contiguous(), w2f = w2.to(torch::kFloat32).contiguous();
     return swiglu_forward(f32_rows(q), f32_rows(k), f32_rows(v), w1f, w2f, scale).out.to(q.scalar_type());
 }
 
 Tensor vit3_dwconv_branch_fused(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w3, double scale) {
-    if (needs_autograd({q, k, v, w3})) return Vit3DwconvFunction::apply(q, k, v, w3, scale);
+    if (records_graph({q, k, v, w3})) return Vit3DwconvFunction::apply(q, k, v, w3, scale);
     torch::NoGradGuard no_grad;
     return Vit3DwconvFunction::run_forward(q, k, v, w3, scale).first;
 }
 
 Tensor vit3_ttt_mix_fused(const Tensor& qkv, const Tensor& w1, const Tensor& w2, const Tensor& w3, int64_t num_heads,
                           int64_t height, int64_t width) {
-    if (needs_autograd({qkv, w1, w2, w3})) return Vit3MixFunction::apply(qkv, w1, w2, w3, num_heads, height, width);
+    if (records_graph({qkv, w1, w2, w3})) return Vit3MixFunction::apply(qkv, w1, w2, w3, num_heads, height, width);
     torch::NoGradGuard no_grad;
     return Vit3MixFunction::run(qkv, w1, w2, w3, num_heads, height, width, nullptr, nullptr, nullptr);
 }
