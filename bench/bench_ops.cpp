@@ -188,6 +188,36 @@ bool passes(const OpCheck& check, const std::string& what) {
     return ok;
 }
 
+// The table of the ops timed as fused against reference per case and mode (depthwise_conv, layer_norm): each
+// case is first checked against its float64 truth (check_of(name), printed by passes), then its forward and
+// training passes are timed in child processes "<case>_<fwd|train>_<reference|fused>".
+void print_fused_vs_reference(Harness& h, const std::vector<std::string>& cases,
+                              const std::function<OpCheck(const std::string&)>& check_of, const char* case_label,
+                              const char* ms_format) {
+    std::vector<std::string> table;
+    for (const std::string& name : cases) {
+        if (!passes(check_of(name), name)) {
+            h.failed = true;
+            continue;
+        }
+        for (const std::string mode : {"fwd", "train"}) {
+            const auto ref = h.measure(name + "_" + mode + "_reference");
+            const auto fused = h.measure(name + "_" + mode + "_fused");
+            if (!ref || !fused) continue;
+            char ms[64];
+            std::snprintf(ms, sizeof(ms), ms_format, ref->ms, fused->ms);
+            char row[256];
+            std::snprintf(row, sizeof(row), "%-12s %-5s | %s %6.2fx | %9.1f %9.1f", name.c_str(), mode.c_str(), ms,
+                          ref->ms / fused->ms, ref->peak_mib, fused->peak_mib);
+            table.push_back(row);
+        }
+    }
+    std::printf("\n%-12s %-5s | %9s %9s %7s | %9s %9s\n", case_label, "mode", "ref ms", "fused ms", "speedup",
+                "ref MiB", "fused MiB");
+    for (const auto& row : table) std::printf("%s\n", row.c_str());
+    std::printf("\nMiB: peak RSS of the child process above its RSS after building the inputs.\n");
+}
+
 // One timed pass: the forward without autograd, or forward and backward w.r.t. every input: of the
 // loss sum(output * probe), or for a cotangent of ones when `probe` is undefined (no loss temporaries;
 // the ViT³ and T⁵ cases have always been measured so, the others with the loss).
@@ -401,31 +431,16 @@ int run_depthwise_conv(const DepthwiseConvOptions& o, Harness& h) {
                 static_cast<long long>(o.side), static_cast<long long>(o.side), h.threads, o.reps,
                 runtime::simd_name(runtime::detect_simd()), ops::fused_kernel_target(),
                 runtime::openmp_wait_policy().c_str());
-    std::vector<std::string> table;
-    for (const std::string op : kDepthwiseOps) {
-        const OpFn reference = depthwise_op(op, Impl::Reference, o.side);
-        torch::manual_seed(1);
-        const Tensor probe = torch::randn({1, o.side * o.side, op == "silu3x3" ? 384 : 192});
-        if (!passes({{"output", "dx", "dweight", "dbias"}, depthwise_inputs(op, o.side), probe, reference, reference,
-                     depthwise_op(op, Impl::Fused, o.side), 1e-5},
-                    op)) {
-            h.failed = true;
-            continue;
-        }
-        for (const std::string mode : {"fwd", "train"}) {
-            const auto ref = h.measure(op + "_" + mode + "_reference");
-            const auto fused = h.measure(op + "_" + mode + "_fused");
-            if (!ref || !fused) continue;
-            char row[256];
-            std::snprintf(row, sizeof(row), "%-12s %-5s | %9.3f %9.3f %6.2fx | %9.1f %9.1f", op.c_str(), mode.c_str(),
-                          ref->ms, fused->ms, ref->ms / fused->ms, ref->peak_mib, fused->peak_mib);
-            table.push_back(row);
-        }
-    }
-    std::printf("\n%-12s %-5s | %9s %9s %7s | %9s %9s\n", "op", "mode", "ref ms", "fused ms", "speedup", "ref MiB",
-                "fused MiB");
-    for (const auto& row : table) std::printf("%s\n", row.c_str());
-    std::printf("\nMiB: peak RSS of the child process above its RSS after building the inputs.\n");
+    print_fused_vs_reference(
+        h, std::vector<std::string>(std::begin(kDepthwiseOps), std::end(kDepthwiseOps)),
+        [&](const std::string& op) {
+            const OpFn reference = depthwise_op(op, Impl::Reference, o.side);
+            torch::manual_seed(1);
+            const Tensor probe = torch::randn({1, o.side * o.side, op == "silu3x3" ? 384 : 192});
+            return OpCheck{{"output", "dx", "dweight", "dbias"}, depthwise_inputs(op, o.side), probe, reference,
+                           reference, depthwise_op(op, Impl::Fused, o.side), 1e-5};
+        },
+        "op", "%9.3f %9.3f");
     return h.failed ? 1 : 0;
 }
 
@@ -460,32 +475,18 @@ int run_layer_norm(const LayerNormOptions& o, Harness& h) {
                 "OpenMP wait: %s\n",
                 static_cast<long long>(o.width), h.threads, o.reps, runtime::simd_name(runtime::detect_simd()),
                 ops::fused_kernel_target(), runtime::openmp_wait_policy().c_str());
-    std::vector<std::string> table;
-    for (const int64_t rows : kLayerNormRows) {
-        const std::string name = std::to_string(rows);
-        torch::manual_seed(1);
-        const Tensor probe = torch::randn({rows, o.width});
-        const OpFn reference = layer_norm_op(Impl::Reference);
-        if (!passes({{"output", "dx", "dweight", "dbias"}, layer_norm_inputs(rows, o.width), probe, reference, reference,
-                     layer_norm_op(Impl::Fused), 1e-5},
-                    "layer_norm " + name)) {
-            h.failed = true;
-            continue;
-        }
-        for (const std::string mode : {"fwd", "train"}) {
-            const auto ref = h.measure(name + "_" + mode + "_reference");
-            const auto fused = h.measure(name + "_" + mode + "_fused");
-            if (!ref || !fused) continue;
-            char row[256];
-            std::snprintf(row, sizeof(row), "%-7s %-5s | %9.4f %9.4f %6.2fx | %9.1f %9.1f", name.c_str(), mode.c_str(),
-                          ref->ms, fused->ms, ref->ms / fused->ms, ref->peak_mib, fused->peak_mib);
-            table.push_back(row);
-        }
-    }
-    std::printf("\n%-7s %-5s | %9s %9s %7s | %9s %9s\n", "rows", "mode", "ref ms", "fused ms", "speedup", "ref MiB",
-                "fused MiB");
-    for (const auto& row : table) std::printf("%s\n", row.c_str());
-    std::printf("\nMiB: peak RSS of the child process above its RSS after building the inputs.\n");
+    std::vector<std::string> cases;
+    for (const int64_t rows : kLayerNormRows) cases.push_back(std::to_string(rows));
+    print_fused_vs_reference(
+        h, cases,
+        [&](const std::string& rows) {
+            torch::manual_seed(1);
+            const Tensor probe = torch::randn({std::stoll(rows), o.width});
+            const OpFn reference = layer_norm_op(Impl::Reference);
+            return OpCheck{{"output", "dx", "dweight", "dbias"}, layer_norm_inputs(std::stoll(rows), o.width), probe,
+                           reference, reference, layer_norm_op(Impl::Fused), 1e-5};
+        },
+        "rows", "%9.4f %9.4f");
     return h.failed ? 1 : 0;
 }
 
