@@ -30,14 +30,21 @@ Tensor f32_rows(const Tensor& t) {
     return x;
 }
 
-// Token blocks of one head are reduced in groups of kGroup consecutive blocks per task, so the
-// d x d partial sums take ceil(blocks / kGroup) * d² floats per head (added in a fixed order).
-constexpr int64_t kGroup = 4;
+// How a head's tokens are split into tasks. Blocks of at most kTokenBlock tokens, at least kMinBlocks of them:
+// a tiny model has 3 heads, and 3 tasks on 2 cores leave one core idle a third of the time (t5_tiny at 224 px,
+// 2 threads: 2 blocks of 104 tokens ran 4 % faster than 4 of 56). The d x d partial sums of consecutive blocks
+// are reduced in at most kGroupsPerHead groups per head (one task each, added in a fixed order). Both depend on
+// N only, so results do not depend on the thread count.
+constexpr int64_t kMinBlocks = 2;
+constexpr int64_t kGroupsPerHead = 8;
 
 struct Dims {
-    int64_t B, N, C, h, d, H, W, blocks;
+    int64_t B, N, C, h, d, H, W;
     double scale;
-    int64_t groups = 1;  // ceil(blocks / kGroup)
+    int64_t block = kTokenBlock;  // tokens per block
+    int64_t blocks = 1;           // ceil(N / block)
+    int64_t per_group = 1;        // blocks per group
+    int64_t groups = 1;           // ceil(blocks / per_group)
 };
 
 // A (B, N, C) float tensor with unit channel stride seen as heads / as images.
@@ -134,17 +141,6 @@ void key_locality(const Tokens& k, const float* mean, const float* rstd, const s
     query_locality(kn, ktaps, kbias, s, k2);  // the same residual depthwise conv, on normalised keys
 }
 
-
-void reduce_partials(const std::vector<float>& parts, int64_t bh_count, int64_t blocks, int64_t dd, float* out) {
-    for (int64_t bh = 0; bh < bh_count; ++bh) {
-        float* o = out + bh * dd;
-        std::fill(o, o + dd, 0.0f);
-        for (int64_t blk = 0; blk < blocks; ++blk) {
-            const float* p = parts.data() + (bh * blocks + blk) * dd;
-            for (int64_t i = 0; i < dd; ++i) o[i] += p[i];
-        }
-    }
-}
 
 struct HeadWeights {  // per head (shared over the batch): W1, W2, W3 and transposes
     std::vector<float> w1, w2, w3, w1T, w2T, w3T;
@@ -293,30 +289,30 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
     const HeadWeights hw = head_weights(p.w1, p.w2, p.w3, s.h, d);
     const Kernels& kr = kernels();
 
-    std::vector<float> pa(rtasks * dd), pb(rtasks * dd), pc(rtasks * dd);
+    const Scratch pa(rtasks * dd), pb(rtasks * dd), pc(rtasks * dd);  // first block of a group overwrites
     at::parallel_for(0, rtasks, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> buf(8 * kTokenBlock * d);
+        const BlockScratch buf(8, s.block, d);
         float* a[8];
-        for (int i = 0; i < 8; ++i) a[i] = buf.data() + i * kTokenBlock * d;
+        for (int i = 0; i < 8; ++i) a[i] = buf[i];
         for (int64_t task = begin; task < end; ++task)
-          for (int64_t blk = (task % s.groups) * kGroup; blk < std::min(s.blocks, (task % s.groups + 1) * kGroup);
+          for (int64_t blk = (task % s.groups) * s.per_group; blk < std::min(s.blocks, (task % s.groups + 1) * s.per_group);
                ++blk) {
             const int64_t bh = task / s.groups, b = bh / s.h, hh = bh % s.h;
-            const bool acc = blk % kGroup != 0;  // first block of the group overwrites the partial
-            const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0);
+            const bool acc = blk % s.per_group != 0;  // first block of the group overwrites the partial
+            const int64_t n0 = blk * s.block, T = std::min(s.block, s.N - n0);
             inner_block(kr, K2, V, hw, b, hh, n0, T, s, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
             const float* kbk = K2.head_row(b, hh, n0, d);
-            kr.gemm(d, d, T, kbk, 1, K2.sn, a[6], d, pa.data() + task * dd, d, acc);
-            kr.gemm(d, d, T, kbk, 1, K2.sn, a[7], d, pb.data() + task * dd, d, acc);
-            kr.gemm(d, d, T, a[4], 1, d, a[3], d, pc.data() + task * dd, d, acc);
+            kr.gemm(d, d, T, kbk, 1, K2.sn, a[6], d, pa.get() + task * dd, d, acc);
+            kr.gemm(d, d, T, kbk, 1, K2.sn, a[7], d, pb.get() + task * dd, d, acc);
+            kr.gemm(d, d, T, a[4], 1, d, a[3], d, pc.get() + task * dd, d, acc);
         }
     });
     k2 = Tensor();  // only the read-out (q2) is still needed
     Tensor g = torch::empty({3, s.B, s.h, d, d}, torch::kFloat32);
     float* gp = g.data_ptr<float>();
-    reduce_partials(pa, BH, s.groups, dd, gp);
-    reduce_partials(pb, BH, s.groups, dd, gp + BH * dd);
-    reduce_partials(pc, BH, s.groups, dd, gp + 2 * BH * dd);
+    reduce_partials(pa.get(), BH, s.groups, dd, gp);
+    reduce_partials(pb.get(), BH, s.groups, dd, gp + BH * dd);
+    reduce_partials(pc.get(), BH, s.groups, dd, gp + 2 * BH * dd);
     // Updated weights W' = W - G per (sample, head).
     std::vector<float> wn(3 * BH * dd);
     for (int i = 0; i < 3; ++i) {
@@ -328,11 +324,11 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
     Tensor out = torch::empty({s.B, s.N, s.C}, torch::kFloat32);
     const Tokens O = tokens_of(out);
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> buf(4 * kTokenBlock * d);
-        float *y1 = buf.data(), *y2 = y1 + kTokenBlock * d, *sg = y2 + kTokenBlock * d, *hb = sg + kTokenBlock * d;
+        const BlockScratch buf(4, s.block, d);
+        float *y1 = buf[0], *y2 = buf[1], *sg = buf[2], *hb = buf[3];
         for (int64_t task = begin; task < end; ++task) {
             const int64_t bh = task / s.blocks, blk = task % s.blocks, b = bh / s.h, hh = bh % s.h;
-            const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0);
+            const int64_t n0 = blk * s.block, T = std::min(s.block, s.N - n0);
             const float* qr = Q2.head_row(b, hh, n0, d);
             kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + bh * dd, d, y1, d, false);
             kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + (BH + bh) * dd, d, y2, d, false);
@@ -378,38 +374,38 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
     // Pass B: read-out backward -> dq2, dW' (per sample, head).
     Tensor dq2 = torch::empty({s.B, s.N, C}, torch::kFloat32);
     const Tokens DQ2 = tokens_of(dq2);
-    std::vector<float> pa(rtasks * dd), pb(rtasks * dd), pc(rtasks * dd);
+    const Scratch pa(rtasks * dd), pb(rtasks * dd), pc(rtasks * dd);  // first block of a group overwrites
     at::parallel_for(0, rtasks, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> buf(6 * kTokenBlock * d);
+        const BlockScratch buf(6, s.block, d);
         float* a[6];
-        for (int i = 0; i < 6; ++i) a[i] = buf.data() + i * kTokenBlock * d;
+        for (int i = 0; i < 6; ++i) a[i] = buf[i];
         float *y1 = a[0], *y2 = a[1], *sg = a[2], *hbuf = a[3], *dh = a[4], *dy2 = a[5];
         for (int64_t task = begin; task < end; ++task)
-          for (int64_t blk = (task % s.groups) * kGroup; blk < std::min(s.blocks, (task % s.groups + 1) * kGroup);
+          for (int64_t blk = (task % s.groups) * s.per_group; blk < std::min(s.blocks, (task % s.groups + 1) * s.per_group);
                ++blk) {
             const int64_t bh = task / s.groups, b = bh / s.h, hh = bh % s.h;
-            const bool acc = blk % kGroup != 0;  // first block of the group overwrites the partial
-            const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0);
+            const bool acc = blk % s.per_group != 0;  // first block of the group overwrites the partial
+            const int64_t n0 = blk * s.block, T = std::min(s.block, s.N - n0);
             const float* qr = Q2.head_row(b, hh, n0, d);
             const float* gr = dO.head_row(b, hh, n0, d);
             kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + bh * dd, d, y1, d, false);
             kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + (BH + bh) * dd, d, y2, d, false);
             kr.sigmoid(y1, sg, T * d);
             gate(T * d, y1, y2, sg, hbuf);
-            kr.gemm(d, d, T, hbuf, 1, d, gr, dO.sn, pc.data() + task * dd, d, acc);
+            kr.gemm(d, d, T, hbuf, 1, d, gr, dO.sn, pc.get() + task * dd, d, acc);
             kr.gemm(T, d, d, gr, dO.sn, 1, wnT.data() + (2 * BH + bh) * dd, d, dh, d, false);
             gate_backward(T * d, y1, y2, sg, dh, dy2);  // dh becomes dy1
-            kr.gemm(d, d, T, qr, 1, Q2.sn, dh, d, pa.data() + task * dd, d, acc);
-            kr.gemm(d, d, T, qr, 1, Q2.sn, dy2, d, pb.data() + task * dd, d, acc);
+            kr.gemm(d, d, T, qr, 1, Q2.sn, dh, d, pa.get() + task * dd, d, acc);
+            kr.gemm(d, d, T, qr, 1, Q2.sn, dy2, d, pb.get() + task * dd, d, acc);
             float* dq = DQ2.head_row(b, hh, n0, d);
             kr.gemm(T, d, d, dh, d, 1, wnT.data() + bh * dd, d, dq, DQ2.sn, false);
             kr.gemm(T, d, d, dy2, d, 1, wnT.data() + (BH + bh) * dd, d, dq, DQ2.sn, true);
         }
     });
     std::vector<float> dwp(3 * BH * dd);  // dW' per (sample, head)
-    reduce_partials(pa, BH, s.groups, dd, dwp.data());
-    reduce_partials(pb, BH, s.groups, dd, dwp.data() + BH * dd);
-    reduce_partials(pc, BH, s.groups, dd, dwp.data() + 2 * BH * dd);
+    reduce_partials(pa.get(), BH, s.groups, dd, dwp.data());
+    reduce_partials(pb.get(), BH, s.groups, dd, dwp.data() + BH * dd);
+    reduce_partials(pc.get(), BH, s.groups, dd, dwp.data() + 2 * BH * dd);
     // dG = -dW'; keep dG and dGᵀ.
     std::vector<float> dG(3 * BH * dd), dGT(3 * BH * dd);
     for (int64_t i = 0; i < 3 * BH; ++i) {
@@ -459,18 +455,18 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
     Tensor dv = dest.empty() ? torch::empty({s.B, s.N, C}, torch::kFloat32) : dest[2];
     const Tokens DK2 = tokens_of(dk2), DV = tokens_of(dv);
     at::parallel_for(0, rtasks, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> buf(15 * kTokenBlock * d);
+        const BlockScratch buf(15, s.block, d);
         float* a[15];
-        for (int i = 0; i < 15; ++i) a[i] = buf.data() + i * kTokenBlock * d;
+        for (int i = 0; i < 15; ++i) a[i] = buf[i];
         float *z1 = a[0], *z2 = a[1], *sg = a[2], *e = a[3], *a2 = a[4], *da2f = a[5], *p1 = a[6], *p2 = a[7],
               *dp1 = a[8], *dp2 = a[9], *da2 = a[10], *de = a[11], *dda2 = a[12], *dz1 = a[13], *dz2 = a[14];
         const float dv_scale = static_cast<float>(-s.scale / static_cast<double>(s.N));
         for (int64_t task = begin; task < end; ++task)
-          for (int64_t blk = (task % s.groups) * kGroup; blk < std::min(s.blocks, (task % s.groups + 1) * kGroup);
+          for (int64_t blk = (task % s.groups) * s.per_group; blk < std::min(s.blocks, (task % s.groups + 1) * s.per_group);
                ++blk) {
             const int64_t bh = task / s.groups, b = bh / s.h, hh = bh % s.h;
-            const bool acc = blk % kGroup != 0;  // first block of the group overwrites the partial
-            const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0);
+            const bool acc = blk % s.per_group != 0;  // first block of the group overwrites the partial
+            const int64_t n0 = blk * s.block, T = std::min(s.block, s.N - n0);
             inner_block(kr, K2, V, hw, b, hh, n0, T, s, z1, z2, sg, e, a2, da2f, p1, p2);
             const float* kbk = K2.head_row(b, hh, n0, d);
             kr.gemm(T, d, d, kbk, K2.sn, 1, dG.data() + bh * dd, d, dp1, d, false);
@@ -485,15 +481,15 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
             kr.gemm(T, d, d, p2, d, 1, dGT.data() + (BH + bh) * dd, d, dk, DK2.sn, true);
             kr.gemm(T, d, d, dz1, d, 1, hw.w1T.data() + hh * dd, d, dk, DK2.sn, true);
             kr.gemm(T, d, d, dz2, d, 1, hw.w2T.data() + hh * dd, d, dk, DK2.sn, true);
-            kr.gemm(d, d, T, kbk, 1, K2.sn, dz1, d, pa.data() + task * dd, d, acc);
-            kr.gemm(d, d, T, kbk, 1, K2.sn, dz2, d, pb.data() + task * dd, d, acc);
-            kr.gemm(d, d, T, dda2, 1, d, e, d, pc.data() + task * dd, d, acc);
+            kr.gemm(d, d, T, kbk, 1, K2.sn, dz1, d, pa.get() + task * dd, d, acc);
+            kr.gemm(d, d, T, kbk, 1, K2.sn, dz2, d, pb.get() + task * dd, d, acc);
+            kr.gemm(d, d, T, dda2, 1, d, e, d, pc.get() + task * dd, d, acc);
         }
     });
     std::vector<float> direct(3 * BH * dd);
-    reduce_partials(pa, BH, s.groups, dd, direct.data());
-    reduce_partials(pb, BH, s.groups, dd, direct.data() + BH * dd);
-    reduce_partials(pc, BH, s.groups, dd, direct.data() + 2 * BH * dd);
+    reduce_partials(pa.get(), BH, s.groups, dd, direct.data());
+    reduce_partials(pb.get(), BH, s.groups, dd, direct.data() + BH * dd);
+    reduce_partials(pc.get(), BH, s.groups, dd, direct.data() + 2 * BH * dd);
     Tensor dw = torch::zeros({3, 1, s.h, d, d}, torch::kFloat32);
     float* dwq = dw.data_ptr<float>();
     for (int i = 0; i < 3; ++i)
@@ -557,8 +553,13 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
 Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, int64_t heads, int64_t H, int64_t W) {
     Prepared in{f32_rows(q), f32_rows(k), f32_rows(v), {}};
     const int64_t B = q.size(0), N = q.size(1), C = q.size(2), d = C / heads;
-    in.s = Dims{B, N, C, heads, d, H, W, (N + kTokenBlock - 1) / kTokenBlock, std::pow(static_cast<double>(d), -0.5)};
-    in.s.groups = (in.s.blocks + kGroup - 1) / kGroup;
+    Dims& s = in.s;
+    s = Dims{B, N, C, heads, d, H, W, std::pow(static_cast<double>(d), -0.5)};
+    const int64_t quarter = (N + kMinBlocks - 1) / kMinBlocks;
+    s.block = std::clamp<int64_t>((quarter + 7) / 8 * 8, 1, kTokenBlock);  // rows in multiples of 8
+    s.blocks = (N + s.block - 1) / s.block;
+    s.per_group = (s.blocks + kGroupsPerHead - 1) / kGroupsPerHead;
+    s.groups = (s.blocks + s.per_group - 1) / s.per_group;
     return in;
 }
 

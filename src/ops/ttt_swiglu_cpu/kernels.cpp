@@ -98,6 +98,17 @@ void normalize_groups_backward(const float* G, const float* dOut, const float* n
     }
 }
 
+void reduce_partials(const float* parts, int64_t bh_count, int64_t parts_per_head, int64_t dd, float* out) {
+    for (int64_t bh = 0; bh < bh_count; ++bh) {
+        float* o = out + bh * dd;
+        std::fill(o, o + dd, 0.0f);
+        for (int64_t part = 0; part < parts_per_head; ++part) {
+            const float* p = parts + (bh * parts_per_head + part) * dd;
+            for (int64_t i = 0; i < dd; ++i) o[i] += p[i];
+        }
+    }
+}
+
 void transpose(const float* in, int64_t rows, int64_t cols, int64_t ld, float* out) {
     for (int64_t i = 0; i < rows; ++i)
         for (int64_t j = 0; j < cols; ++j) out[j * rows + i] = in[i * ld + j];

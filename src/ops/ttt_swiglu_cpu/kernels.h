@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 
 #include "ops/simd/simd.h"
 
@@ -34,12 +35,14 @@ using Image = ImageOf<float>;
 using MutImage = MutImageOf<float>;
 
 // Parallel tasks over the token grids of B images of H x W tokens: each task is one sample's rows
-// [y0, y1), about token_block tokens, so a task's partial sums (stencil_reduce) are summed in a fixed
-// order whatever the thread count.
+// [y0, y1), about token_block tokens but at most a quarter of the image (so that a 224-px image is not one
+// task on one core), so a task's partial sums (stencil_reduce) are summed in a fixed order whatever the
+// thread count.
 struct GridTasks {
     int64_t B, H, rows, chunks;
     GridTasks(int64_t B_, int64_t H_, int64_t W_, int64_t token_block)
-        : B(B_), H(H_), rows(std::max<int64_t>(1, token_block / std::max<int64_t>(W_, 1))),
+        : B(B_), H(H_),
+          rows(std::max<int64_t>(1, std::min(token_block / std::max<int64_t>(W_, 1), (H_ + 3) / 4))),
           chunks((H_ + rows - 1) / rows) {}
     int64_t count() const { return B * chunks; }
     int64_t sample(int64_t task) const { return task / chunks; }
@@ -69,6 +72,31 @@ void normalize_groups(const float* G, int64_t rows, int64_t cols, int64_t ld, bo
 // Backward of normalize_groups: dG = dOut/(n+1) - G * <dOut, G>_group / (n (n+1)^2) (0 when n = 0).
 void normalize_groups_backward(const float* G, const float* dOut, const float* norms, int64_t rows, int64_t cols,
                                int64_t ld, bool columns_are_groups, float* dG);
+
+// Uninitialised float scratch (a value-initialised std::vector would clear it first: per task of a 224-px
+// image that clearing cost more than the products). Every user writes a slot before reading it.
+class Scratch {
+public:
+    explicit Scratch(int64_t count) : data_(new float[static_cast<size_t>(count)]) {}
+    float* get() const { return data_.get(); }
+
+private:
+    std::unique_ptr<float[]> data_;
+};
+// `count` slots of rows x d floats each, one per per-token quantity of a block.
+class BlockScratch {
+public:
+    BlockScratch(int count, int64_t rows, int64_t d) : data_(count * rows * d), slot_(rows * d) {}
+    float* operator[](int i) const { return data_.get() + i * slot_; }
+
+private:
+    Scratch data_;
+    int64_t slot_;
+};
+
+// out[bh] = sum over the `parts_per_head` consecutive d x d partial sums of head bh, added in task order (the
+// result does not depend on the thread count).
+void reduce_partials(const float* parts, int64_t bh_count, int64_t parts_per_head, int64_t dd, float* out);
 
 // out[j*rows + i] = in[i*ld + j] for a rows x cols block.
 void transpose(const float* in, int64_t rows, int64_t cols, int64_t ld, float* out);

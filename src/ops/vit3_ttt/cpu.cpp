@@ -161,42 +161,27 @@ void swiglu_inner_block(const Kernels& kr, const Heads& K, const Heads& V, int64
                       e, p1, p2);
 }
 
-// Sums per-task partial d x d matrices (task order fixed: deterministic) into out[bh].
-void reduce_partials(const std::vector<float>& parts, int64_t bh_count, int64_t blocks, int64_t dd, float* out) {
-    at::parallel_for(0, bh_count, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t bh = begin; bh < end; ++bh) {
-            float* o = out + bh * dd;
-            std::fill(o, o + dd, 0.0f);
-            for (int64_t blk = 0; blk < blocks; ++blk) {
-                const float* p = parts.data() + (bh * blocks + blk) * dd;
-                for (int64_t i = 0; i < dd; ++i) o[i] += p[i];
-            }
-        }
-    });
-}
-
 // Raw inner gradients G1, G2: (B, h, d, d).
 void swiglu_gradients(const Heads& K, const Heads& V, const Tensor& w1, const Tensor& w2, const SwigluDims& s,
                       float* g1, float* g2) {
     const Kernels& kr = kernels();
     const int64_t d = s.d, dd = d * d, tasks = s.B * s.h * s.blocks;
-    std::vector<float> parts1(tasks * dd), parts2(tasks * dd);
+    const Scratch parts1(tasks * dd), parts2(tasks * dd);  // one block per task
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> buf(6 * kTokenBlock * d);
-        float *z1 = buf.data(), *z2 = z1 + kTokenBlock * d, *sg = z2 + kTokenBlock * d, *e = sg + kTokenBlock * d,
-              *p1 = e + kTokenBlock * d, *p2 = p1 + kTokenBlock * d;
+        const BlockScratch buf(6, std::min(kTokenBlock, s.N), d);
+        float *z1 = buf[0], *z2 = buf[1], *sg = buf[2], *e = buf[3], *p1 = buf[4], *p2 = buf[5];
         for (int64_t task = begin; task < end; ++task) {
             const int64_t bh = task / s.blocks, blk = task % s.blocks, b = bh / s.h, hh = bh % s.h;
             const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0);
             swiglu_inner_block(kr, K, V, b, hh, n0, T, weight_of(w1, b, hh, s.h, d), weight_of(w2, b, hh, s.h, d),
                                s, z1, z2, sg, e, p1, p2);
             const float* kb = K.row(b, hh, n0);
-            kr.gemm(d, d, T, kb, 1, K.sn, p1, d, parts1.data() + task * dd, d, false);
-            kr.gemm(d, d, T, kb, 1, K.sn, p2, d, parts2.data() + task * dd, d, false);
+            kr.gemm(d, d, T, kb, 1, K.sn, p1, d, parts1.get() + task * dd, d, false);
+            kr.gemm(d, d, T, kb, 1, K.sn, p2, d, parts2.get() + task * dd, d, false);
         }
     });
-    reduce_partials(parts1, s.B * s.h, s.blocks, dd, g1);
-    reduce_partials(parts2, s.B * s.h, s.blocks, dd, g2);
+    reduce_partials(parts1.get(), s.B * s.h, s.blocks, dd, g1);
+    reduce_partials(parts2.get(), s.B * s.h, s.blocks, dd, g2);
 }
 
 // W' = W - G/(||G||_col + 1) per (b, head); norms kept for the backward.
@@ -233,8 +218,8 @@ SwigluForwardResult swiglu_forward(const Tensor& q, const Tensor& k, const Tenso
     const Heads O = heads_of(out);
     const Kernels& kr = kernels();
     at::parallel_for(0, B * h * s.blocks, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> buf(3 * kTokenBlock * d);
-        float *y1 = buf.data(), *y2 = y1 + kTokenBlock * d, *sg = y2 + kTokenBlock * d;
+        const BlockScratch buf(3, std::min(kTokenBlock, N), d);
+        float *y1 = buf[0], *y2 = buf[1], *sg = buf[2];
         for (int64_t task = begin; task < end; ++task) {
             const int64_t bh = task / s.blocks, blk = task % s.blocks, b = bh / h, hh = bh % h;
             const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, N - n0);
@@ -276,11 +261,10 @@ std::vector<Tensor> swiglu_backward(const Tensor& q, const Tensor& k, const Tens
     // Pass B: read-out backward.
     Tensor dq = dest.empty() ? new_heads_buffer(B, h, N, d) : dest[0];
     const Heads dQ = heads_of(dq);
-    std::vector<float> pa(tasks * dd), pb(tasks * dd);
+    const Scratch pa(tasks * dd), pb(tasks * dd);
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> buf(5 * kTokenBlock * d);
-        float *y1 = buf.data(), *y2 = y1 + kTokenBlock * d, *sg = y2 + kTokenBlock * d, *dy1 = sg + kTokenBlock * d,
-              *dy2 = dy1 + kTokenBlock * d;
+        const BlockScratch buf(5, std::min(kTokenBlock, N), d);
+        float *y1 = buf[0], *y2 = buf[1], *sg = buf[2], *dy1 = buf[3], *dy2 = buf[4];
         for (int64_t task = begin; task < end; ++task) {
             const int64_t bh = task / s.blocks, blk = task % s.blocks, b = bh / h, hh = bh % h;
             const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, N - n0);
@@ -289,8 +273,8 @@ std::vector<Tensor> swiglu_backward(const Tensor& q, const Tensor& k, const Tens
             kr.gemm(T, d, d, qb, Q.sn, 1, w2n.data() + bh * dd, d, y2, d, false);
             kr.sigmoid(y2, sg, T * d);
             readout_backward(T, d, dO.row(b, hh, n0), dO.sn, y1, y2, sg, dy1, dy2);
-            kr.gemm(d, d, T, qb, 1, Q.sn, dy1, d, pa.data() + task * dd, d, false);
-            kr.gemm(d, d, T, qb, 1, Q.sn, dy2, d, pb.data() + task * dd, d, false);
+            kr.gemm(d, d, T, qb, 1, Q.sn, dy1, d, pa.get() + task * dd, d, false);
+            kr.gemm(d, d, T, qb, 1, Q.sn, dy2, d, pb.get() + task * dd, d, false);
             float* dqb = dQ.row(b, hh, n0);
             kr.gemm(T, d, d, dy1, d, 1, w1nT.data() + bh * dd, d, dqb, dQ.sn, false);
             kr.gemm(T, d, d, dy2, d, 1, w2nT.data() + bh * dd, d, dqb, dQ.sn, true);
@@ -298,8 +282,8 @@ std::vector<Tensor> swiglu_backward(const Tensor& q, const Tensor& k, const Tens
     });
     Tensor dw1 = torch::empty({B, h, d, d}, torch::kFloat32), dw2 = torch::empty({B, h, d, d}, torch::kFloat32);
     float *dw1p = dw1.data_ptr<float>(), *dw2p = dw2.data_ptr<float>();
-    reduce_partials(pa, BH, s.blocks, dd, dw1p);  // dW1' (the direct path of W1 - Ĝ1)
-    reduce_partials(pb, BH, s.blocks, dd, dw2p);
+    reduce_partials(pa.get(), BH, s.blocks, dd, dw1p);  // dW1' (the direct path of W1 - Ĝ1)
+    reduce_partials(pb.get(), BH, s.blocks, dd, dw2p);
     std::vector<float> dg1(BH * dd), dg2(BH * dd), dg1T(BH * dd), dg2T(BH * dd), neg(dd);
     for (int64_t bh = 0; bh < BH; ++bh) {
         for (int64_t i = 0; i < dd; ++i) neg[i] = -dw1p[bh * dd + i];
@@ -315,9 +299,9 @@ std::vector<Tensor> swiglu_backward(const Tensor& q, const Tensor& k, const Tens
     Tensor dv = dest.empty() ? new_heads_buffer(B, h, N, d) : dest[2];
     const Heads dK = heads_of(dk), dV = heads_of(dv);
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> buf(10 * kTokenBlock * d);
+        const BlockScratch buf(10, std::min(kTokenBlock, N), d);
         float* arr[10];
-        for (int i = 0; i < 10; ++i) arr[i] = buf.data() + i * kTokenBlock * d;
+        for (int i = 0; i < 10; ++i) arr[i] = buf[i];
         float *z1 = arr[0], *z2 = arr[1], *sg = arr[2], *e = arr[3], *p1 = arr[4], *p2 = arr[5], *dp1 = arr[6],
               *dp2 = arr[7], *dz1 = arr[8], *dz2 = arr[9];
         const float dv_scale = static_cast<float>(-scale / static_cast<double>(N));
@@ -335,14 +319,14 @@ std::vector<Tensor> swiglu_backward(const Tensor& q, const Tensor& k, const Tens
             kr.gemm(T, d, d, p2, d, 1, dg2T.data() + bh * dd, d, dkb, dK.sn, true);
             kr.gemm(T, d, d, dz1, d, 1, w1T.data() + bh * dd, d, dkb, dK.sn, true);
             kr.gemm(T, d, d, dz2, d, 1, w2T.data() + bh * dd, d, dkb, dK.sn, true);
-            kr.gemm(d, d, T, kb, 1, K.sn, dz1, d, pa.data() + task * dd, d, false);
-            kr.gemm(d, d, T, kb, 1, K.sn, dz2, d, pb.data() + task * dd, d, false);
+            kr.gemm(d, d, T, kb, 1, K.sn, dz1, d, pa.get() + task * dd, d, false);
+            kr.gemm(d, d, T, kb, 1, K.sn, dz2, d, pb.get() + task * dd, d, false);
         }
     });
     std::vector<float> direct(BH * dd);
-    reduce_partials(pa, BH, s.blocks, dd, direct.data());
+    reduce_partials(pa.get(), BH, s.blocks, dd, direct.data());
     for (int64_t i = 0; i < BH * dd; ++i) dw1p[i] += direct[i];
-    reduce_partials(pb, BH, s.blocks, dd, direct.data());
+    reduce_partials(pb.get(), BH, s.blocks, dd, direct.data());
     for (int64_t i = 0; i < BH * dd; ++i) dw2p[i] += direct[i];
     return {dq, dk, dv, dw1, dw2};
 }
