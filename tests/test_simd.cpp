@@ -1,4 +1,4 @@
-// The SIMD layer of the fused kernels (src/ops/simd): the register-blocked GEMM and the sigmoid of every
+// The SIMD layer of the fused kernels (src/ops/simd): the register-blocked GEMM, the sigmoid and exp of every
 // target this CPU runs against LibTorch, and the choice of target through LINVIS_SIMD / LINVIS_FORCE_SCALAR.
 // The GEMM cases have odd M, N, K (row tails of every tile height, column tails of every mask width) and C
 // with a guard band beyond column N that must stay untouched: a wrong tail mask fails them.
@@ -84,6 +84,33 @@ TEST(SimdLayer, SigmoidMatchesTorchOnEveryTarget) {
             torch::Tensor expected = torch::sigmoid(x.narrow(0, 0, n));
             EXPECT_TRUE(torch::allclose(y.narrow(0, 0, n), expected, 1e-6, 1e-7)) << "n = " << n;
             EXPECT_TRUE(torch::all(y.narrow(0, n, 4) == 7.0f).item<bool>()) << "n = " << n << ": wrote beyond n";
+        }
+    });
+}
+
+// exp(x - shift) as the mLSTM's stabilised gates use it: arguments from 0 down to far below float's range (where
+// the result is 0 or subnormal), in place, a shift of 0 and a large one.
+TEST(SimdLayer, ExpSubMatchesTorchOnEveryTarget) {
+    torch::manual_seed(2);
+    for_each_simd_target([](const SimdTarget& t) {
+        const simd::Kernels& k = simd::kernels(t.target);
+        for (const float shift : {0.0f, 37.5f}) {
+            for (int64_t n : {0, 1, 3, 8, 15, 16, 17, 40, 129}) {
+                torch::Tensor x = shift - 20.0 * torch::rand({n + 4});
+                if (n >= 3) {
+                    x[0] = shift;  // exp(0) = 1
+                    x[1] = shift - 200.0f;  // below float's range: 0
+                    x[2] = shift + 3.0f;
+                }
+                torch::Tensor y = x.clone();
+                y.narrow(0, n, 4).fill_(7.0f);
+                k.exp_sub(y.data_ptr<float>(), shift, y.data_ptr<float>(), n);  // in place
+                torch::Tensor expected = torch::exp(x.narrow(0, 0, n).to(torch::kFloat64) - shift).to(torch::kFloat32);
+                EXPECT_TRUE(torch::allclose(y.narrow(0, 0, n), expected, 1e-6, 1e-30))
+                    << "n = " << n << ", shift " << shift << ", max error "
+                    << (y.narrow(0, 0, n) - expected).abs().max().item<float>();
+                EXPECT_TRUE(torch::all(y.narrow(0, n, 4) == 7.0f).item<bool>()) << "n = " << n << ": wrote beyond n";
+            }
         }
     });
 }

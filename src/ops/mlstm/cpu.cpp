@@ -40,6 +40,13 @@ struct Gemm {
     }
 };
 
+// y[i] = exp(x[i] - shift): the SIMD layer's exp for float, std::exp for double (the float64 path is the
+// accuracy yardstick).
+void exp_sub(const simd::Kernels* k, const float* x, float shift, float* y, int64_t n) { k->exp_sub(x, shift, y, n); }
+void exp_sub(const simd::Kernels*, const double* x, double shift, double* y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) y[i] = std::exp(x[i] - shift);
+}
+
 template <typename T>
 void transpose(const T* src, int64_t rows, int64_t cols, int64_t lds, T* dst, int64_t ldd) {
     for (int64_t r = 0; r < rows; ++r)
@@ -200,9 +207,9 @@ void chunk_outputs(const Head<T>& P, const ChunkGates<T>& G, int64_t t0, int64_t
         w.m_row[i] = m;
         w.arg_row[i] = m_intra >= m_inter ? t0 + jmax : st.argm;
         w.beta[i] = std::exp(m_inter - m);
+        exp_sub(P.gemm.k, Drow, m, Drow, i + 1);
         T rowsum = 0;
         for (int64_t j = 0; j <= i; ++j) {
-            Drow[j] = std::exp(Drow[j] - m);
             Srow[j] *= Drow[j];
             rowsum += Srow[j];
         }

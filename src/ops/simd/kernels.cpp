@@ -87,9 +87,12 @@ void sigmoid(const float* x, float* y, int64_t n) { map_floats(y, n, sigmoid_vec
 void gelu_erf(const float* x, float* y, int64_t n) { map_floats(y, n, gelu_erf_vec, x); }
 void gelu_tanh(const float* x, float* y, int64_t n) { map_floats(y, n, gelu_tanh_vec, x); }
 void silu_mul(const float* g, const float* u, float* y, int64_t n) { map_floats(y, n, silu_mul_vec, g, u); }
+void exp_sub(const float* x, float shift, float* y, int64_t n) {
+    map_floats(y, n, [shift](FloatTag d, FloatVec v) { return hn::Exp(d, hn::Sub(v, hn::Set(d, shift))); }, x);
+}
 
 const Kernels& table() {
-    static const Kernels k{kTarget, gemm_f32, gemm_f64, sigmoid, gelu_erf, gelu_tanh, silu_mul};
+    static const Kernels k{kTarget, gemm_f32, gemm_f64, sigmoid, gelu_erf, gelu_tanh, silu_mul, exp_sub};
     return k;
 }
 

@@ -53,6 +53,8 @@ struct Kernels {
     void (*gelu_tanh)(const float* x, float* y, int64_t n) = nullptr;
     // y[i] = silu(g[i]) u[i] = g[i] sigmoid(g[i]) u[i]; y may alias g or u.
     void (*silu_mul)(const float* g, const float* u, float* y, int64_t n) = nullptr;
+    // y[i] = exp(x[i] - shift) for x[i] - shift <= 88 (Highway's Exp, 1 ulp; 0 far below); x and y may alias.
+    void (*exp_sub)(const float* x, float shift, float* y, int64_t n) = nullptr;
 };
 
 // The kernels of active_target(), or of a given (supported) target.
