@@ -1,5 +1,7 @@
 #include "linvis/nn/vittt_block.h"
 
+#include <ATen/Parallel.h>
+
 #include "linvis/nn/common.h"
 #include "linvis/nn/probe.h"
 
@@ -125,6 +127,38 @@ torch::Tensor SwiGluMlpImpl::forward(const torch::Tensor& x) {
 }
 
 // ------------------------------------------------------------------ VitttBlock
+namespace {
+
+// forth = (forth + back_reversed with its tokens put back in order) * gate, in one pass: the values of
+// forth.add_(flip(back_reversed)).mul_(gate), the same float operations in the same order. For contiguous
+// CPU float32 (B, T, C) tensors of one shape, forth sharing memory with neither; false (nothing written)
+// otherwise.
+bool merge_directions_into(const torch::Tensor& forth, const torch::Tensor& back_reversed, const torch::Tensor& gate) {
+    for (const torch::Tensor* t : {&forth, &back_reversed, &gate})
+        if (!t->device().is_cpu() || t->scalar_type() != torch::kFloat32 || !t->is_contiguous() ||
+            t->sizes() != forth.sizes())
+            return false;
+    if (forth.dim() != 3 || forth.storage().is_alias_of(back_reversed.storage()) ||
+        forth.storage().is_alias_of(gate.storage()))
+        return false;
+    const int64_t T = forth.size(1), C = forth.size(2);
+    float* f = forth.data_ptr<float>();
+    const float* b = back_reversed.data_ptr<float>();
+    const float* g = gate.data_ptr<float>();
+    at::parallel_for(0, forth.size(0) * T, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t row = begin; row < end; ++row) {
+            const int64_t sample = row / T, token = row % T;
+            float* fr = f + row * C;
+            const float* br = b + (sample * T + (T - 1 - token)) * C;
+            const float* gr = g + row * C;
+            for (int64_t c = 0; c < C; ++c) fr[c] = (fr[c] + br[c]) * gr[c];
+        }
+    });
+    return true;
+}
+
+}  // namespace
+
 VitttBlockImpl::VitttBlockImpl(const VitttBlockOptions& options) : options_(options) {
     const int64_t D = options.branch.dim;
     dwconv = register_module("dwconv", torch::nn::Conv2d(torch::nn::Conv2dOptions(D, D, 3).padding(1).groups(D)));
@@ -167,6 +201,12 @@ torch::Tensor VitttBlockImpl::drop_path(const torch::Tensor& x) const {
 std::pair<torch::Tensor, torch::Tensor> VitttBlockImpl::mixer_branches(torch::Tensor x,
                                                                        torch::Tensor* norms_forth,
                                                                        torch::Tensor* norms_back) {
+    auto [z_forth, z_back_reversed] = scan_directions(std::move(x), norms_forth, norms_back);
+    return {z_forth, torch::flip(z_back_reversed, {1})};
+}
+
+std::pair<torch::Tensor, torch::Tensor> VitttBlockImpl::scan_directions(torch::Tensor x, torch::Tensor* norms_forth,
+                                                                        torch::Tensor* norms_back) {
     // Both directions' scans in one call: their heads share the cores (ops::ttt_linear_many).
     TttLinearBranchImpl& forth_ = *forth_branch();
     TttLinearBranchImpl& back_ = *back_branch();
@@ -180,8 +220,7 @@ std::pair<torch::Tensor, torch::Tensor> VitttBlockImpl::mixer_branches(torch::Te
     if (norms_back != nullptr) *norms_back = torch::flip(scanned[1].grad_norms, {2});
     torch::Tensor z_forth = forth_.output(scanned[0]);
     scanned[0] = {};
-    torch::Tensor z_back = torch::flip(back_.output(scanned[1]), {1});
-    return {z_forth, z_back};
+    return {z_forth, back_.output(scanned[1])};
 }
 
 torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int64_t w) {
@@ -205,13 +244,19 @@ torch::Tensor VitttBlockImpl::mixer(const torch::Tensor& y) {
     nn::Probe* probe_forth = probing("ttt.grad_norms.forth");
     nn::Probe* probe_back = probing("ttt.grad_norms.back");
     torch::Tensor norms_forth, norms_back;
-    auto [z_forth, z_back] =
-        mixer_branches(std::move(x), probe_forth ? &norms_forth : nullptr, probe_back ? &norms_back : nullptr);
+    auto [z_forth, z_back_reversed] =
+        scan_directions(std::move(x), probe_forth ? &norms_forth : nullptr, probe_back ? &norms_back : nullptr);
     if (probe_forth) probe_forth->record("ttt.grad_norms.forth", norms_forth);
     if (probe_back) probe_back->record("ttt.grad_norms.back", norms_back);
-    // z_forth and z_back are fresh (post_norm outputs; z_back a flipped copy): sum and gate into z_forth.
-    torch::Tensor gated = can_overwrite({z_forth, z_back, gate}) ? z_forth.add_(z_back).mul_(gate)
-                                                                 : gate * (z_forth + z_back);
+    // z_forth and z_back_reversed are fresh post_norm outputs: in inference the sum and the gate go into z_forth
+    // in one pass that reads back's tokens in reverse, instead of a flipped copy, an add and a multiply.
+    torch::Tensor gated;
+    if (!can_overwrite({z_forth, z_back_reversed, gate}))
+        gated = gate * (z_forth + torch::flip(z_back_reversed, {1}));
+    else if (merge_directions_into(z_forth, z_back_reversed, gate))
+        gated = z_forth;
+    else
+        gated = z_forth.add_(torch::flip(z_back_reversed, {1})).mul_(gate);
     return linear(o_proj, gated);
 }
 

@@ -107,6 +107,9 @@ public:
 private:
     torch::Tensor drop_path(const torch::Tensor& x) const;
     torch::Tensor mixer(const torch::Tensor& y);  // o_proj(gate * Z) from y (see above)
+    // mixer_branches with back's output left in scan order (tokens reversed), for a merge that reads it so.
+    std::pair<torch::Tensor, torch::Tensor> scan_directions(torch::Tensor x, torch::Tensor* norms_forth,
+                                                            torch::Tensor* norms_back);
     VitttBlockOptions options_;
 };
 TORCH_MODULE(VitttBlock);
