@@ -45,6 +45,9 @@ struct Dims {
     int64_t blocks = 1;           // ceil(N / block)
     int64_t per_group = 1;        // blocks per group
     int64_t groups = 1;           // ceil(blocks / per_group)
+    // The blocks [group_begin, group_end) of reduction task `task` (one group of one (sample, head)).
+    int64_t group_begin(int64_t task) const { return (task % groups) * per_group; }
+    int64_t group_end(int64_t task) const { return std::min(blocks, group_begin(task) + per_group); }
 };
 
 // A (B, N, C) float tensor with unit channel stride seen as heads / as images.
@@ -295,8 +298,7 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
         float* a[8];
         for (int i = 0; i < 8; ++i) a[i] = buf[i];
         for (int64_t task = begin; task < end; ++task)
-          for (int64_t blk = (task % s.groups) * s.per_group; blk < std::min(s.blocks, (task % s.groups + 1) * s.per_group);
-               ++blk) {
+          for (int64_t blk = s.group_begin(task); blk < s.group_end(task); ++blk) {
             const int64_t bh = task / s.groups, b = bh / s.h, hh = bh % s.h;
             const bool acc = blk % s.per_group != 0;  // first block of the group overwrites the partial
             const int64_t n0 = blk * s.block, T = std::min(s.block, s.N - n0);
@@ -381,8 +383,7 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
         for (int i = 0; i < 6; ++i) a[i] = buf[i];
         float *y1 = a[0], *y2 = a[1], *sg = a[2], *hbuf = a[3], *dh = a[4], *dy2 = a[5];
         for (int64_t task = begin; task < end; ++task)
-          for (int64_t blk = (task % s.groups) * s.per_group; blk < std::min(s.blocks, (task % s.groups + 1) * s.per_group);
-               ++blk) {
+          for (int64_t blk = s.group_begin(task); blk < s.group_end(task); ++blk) {
             const int64_t bh = task / s.groups, b = bh / s.h, hh = bh % s.h;
             const bool acc = blk % s.per_group != 0;  // first block of the group overwrites the partial
             const int64_t n0 = blk * s.block, T = std::min(s.block, s.N - n0);
@@ -462,8 +463,7 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
               *dp1 = a[8], *dp2 = a[9], *da2 = a[10], *de = a[11], *dda2 = a[12], *dz1 = a[13], *dz2 = a[14];
         const float dv_scale = static_cast<float>(-s.scale / static_cast<double>(s.N));
         for (int64_t task = begin; task < end; ++task)
-          for (int64_t blk = (task % s.groups) * s.per_group; blk < std::min(s.blocks, (task % s.groups + 1) * s.per_group);
-               ++blk) {
+          for (int64_t blk = s.group_begin(task); blk < s.group_end(task); ++blk) {
             const int64_t bh = task / s.groups, b = bh / s.h, hh = bh % s.h;
             const bool acc = blk % s.per_group != 0;  // first block of the group overwrites the partial
             const int64_t n0 = blk * s.block, T = std::min(s.block, s.N - n0);
