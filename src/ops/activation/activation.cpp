@@ -5,6 +5,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <string>
 
 #include "linvis/core/error.h"
@@ -40,13 +41,22 @@ bool silu_mul_fused_is_faster() { return simd::vectorised(); }
 // microseconds.
 constexpr int64_t kGrain = int64_t{1} << 14;
 
-// out = GELU(x) over contiguous float32 (out may be x).
-void gelu_pass(const torch::Tensor& x, const torch::Tensor& out, GeluForm form) {
+// out = GELU(x [+ bias]) over contiguous float32 (out may be x); bias, when defined, is one row of x's last
+// dimension, added to every row.
+void gelu_pass(const torch::Tensor& x, const torch::Tensor& out, GeluForm form, const torch::Tensor& bias = {}) {
     const simd::Kernels& k = simd::kernels();
     const auto pass = form == GeluForm::Tanh ? k.gelu_tanh : k.gelu_erf;
     const float* in = x.data_ptr<float>();
     float* y = out.data_ptr<float>();
-    at::parallel_for(0, x.numel(), kGrain, [&](int64_t b, int64_t e) { pass(in + b, y + b, e - b); });
+    if (!bias.defined()) {
+        at::parallel_for(0, x.numel(), kGrain, [&](int64_t b, int64_t e) { pass(in + b, nullptr, y + b, e - b); });
+        return;
+    }
+    const float* row = bias.data_ptr<float>();
+    const int64_t cols = bias.numel(), rows = x.numel() / cols;
+    at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / cols), [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) pass(in + r * cols, row, y + r * cols, cols);
+    });
 }
 
 // out = silu(gate) * up over contiguous float32 (out may be gate or up).
@@ -103,6 +113,21 @@ torch::Tensor gelu_(torch::Tensor x, Impl impl, GeluForm form) {
         return records_graph({x}) ? torch::gelu(x, gelu_approximate(form)) : torch::gelu_(x, gelu_approximate(form));
     if (records_graph({x})) return FusedGelu::apply(x, form == GeluForm::Tanh);
     gelu_pass(x, x, form);
+    return x;
+}
+
+torch::Tensor bias_gelu_(torch::Tensor x, const torch::Tensor& bias, Impl impl, GeluForm form) {
+    LINVIS_CHECK(bias.dim() == 1 && x.dim() >= 1 && bias.size(0) == x.size(-1),
+                 "bias_gelu_: bias: expected one row of x's last dimension (", x.dim() >= 1 ? x.size(-1) : 0,
+                 "), got shape ", shape_string(bias.sizes()));
+    std::string why = unsupported("x", x);
+    if (why.empty()) why = unsupported("bias", bias);
+    // In a graph: the sum, then gelu_ (whose fused pass keeps LibTorch's derivative).
+    if (records_graph({x, bias})) return gelu_(x + bias, impl, form);
+    // One pass instead of two: fused wherever the SIMD layer is vectorised (docs/ops.md).
+    if (!use_fused(impl, "bias_gelu_", why, simd::vectorised()))
+        return torch::gelu_(x.add_(bias), gelu_approximate(form));
+    gelu_pass(x, x, form, bias);
     return x;
 }
 

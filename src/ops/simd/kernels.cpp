@@ -84,8 +84,19 @@ HWY_INLINE FloatVec silu_mul_vec(FloatTag d, FloatVec g, FloatVec u) {
 }
 
 void sigmoid(const float* x, float* y, int64_t n) { map_floats(y, n, sigmoid_vec, x); }
-void gelu_erf(const float* x, float* y, int64_t n) { map_floats(y, n, gelu_erf_vec, x); }
-void gelu_tanh(const float* x, float* y, int64_t n) { map_floats(y, n, gelu_tanh_vec, x); }
+// f(x + bias) over n floats, or f(x) without a bias.
+template <class F>
+HWY_INLINE void map_biased(const float* x, const float* bias, float* y, int64_t n, F f) {
+    if (bias == nullptr) return map_floats(y, n, f, x);
+    map_floats(y, n, [f](FloatTag d, FloatVec v, FloatVec b) { return f(d, hn::Add(v, b)); }, x, bias);
+}
+
+void gelu_erf(const float* x, const float* bias, float* y, int64_t n) {
+    map_biased(x, bias, y, n, [](FloatTag d, FloatVec v) { return gelu_erf_vec(d, v); });
+}
+void gelu_tanh(const float* x, const float* bias, float* y, int64_t n) {
+    map_biased(x, bias, y, n, [](FloatTag d, FloatVec v) { return gelu_tanh_vec(d, v); });
+}
 void silu_mul(const float* g, const float* u, float* y, int64_t n) { map_floats(y, n, silu_mul_vec, g, u); }
 void exp_sub(const float* x, float shift, float* y, int64_t n) {
     map_floats(y, n, [shift](FloatTag d, FloatVec v) { return hn::Exp(d, hn::Sub(v, hn::Set(d, shift))); }, x);

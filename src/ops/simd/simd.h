@@ -47,10 +47,11 @@ struct Kernels {
     GemmF64 gemm_f64 = nullptr;
     // y[i] = 1 / (1 + exp(-x[i])), n elements (x and y may alias).
     void (*sigmoid)(const float* x, float* y, int64_t n) = nullptr;
-    // y[i] = GELU(x[i]), the exact (erf) form to within 1.5e-7 |x| / 2 (kernels.cpp); x and y may alias.
-    void (*gelu_erf)(const float* x, float* y, int64_t n) = nullptr;
-    // y[i] = GELU(x[i]), the tanh form, with Highway's Tanh; x and y may alias.
-    void (*gelu_tanh)(const float* x, float* y, int64_t n) = nullptr;
+    // y[i] = GELU(x[i] + bias[i]) (bias may be null: GELU(x[i])), the exact (erf) form to within 1.5e-7 |x| / 2
+    // (kernels.cpp); x and y may alias.
+    void (*gelu_erf)(const float* x, const float* bias, float* y, int64_t n) = nullptr;
+    // The same in the tanh form, with Highway's Tanh.
+    void (*gelu_tanh)(const float* x, const float* bias, float* y, int64_t n) = nullptr;
     // y[i] = silu(g[i]) u[i] = g[i] sigmoid(g[i]) u[i]; y may alias g or u.
     void (*silu_mul)(const float* g, const float* u, float* y, int64_t n) = nullptr;
     // y[i] = exp(x[i] - shift) for x[i] - shift <= 88 (Highway's Exp, 1 ulp; 0 far below); x and y may alias.
