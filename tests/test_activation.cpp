@@ -104,6 +104,9 @@ TEST(Activation, BiasGeluAutoMatchesReferenceKeepsTheGraphAndChecksTheBias) {
     const torch::Tensor x64 = x.to(torch::kFloat64), bias64 = bias.to(torch::kFloat64);
     EXPECT_TRUE(torch::allclose(linvis::ops::bias_gelu_(x64.clone(), bias64, Impl::Auto), torch::gelu(x64 + bias64)));
     EXPECT_THROW(linvis::ops::bias_gelu_(x64.clone(), bias64, Impl::Fused), linvis::Error);
+    // Empty: no rows, or rows of no columns.
+    EXPECT_EQ(linvis::ops::bias_gelu_(torch::empty({0, 768}), bias, Impl::Fused).numel(), 0);
+    EXPECT_EQ(linvis::ops::bias_gelu_(torch::empty({3, 0}), torch::empty({0}), Impl::Fused).numel(), 0);
 }
 
 TEST(Activation, AutoMatchesReferenceAndKeepsTheGraph) {

@@ -24,7 +24,8 @@ torch::Tensor gelu_(torch::Tensor x, Impl impl = Impl::Auto, GeluForm form = Gel
 
 // GELU(x + bias), bias one row of x's last dimension added to every row (an MLP's hidden layer whose product
 // left the bias out): in place when autograd records neither (the result is x), else a new tensor with a graph.
-// The fused pass adds the bias on the way, so the hidden layer is read and written once.
+// The fused pass adds the bias on the way, so the hidden layer is read and written once; Auto takes it at every
+// size on the vectorised targets (the reference makes two passes).
 torch::Tensor bias_gelu_(torch::Tensor x, const torch::Tensor& bias, Impl impl = Impl::Auto,
                          GeluForm form = GeluForm::Erf);
 

@@ -120,6 +120,7 @@ torch::Tensor bias_gelu_(torch::Tensor x, const torch::Tensor& bias, Impl impl, 
     LINVIS_CHECK(bias.dim() == 1 && x.dim() >= 1 && bias.size(0) == x.size(-1),
                  "bias_gelu_: bias: expected one row of x's last dimension (", x.dim() >= 1 ? x.size(-1) : 0,
                  "), got shape ", shape_string(bias.sizes()));
+    if (x.numel() == 0) return records_graph({x, bias}) ? x + bias : x;
     std::string why = unsupported("x", x);
     if (why.empty()) why = unsupported("bias", bias);
     // In a graph: the sum, then gelu_ (whose fused pass keeps LibTorch's derivative).
