@@ -43,8 +43,8 @@ torch::Tensor add_into(torch::Tensor fresh, const torch::Tensor& other);
 ops::Impl elementwise_impl(ops::Impl model_impl);
 
 // GELU(x w^T + b), the erf or tanh form (ops::GeluForm): float32 as the product then ops::gelu_ (the fused pass
-// under `impl`; on oneDNN, unless impl is Reference, the product without b then ops::bias_gelu_); bf16 / f16
-// as flops::linear_gelu (GELU on the product's float32 accumulator, rounded once).
+// under `impl`; outside a graph on oneDNN, unless impl is Reference, the product without b then ops::bias_gelu_);
+// bf16 / f16 as flops::linear_gelu (GELU on the product's float32 accumulator, rounded once).
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
                           ops::GeluForm form, ops::Impl impl = ops::Impl::Auto);
 
