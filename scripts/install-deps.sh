@@ -9,6 +9,7 @@ packages=(
   libcli11-dev                                          # command-line parsing of the linvis program
   libdnnl-dev                                           # oneDNN: the float32 GEMM of the linear layers
   libhwy-dev                                            # Google Highway: the fused kernels' SIMD layer (src/ops/simd)
+  libtcmalloc-minimal4                                  # gperftools' tcmalloc: the linvis command's malloc (core/runtime.h)
   zlib1g-dev                                            # gzip IDX files (Fashion-MNIST), PNG CRCs
   fonts-dejavu-core                                     # DejaVu Sans for text in plots (linvis/plot/plot.h)
   libgtest-dev libgmock-dev                             # unit tests

@@ -41,7 +41,18 @@ fs::path temp_dir(const std::string& name) {
 
 }  // namespace
 
-#ifdef __GLIBC__
+#if LINVIS_CLI_TCMALLOC
+// The command is linked with tcmalloc, and tcmalloc (not glibc) answers its malloc, whatever glibc's
+// malloc environment says.
+TEST(Cli, MallocIsTcmalloc) {
+    for (const std::string env : {"", "MALLOC_TRIM_THRESHOLD_=131072 "}) {
+        auto version = run_program("env -u LINVIS_NO_REEXEC " + env + LINVIS_CLI_PATH, "version --format json");
+        ASSERT_EQ(version.status, 0) << version.output;
+        EXPECT_EQ(nlohmann::json::parse(last_line(version.output)).value("malloc", std::string()).rfind("tcmalloc", 0), 0u)
+            << env << version.output;
+    }
+}
+#elif defined(__GLIBC__)
 // The command restarts itself with glibc's malloc keeping freed memory (runtime::kMallocKeepBytes), unless
 // the user set malloc's environment, which is then left alone.
 TEST(Cli, StartsWithMallocKeepingFreedMemoryUnlessTheUserChose) {

@@ -1,6 +1,9 @@
 #include "linvis/core/runtime.h"
 
 #include <dlfcn.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <unistd.h>
 
 #include <algorithm>
@@ -129,6 +132,14 @@ double busy_cores(int window_ms) {
 
 namespace {
 
+// gperftools' tcmalloc answers malloc when its malloc is the process's malloc (it defines malloc as an
+// alias of tc_malloc); a library merely loaded beside another allocator does not count.
+using tc_version_fn = const char* (*)(int*, int*, const char**);
+bool tcmalloc_answers() {
+    void* tc_malloc = dlsym(RTLD_DEFAULT, "tc_malloc");
+    return tc_malloc != nullptr && tc_malloc == dlsym(RTLD_DEFAULT, "malloc");
+}
+
 // The user chose malloc's behaviour through glibc's environment.
 bool user_malloc_settings() {
     const char* tunables = std::getenv("GLIBC_TUNABLES");
@@ -138,7 +149,22 @@ bool user_malloc_settings() {
 
 }  // namespace
 
+void release_free_memory() {
+    if (tcmalloc_answers()) {
+        if (auto release = find_symbol<void (*)()>("MallocExtension_ReleaseFreeMemory")) release();
+        return;
+    }
+#ifdef __GLIBC__
+    malloc_trim(0);
+#endif
+}
+
 std::string malloc_policy() {
+    if (tcmalloc_answers()) {
+        auto version = find_symbol<tc_version_fn>("tc_version");
+        if (version == nullptr) return "tcmalloc";
+        return std::string("tcmalloc (") + version(nullptr, nullptr, nullptr) + ")";
+    }
     const char* mmap_threshold = std::getenv("MALLOC_MMAP_THRESHOLD_");
     const char* trim_threshold = std::getenv("MALLOC_TRIM_THRESHOLD_");
     if (mmap_threshold != nullptr && trim_threshold != nullptr && std::strcmp(mmap_threshold, kMallocKeepBytes) == 0 &&
@@ -151,16 +177,19 @@ void restart_with_runtime_environment(char** argv) {
     if (std::getenv("LINVIS_NO_REEXEC") != nullptr) return;
     const std::string coretype = openblas_coretype_override();
     const bool user_policy = std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr;
+    const bool tcmalloc = tcmalloc_answers();
 #ifdef __GLIBC__
-    const bool set_malloc = !user_malloc_settings();
+    const bool set_malloc = !tcmalloc && !user_malloc_settings();
 #else
     const bool set_malloc = false;
 #endif
-    if (user_policy && coretype.empty() && !set_malloc) return;
+    const bool set_tcmalloc = tcmalloc && std::getenv(kTcmallocReportVariable) == nullptr;
+    if (user_policy && coretype.empty() && !set_malloc && !set_tcmalloc) return;
     if (set_malloc) {
         setenv("MALLOC_MMAP_THRESHOLD_", kMallocKeepBytes, 1);
         setenv("MALLOC_TRIM_THRESHOLD_", kMallocKeepBytes, 1);
     }
+    if (set_tcmalloc) setenv(kTcmallocReportVariable, kTcmallocReportBytes, 1);
     if (!user_policy) {
         // Other processes keeping half the cores busy or more: workers must not spin (see kOpenmpSpinCount).
         const double cores = static_cast<double>(std::max(1u, std::thread::hardware_concurrency()));

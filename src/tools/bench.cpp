@@ -1,7 +1,6 @@
 #include "linvis/tools/bench.h"
 
 #include <fcntl.h>
-#include <malloc.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -221,11 +220,10 @@ int64_t proc_status_bytes(const char* key) {
 }  // namespace
 
 PeakRssGrowth::PeakRssGrowth() {
-#ifdef __GLIBC__
     // Memory freed so far goes back to the kernel first: the linvis binary keeps freed memory in the
-    // process (runtime::kMallocKeepBytes), and a pass reusing resident pages would not show its growth.
-    malloc_trim(0);
-#endif
+    // process (tcmalloc, or glibc with runtime::kMallocKeepBytes), and a pass reusing resident pages would
+    // not show its growth.
+    runtime::release_free_memory();
     std::ofstream("/proc/self/clear_refs") << "5";  // 5: reset VmHWM to the current RSS (Linux >= 4.0)
     base_bytes_ = proc_status_bytes("VmRSS:");
 }

@@ -41,19 +41,37 @@ void configure_threads(int threads);
 inline constexpr const char* kOpenmpSpinCount = "3000";
 inline constexpr int kLoadWindowMs = 60;
 
-// What glibc's malloc does with freed memory. By default it hands blocks over its (adaptive, at most
-// 32 MiB) mmap threshold back to the kernel and trims the heap's top, so every pass of a model at 1024 px
-// and more pages its activations in again: on the 2-core Xeon a vil_tiny 1024-px pass took 847k page faults
-// in 5 passes and 795 ms, against 65k and 643 ms with both thresholds at kMallocKeepBytes (vittt_tiny 2048
-// px 2934 -> 2551 ms, deit_tiny 1024 px 1132 -> 1020 ms), with the same peak RSS within 2 %. So the CLI
-// starts with MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ at kMallocKeepBytes: freed memory stays
-// in the process for the next pass, the peak is unchanged, and nothing is returned before exit.
+// The linvis command is linked with gperftools' tcmalloc (Debian's libtcmalloc-minimal4; CMake option
+// LINVIS_TCMALLOC). It keeps freed memory for reuse, as the glibc setting below does, but reuses it
+// across sizes without glibc's heap fragmentation. On the 2-core Zen 4 EPYC at 2048 px, activation
+// MiB / images/s: t5_tiny 230 / 0.69 with glibc keeping freed memory, 97 / 0.43 with glibc returning
+// every large block (the tensors' own peak), 144 / 0.68 with tcmalloc; vit3_tiny 187 / 0.77, 97 / 0.46,
+// 96 / 0.77 (docs/performance.md). The library itself takes whatever allocator its program has.
+//
+// What glibc's malloc does with freed memory (the linvis command without tcmalloc). By default it hands
+// blocks over its (adaptive, at most 32 MiB) mmap threshold back to the kernel and trims the heap's top,
+// so every pass of a model at 1024 px and more pages its activations in again: on the 2-core Xeon a
+// vil_tiny 1024-px pass took 847k page faults in 5 passes and 795 ms, against 65k and 643 ms with both
+// thresholds at kMallocKeepBytes (vittt_tiny 2048 px 2934 -> 2551 ms, deit_tiny 1024 px 1132 -> 1020 ms).
+// So without tcmalloc the command starts with MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ at
+// kMallocKeepBytes: freed memory stays in the process for the next pass, at the price of a fragmented heap
+// (at 2048 px about twice the tensors' own peak, above).
 inline constexpr const char* kMallocKeepBytes = "4294967296";
 
-// "keep freed memory" when this process runs with both thresholds at kMallocKeepBytes, "set by the
-// user" when MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES's glibc.malloc.* say
-// otherwise, "default" when nothing is set.
+// tcmalloc reports every allocation of 1 GiB and more on standard error by default (a softmax
+// reference's attention matrix at 2048 px is one); the command raises the threshold unless the user set it.
+inline constexpr const char* kTcmallocReportVariable = "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD";
+inline constexpr const char* kTcmallocReportBytes = "1099511627776";
+
+// "tcmalloc (gperftools X.Y)" when tcmalloc is this process's malloc; otherwise glibc's: "keep freed
+// memory" when this process runs with both thresholds at kMallocKeepBytes, "set by the user" when
+// MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES's glibc.malloc.* say otherwise,
+// "default" when nothing is set.
 std::string malloc_policy();
+
+// Hands the memory malloc holds free back to the kernel (tcmalloc's ReleaseFreeMemory, glibc's
+// malloc_trim), so that a later resident-set peak shows what is allocated after this call.
+void release_free_memory();
 
 // Cores kept busy by all processes over a window of `window_ms`, from /proc/stat (-1 when unreadable).
 double busy_cores(int window_ms);
@@ -64,7 +82,8 @@ std::string openmp_wait_policy();
 
 // Restarts the process (execv of /proc/self/exe with the same arguments) once with the environment
 // that only takes effect at start-up: the OpenMP wait (above; a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT
-// is kept), malloc's thresholds (above; a user's malloc settings are kept) and OPENBLAS_CORETYPE
+// is kept), glibc malloc's thresholds or tcmalloc's report threshold (above; a user's settings are kept)
+// and OPENBLAS_CORETYPE
 // (openblas_coretype_override). Child processes inherit the choice.
 // Called first thing by the linvis command and bench_ops; LINVIS_NO_REEXEC=1 turns it off. Returns only
 // when no restart happens (or execv failed).
