@@ -48,8 +48,8 @@ TEST(Cli, MallocIsTcmalloc) {
     for (const std::string env : {"", "MALLOC_TRIM_THRESHOLD_=131072 "}) {
         auto version = run_program("env -u LINVIS_NO_REEXEC " + env + LINVIS_CLI_PATH, "version --format json");
         ASSERT_EQ(version.status, 0) << version.output;
-        EXPECT_EQ(nlohmann::json::parse(last_line(version.output)).value("malloc", std::string()).rfind("tcmalloc", 0), 0u)
-            << env << version.output;
+        const std::string malloc = nlohmann::json::parse(last_line(version.output)).value("malloc", std::string());
+        EXPECT_EQ(malloc.rfind("tcmalloc", 0), 0u) << env << version.output;
     }
 }
 #elif defined(__GLIBC__)
