@@ -44,9 +44,9 @@ inline constexpr int kLoadWindowMs = 60;
 // The linvis command is linked with gperftools' tcmalloc (Debian's libtcmalloc-minimal4; CMake option
 // LINVIS_TCMALLOC). It keeps freed memory for reuse, as the glibc setting below does, but reuses it
 // across sizes without glibc's heap fragmentation. On the 2-core Zen 4 EPYC at 2048 px, activation
-// MiB / images/s: t5_tiny 230 / 0.69 with glibc keeping freed memory, 97 / 0.43 with glibc returning
-// every large block (the tensors' own peak), 144 / 0.68 with tcmalloc; vit3_tiny 187 / 0.77, 97 / 0.46,
-// 96 / 0.77 (docs/performance.md). The library itself takes whatever allocator its program has.
+// MiB / images/s: t5_tiny 227 / 0.68 with glibc keeping freed memory, 97 / 0.43 with glibc returning
+// every large block (the tensors' own peak), 101 / 0.67 with tcmalloc; vit3_tiny 200 / 0.77, 97 / 0.46,
+// 146 / 0.76 (docs/performance.md). The library itself takes whatever allocator its program has.
 //
 // What glibc's malloc does with freed memory (the linvis command without tcmalloc). By default it hands
 // blocks over its (adaptive, at most 32 MiB) mmap threshold back to the kernel and trims the heap's top,
@@ -83,8 +83,7 @@ std::string openmp_wait_policy();
 // Restarts the process (execv of /proc/self/exe with the same arguments) once with the environment
 // that only takes effect at start-up: the OpenMP wait (above; a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT
 // is kept), glibc malloc's thresholds or tcmalloc's report threshold (above; a user's settings are kept)
-// and OPENBLAS_CORETYPE
-// (openblas_coretype_override). Child processes inherit the choice.
+// and OPENBLAS_CORETYPE (openblas_coretype_override). Child processes inherit the choice.
 // Called first thing by the linvis command and bench_ops; LINVIS_NO_REEXEC=1 turns it off. Returns only
 // when no restart happens (or execv failed).
 void restart_with_runtime_environment(char** argv);

@@ -53,7 +53,7 @@ struct BenchResult {
     double latency_ms = 0.0;       // median time of one iteration (one batch)
     int iterations = 0;
     int64_t peak_mem_bytes = 0;    // base_mem_bytes plus the passes' peak growth (PeakRssGrowth)
-    int64_t base_mem_bytes = 0;    // resident set after the build and release_free_memory, before the first pass
+    int64_t base_mem_bytes = 0;    // resident set after the build and freed memory's release, before the passes
     double gflops = 0.0;           // per image, one FLOP per multiply-add
     int64_t params = 0;
     double check_rel_err = -1.0;   // fused vs reference relative L2 error (fused runs only)
@@ -87,8 +87,8 @@ std::vector<double> time_passes(const std::function<void()>& pass, int warmup, i
                                 double max_seconds = std::numeric_limits<double>::infinity(), int min_reps = 3);
 
 // The peak resident memory this process adds over what it holds when the object is made: the
-// constructor returns the memory malloc holds free to the kernel (runtime::release_free_memory), resets the
-// kernel's high-water mark (VmHWM, through /proc/self/clear_refs, where the kernel allows it) and
+// constructor returns the memory malloc holds free to the kernel (runtime::release_free_memory), resets
+// the kernel's high-water mark (VmHWM, through /proc/self/clear_refs, where the kernel allows it) and
 // notes the current resident set; bytes() is the high-water mark since then minus that. Make it once
 // the inputs of a measurement exist, so that it reports what the measured work itself allocates at
 // its peak.
