@@ -134,8 +134,8 @@ TEST(Flops, OnednnLinearMatchesLibTorch) {
     unsetenv("LINVIS_GEMM");
 }
 
-// bf16 products go to oneDNN on every CPU: its bf16 matmul primitive (LINVIS_BF16_GEMM=matmul, the default
-// with AMX) or its sgemm on float32 copies (=sgemm, the default without AMX); LibTorch under LINVIS_GEMM=torch.
+// bf16 products go to oneDNN on every CPU: its bf16 matmul primitive (LINVIS_BF16_GEMM=matmul) or its sgemm on
+// float32 copies (=sgemm), by default whichever is measured faster; LibTorch under LINVIS_GEMM=torch.
 // Judged against float64 products of the same bf16 values: float32 accumulation (at most K * 2^-23 of
 // sum |a_i b_i|, generous for K <= 1200) plus one rounding of the output to bf16 (half an ulp: 2^-8 relative).
 // LibTorch (the fallback) may round more often - the product before adding the bias, and partial sums of its

@@ -4,6 +4,9 @@
 #include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
+#include <chrono>
+#include <functional>
+#include <limits>
 #include <cstdlib>
 #include <cstring>
 
@@ -33,19 +36,54 @@ bool torch_gemm_forced() {
 // Which library computes a linear product.
 enum class Backend { Torch, Sgemm, Bf16 };
 
-// How bf16 products run on oneDNN. Its bf16 matmul primitive accumulates in float32 and rounds once, but
-// on a CPU without AMX its AVX512-BF16 kernel (brg:avx512_core_bf16) ran at half the float32 rate: 88
-// against 175 GFLOP/s for one thread on the 2-core AVX-512 Xeon (Sapphire Rapids class, AMX not exposed;
-// (197 x 192) . (192 x 576) to (4097 x 192) . (192 x 768)). float32 sgemm on widened copies of the operands
-// computes the same thing (float32 accumulation, one rounding) at 135 GFLOP/s. So the primitive takes bf16
-// products where oneDNN can use AMX, sgemm on widened operands elsewhere (every CPU, AVX2 included);
-// LINVIS_BF16_GEMM=matmul or =sgemm (read on every call) picks one, for comparisons and tests.
+torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias,
+                        onednn::Activation activation = onednn::Activation::None);
+
+// Whether oneDNN's bf16 matmul primitive computes a ViT-T-sized bf16 product faster than its float32 sgemm
+// on widened copies, measured once per process: (1024 x 192) . (192 x 768), the MLP of a ViT-T at 512 px,
+// best of 5 alternations after a warm-up of each (about 20 ms). The operands are filled without the random
+// generator, so the choice leaves every seeded sequence as it was.
+bool bf16_matmul_measured_faster() {
+    if (!onednn::bf16_matmul_available()) return false;
+    torch::NoGradGuard no_grad;
+    const torch::Tensor a = torch::linspace(-1.0, 1.0, 1024 * 192).reshape({1024, 192}).to(torch::kBFloat16);
+    const torch::Tensor b = torch::linspace(1.0, -1.0, 192 * 768).reshape({192, 768}).to(torch::kBFloat16);
+    torch::Tensor c = torch::empty({1024, 768}, a.options());
+    const auto seconds = [](const std::function<bool()>& product) {
+        const auto start = std::chrono::steady_clock::now();
+        const bool ran = product();
+        const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        return ran ? elapsed : std::numeric_limits<double>::infinity();
+    };
+    const auto primitive = [&] { return onednn::bf16_matmul(a, b, torch::Tensor(), c, onednn::Activation::None); };
+    const auto widened = [&] {
+        onednn_mm(a.to(torch::kFloat32), b.to(torch::kFloat32), torch::Tensor(), onednn::Activation::None)
+            .to(torch::kBFloat16);
+        return true;
+    };
+    seconds(primitive);
+    seconds(widened);
+    double best_primitive = std::numeric_limits<double>::infinity(), best_widened = best_primitive;
+    for (int i = 0; i < 5; ++i) {
+        best_primitive = std::min(best_primitive, seconds(primitive));
+        best_widened = std::min(best_widened, seconds(widened));
+    }
+    return best_primitive < best_widened;
+}
+
+// How bf16 products run on oneDNN: its bf16 matmul primitive (float32 accumulation, one rounding) or float32
+// sgemm on widened copies of the operands (the same float32 accumulation and one rounding), whichever is faster
+// on this CPU (bf16_matmul_measured_faster). The two differ by CPU, not by ISA: on the 2-core AVX-512 Xeon
+// (Sapphire Rapids class, AVX512-BF16, AMX not exposed) the primitive's brg:avx512_core_bf16 kernel ran at 88
+// against 175 GFLOP/s for float32 (one thread), sgemm on widened operands at 135; on the 2-core Zen 4 EPYC
+// (AVX512-BF16) the same kernel ran at 266-391 GFLOP/s on two threads against 183-208 for float32 and 142-190
+// for sgemm on widened operands; with AMX the primitive wins. LINVIS_BF16_GEMM=matmul or =sgemm (read on every
+// call) picks one, for comparisons and tests.
 bool bf16_on_matmul_primitive() {
     const char* value = std::getenv("LINVIS_BF16_GEMM");
     if (value == nullptr || *value == '\0') {
-        static const bool amx = (dnnl_get_effective_cpu_isa() & dnnl_cpu_isa_avx512_core_amx) ==
-                                dnnl_cpu_isa_avx512_core_amx;
-        return amx && onednn::bf16_matmul_available();
+        static const bool faster = bf16_matmul_measured_faster();
+        return faster;
     }
     LINVIS_CHECK(std::strcmp(value, "matmul") == 0 || std::strcmp(value, "sgemm") == 0,
                  "LINVIS_BF16_GEMM: expected matmul or sgemm, got '", value, "'");
@@ -103,7 +141,7 @@ torch::Tensor activate(torch::Tensor y, Activation activation) {
 // for float32; for bf16 its matmul primitive (activation on the float32 accumulator) where
 // bf16_on_matmul_primitive() and the primitive has a kernel for the case, else sgemm on float32 copies.
 torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias,
-                        Activation activation = Activation::None) {
+                        Activation activation) {
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
     if (a.scalar_type() == torch::kBFloat16) {
         if (bf16_on_matmul_primitive()) {
