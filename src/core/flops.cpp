@@ -77,8 +77,9 @@ bool bf16_matmul_measured_faster() {
 // (Sapphire Rapids class, AVX512-BF16, AMX not exposed) the primitive's brg:avx512_core_bf16 kernel ran at 88
 // against 175 GFLOP/s for float32 (one thread), sgemm on widened operands at 135; on the 2-core Zen 4 EPYC
 // (AVX512-BF16) the same kernel ran at 266-391 GFLOP/s on two threads against 183-208 for float32 and 142-190
-// for sgemm on widened operands; with AMX the primitive wins. LINVIS_BF16_GEMM=matmul or =sgemm (read on every
-// call) picks one, for comparisons and tests.
+// for sgemm on widened operands. Their sums run in different orders, so a bf16 output may differ in its last bit
+// between processes that chose differently (the bf16 tests bound both routes). LINVIS_BF16_GEMM=matmul or =sgemm
+// (read on every call) picks one, for comparisons and tests.
 bool bf16_on_matmul_primitive() {
     const char* value = std::getenv("LINVIS_BF16_GEMM");
     if (value == nullptr || *value == '\0') {
