@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <functional>
 #include <limits>
 #include <cstdlib>
 #include <cstring>
@@ -39,6 +38,13 @@ enum class Backend { Torch, Sgemm, Bf16 };
 torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias,
                         onednn::Activation activation = onednn::Activation::None);
 
+// A bf16 product as float32 sgemm on widened copies of the operands, the activation in float32, one rounding.
+torch::Tensor bf16_on_widened_sgemm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias,
+                                    onednn::Activation activation) {
+    const auto f32 = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kFloat32) : t; };
+    return onednn_mm(f32(a), f32(b), f32(bias), activation).to(torch::kBFloat16);
+}
+
 // Whether oneDNN's bf16 matmul primitive computes a ViT-T-sized bf16 product faster than its float32 sgemm
 // on widened copies, measured once per process: (1024 x 192) . (192 x 768), the MLP of a ViT-T at 512 px,
 // best of 5 alternations after a warm-up of each (about 20 ms). The operands are filled without the random
@@ -49,7 +55,7 @@ bool bf16_matmul_measured_faster() {
     const torch::Tensor a = torch::linspace(-1.0, 1.0, 1024 * 192).reshape({1024, 192}).to(torch::kBFloat16);
     const torch::Tensor b = torch::linspace(1.0, -1.0, 192 * 768).reshape({192, 768}).to(torch::kBFloat16);
     torch::Tensor c = torch::empty({1024, 768}, a.options());
-    const auto seconds = [](const std::function<bool()>& product) {
+    const auto seconds = [](const auto& product) {
         const auto start = std::chrono::steady_clock::now();
         const bool ran = product();
         const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -57,9 +63,7 @@ bool bf16_matmul_measured_faster() {
     };
     const auto primitive = [&] { return onednn::bf16_matmul(a, b, torch::Tensor(), c, onednn::Activation::None); };
     const auto widened = [&] {
-        onednn_mm(a.to(torch::kFloat32), b.to(torch::kFloat32), torch::Tensor(), onednn::Activation::None)
-            .to(torch::kBFloat16);
-        return true;
+        return bf16_on_widened_sgemm(a, b, torch::Tensor(), onednn::Activation::None).defined();
     };
     seconds(primitive);
     seconds(widened);
@@ -149,9 +153,7 @@ torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const to
             torch::Tensor c = torch::empty({M, N}, a.options());
             if (onednn::bf16_matmul(a, b, bias, c, activation)) return c;
         }
-        // sgemm on float32 copies, the activation in float32, one rounding.
-        const auto f32 = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kFloat32) : t; };
-        return onednn_mm(f32(a), f32(b), f32(bias), activation).to(torch::kBFloat16);
+        return bf16_on_widened_sgemm(a, b, bias, activation);
     }
     // Rows of unit column stride are 'N' with the row stride as ld, columns of unit row stride are 'T' with the
     // column stride as ld: a narrowed or transposed operand (a slice of a wider weight) is read in place.
