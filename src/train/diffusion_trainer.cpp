@@ -138,7 +138,7 @@ bool DiffusionTrainer::fit(BatchSource& data) {
         }
     }
 
-    install_interrupt_handler();
+    const InterruptHandler interrupt_handler;
     std::unique_ptr<GradientReducer> reducer;
     if (world > 1) reducer = std::make_unique<GradientReducer>(*model_, dist);
     // Label dropout is drawn below with the timesteps and the noise: the official LabelEmbedder.token_drop

@@ -384,7 +384,7 @@ SegEvalResult SegmentationTrainer::fit(const SegmentationDataset& train, const S
         return r;
     };
 
-    install_interrupt_handler();
+    const InterruptHandler interrupt_handler;
     std::unique_ptr<GradientReducer> reducer;
     if (world > 1) reducer = std::make_unique<GradientReducer>(*model_, config_.distributed);
     const BatchNormSync batch_norm_sync(config_.distributed);

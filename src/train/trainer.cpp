@@ -1,5 +1,6 @@
 #include "linvis/train/trainer.h"
 
+#include <pthread.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -10,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <nlohmann/json.hpp>
 
@@ -25,6 +27,13 @@ namespace {
 std::atomic<bool> g_interrupted{false};
 
 void on_sigint(int) { g_interrupted.store(true); }
+
+sigset_t sigint_set() {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    return set;
+}
 
 using Clock = std::chrono::steady_clock;
 
@@ -114,8 +123,24 @@ void append_metrics(const std::string& path, const EpochRecord& r) {
 
 }  // namespace
 
-void install_interrupt_handler() { std::signal(SIGINT, on_sigint); }
-bool interrupt_requested() { return g_interrupted.load(); }
+InterruptHandler::InterruptHandler() {
+    std::signal(SIGINT, on_sigint);  // threads that do not block it (Gloo's, the data loader's) may still take it
+    const sigset_t set = sigint_set();
+    pthread_sigmask(SIG_BLOCK, &set, &previous_);  // threads started from here on inherit the mask
+    // The pool's threads started before (they run sgemm too) keep it blocked.
+    at::parallel_for(0, at::get_num_threads(), 1,
+                     [&](int64_t, int64_t) { pthread_sigmask(SIG_BLOCK, &set, nullptr); });
+}
+
+// Restored so that processes started later (fork and exec keep the mask) can be interrupted.
+InterruptHandler::~InterruptHandler() { pthread_sigmask(SIG_SETMASK, &previous_, nullptr); }
+
+bool interrupt_requested() {
+    const sigset_t set = sigint_set();
+    const timespec now{};
+    if (sigtimedwait(&set, nullptr, &now) == SIGINT) g_interrupted.store(true);
+    return g_interrupted.load();
+}
 void clear_interrupt() { g_interrupted.store(false); }
 
 EvalResult evaluate(models::VisionModel& model, BatchSource& data, bool bf16, bool progress, Distributed* dist) {
@@ -234,7 +259,7 @@ bool Trainer::fit(BatchSource& train_data, BatchSource* eval_data) {
     } else if (!config_.resume && main_rank) {
         fs::remove(metrics_path);
     }
-    install_interrupt_handler();
+    const InterruptHandler interrupt_handler;
     std::unique_ptr<GradientReducer> reducer;
     if (world > 1) {
         reducer = std::make_unique<GradientReducer>(*model_, dist);

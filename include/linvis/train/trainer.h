@@ -5,6 +5,8 @@
 // so --resume continues bit for bit, also after an interruption mid-epoch.
 #pragma once
 
+#include <signal.h>
+
 #include <functional>
 #include <map>
 #include <memory>
@@ -92,8 +94,20 @@ private:
     std::vector<EpochRecord> history_;
 };
 
-// Installs a SIGINT handler that asks running loops to stop at the next optimiser step.
-void install_interrupt_handler();
+// For its lifetime, SIGINT asks running loops to stop at the next optimiser step (interrupt_requested).
+// SIGINT is blocked in this thread and the intra-op pool: a signal frame pushed onto a thread inside
+// oneDNN's sgemm, whose kernel points rsp at a heap workspace, overwrites the heap below it.
+// interrupt_requested() takes the pending signal instead.
+class InterruptHandler {
+public:
+    InterruptHandler();
+    ~InterruptHandler();
+    InterruptHandler(const InterruptHandler&) = delete;
+    InterruptHandler& operator=(const InterruptHandler&) = delete;
+
+private:
+    sigset_t previous_;  // this thread's signal mask before
+};
 bool interrupt_requested();
 void clear_interrupt();
 
