@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "linvis/core/error.h"
 #include "linvis/ops/impl.h"
@@ -111,6 +112,42 @@ TEST(SimdLayer, ExpSubMatchesTorchOnEveryTarget) {
                     << (y.narrow(0, 0, n) - expected).abs().max().item<float>();
                 EXPECT_TRUE(torch::all(y.narrow(0, n, 4) == 7.0f).item<bool>()) << "n = " << n << ": wrote beyond n";
             }
+        }
+    });
+}
+
+// bfloat16 <-> float32 against LibTorch's conversion, bit for bit but NaN's payload: random values of every magnitude, and the
+// cases the rounding rule decides (ties to even both ways, a carry into the exponent, the largest float that
+// rounds to infinity, subnormals, signed zeros, infinities, NaNs of either sign and payload).
+TEST(SimdLayer, Bf16ConversionsMatchLibTorchOnEveryTarget) {
+    torch::manual_seed(3);
+    std::vector<uint32_t> special = {0x00000000u, 0x80000000u, 0x3F808000u, 0x3F818000u, 0x3F80C000u, 0x3F7FFFFFu,
+                                     0x7F7FFFFFu, 0x7F7F8000u, 0x00000001u, 0x807FFFFFu, 0x7F800000u, 0xFF800000u,
+                                     0x7FC00000u, 0xFFC00001u, 0x7F800001u, 0x3FFF8000u, 0xBF808000u};
+    torch::Tensor bits = torch::randint(0, int64_t{1} << 32, {4099}, torch::kInt64);
+    for (size_t i = 0; i < special.size(); ++i) bits[static_cast<int64_t>(i)] = static_cast<int64_t>(special[i]);
+    // The low 32 bits of each int64 as one float32 (little-endian x86).
+    const torch::Tensor x =
+        bits.to(torch::kInt32, /*non_blocking=*/false, /*copy=*/false).contiguous().view(torch::kFloat32);
+    const torch::Tensor expected = x.to(torch::kBFloat16);
+    for_each_simd_target([&](const SimdTarget& t) {
+        const simd::Kernels& k = simd::kernels(t.target);
+        for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{17}, x.numel()}) {
+            torch::Tensor narrowed = torch::full({x.numel()}, 7.0, torch::kBFloat16);
+            k.narrow_to_bf16(x.data_ptr<float>(), static_cast<uint16_t*>(narrowed.data_ptr()), n);
+            // NaN's bit pattern is LibTorch's choice per code path (0x7FC0 in c10::BFloat16, 0xFFFF in its
+            // vectorised copy): NaN must stay NaN, everything else match bit for bit.
+            const torch::Tensor nan = torch::isnan(x.narrow(0, 0, n));
+            const torch::Tensor got = narrowed.narrow(0, 0, n);
+            EXPECT_TRUE(torch::equal(got.view(torch::kInt16).masked_fill(nan, 0),
+                                     expected.narrow(0, 0, n).view(torch::kInt16).masked_fill(nan, 0)))
+                << "narrow, n = " << n;
+            EXPECT_TRUE(torch::equal(torch::isnan(got), nan)) << "narrow, NaN, n = " << n;
+            EXPECT_TRUE(torch::all(narrowed.narrow(0, n, x.numel() - n) == 7.0).item<bool>()) << "wrote beyond n = " << n;
+            torch::Tensor widened = torch::zeros({n});
+            k.widen_bf16(static_cast<const uint16_t*>(expected.data_ptr()), widened.data_ptr<float>(), n);
+            EXPECT_TRUE(torch::equal(widened.view(torch::kInt32), expected.narrow(0, 0, n).to(torch::kFloat32).view(torch::kInt32)))
+                << "widen, n = " << n;
         }
     });
 }

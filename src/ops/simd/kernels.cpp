@@ -9,6 +9,8 @@
 #include <hwy/contrib/math/math-inl.h>
 // clang-format on
 
+#include <cstring>
+
 #include "ops/simd/gemm-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -102,8 +104,27 @@ void exp_sub(const float* x, float shift, float* y, int64_t n) {
     map_floats(y, n, [shift](FloatTag d, FloatVec v) { return hn::Exp(d, hn::Sub(v, hn::Set(d, shift))); }, x);
 }
 
+// Plain loops the compiler vectorises for this target (HWY_BEFORE_NAMESPACE sets its attributes).
+void widen_bf16(const uint16_t* in, float* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
+        std::memcpy(out + i, &bits, sizeof bits);
+    }
+}
+// c10::BFloat16's rounding (c10/util/BFloat16.h, round_to_nearest_even): add 0x7FFF plus the lowest kept bit,
+// keep the upper half; any NaN becomes the quiet NaN 0x7FC0.
+void narrow_to_bf16(const float* in, uint16_t* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, in + i, sizeof bits);
+        const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+        out[i] = in[i] != in[i] ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+    }
+}
+
 const Kernels& table() {
-    static const Kernels k{kTarget, gemm_f32, gemm_f64, sigmoid, gelu_erf, gelu_tanh, silu_mul, exp_sub};
+    static const Kernels k{kTarget,   gemm_f32, gemm_f64, sigmoid,    gelu_erf,
+                           gelu_tanh, silu_mul, exp_sub,  widen_bf16, narrow_to_bf16};
     return k;
 }
 

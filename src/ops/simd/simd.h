@@ -56,6 +56,11 @@ struct Kernels {
     void (*silu_mul)(const float* g, const float* u, float* y, int64_t n) = nullptr;
     // y[i] = exp(x[i] - shift) for x[i] - shift <= 88 (Highway's Exp, 1 ulp; 0 far below); x and y may alias.
     void (*exp_sub)(const float* x, float shift, float* y, int64_t n) = nullptr;
+    // bfloat16 (its bit pattern, as c10::BFloat16 stores it) to and from float32. Widening is exact; narrowing
+    // rounds to nearest even and turns NaN into 0x7FC0, as c10::BFloat16 does, so a kernel that computes in
+    // float32 and narrows once matches LibTorch's `.to(torch::kBFloat16)` of the same values bit for bit.
+    void (*widen_bf16)(const uint16_t* x, float* y, int64_t n) = nullptr;
+    void (*narrow_to_bf16)(const float* x, uint16_t* y, int64_t n) = nullptr;
 };
 
 // The kernels of active_target(), or of a given (supported) target.
@@ -75,6 +80,25 @@ inline void gemm(const Kernels& k, int64_t M, int64_t N, int64_t K, const double
 // Where the register-blocked GEMM's accumulators start (gemm-inl.h): C itself (C += A B), zero
 // (C = A B), or one row broadcast to every row (C = row + A B).
 enum class GemmInit { Accumulate, Zero, Row };
+
+// y = pass(x, z) for n bfloat16 values, computed in float32 through buffers on the stack a chunk at a time
+// (each array read or written once, the float32 values in cache, instead of widened copies of whole tensors).
+// pass has the kernels' elementwise signature pass(const float* x, const float* z, float* y, int64_t n) with
+// y = x allowed; z may be null (pass then gets null); y may alias x or z.
+template <typename Pass>
+void bf16_through_float(const Kernels& k, const uint16_t* x, const uint16_t* z, uint16_t* y, int64_t n,
+                        Pass&& pass) {
+    constexpr int64_t kChunk = 512;
+    alignas(64) float fx[kChunk];
+    alignas(64) float fz[kChunk];
+    for (int64_t i = 0; i < n; i += kChunk) {
+        const int64_t m = n - i < kChunk ? n - i : kChunk;
+        k.widen_bf16(x + i, fx, m);
+        if (z != nullptr) k.widen_bf16(z + i, fz, m);
+        pass(fx, z != nullptr ? fz : nullptr, fx, m);
+        k.narrow_to_bf16(fx, y + i, m);
+    }
+}
 
 }  // namespace linvis::ops::simd
 
