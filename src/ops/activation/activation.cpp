@@ -20,16 +20,28 @@ const char* gelu_approximate(GeluForm form) { return form == GeluForm::Tanh ? "t
 // Empty when the fused passes take t, else why not.
 std::string unsupported(const char* name, const torch::Tensor& t) {
     if (!t.device().is_cpu()) return std::string(name) + " is on " + t.device().str() + ", the kernel is CPU only";
-    if (t.scalar_type() != torch::kFloat32)
-        return std::string(name) + " is " + c10::toString(t.scalar_type()) + ", the kernel takes float32";
+    if (t.scalar_type() != torch::kFloat32 && t.scalar_type() != torch::kBFloat16)
+        return std::string(name) + " is " + c10::toString(t.scalar_type()) + ", the kernel takes float32 or bfloat16";
     if (!t.is_contiguous()) return std::string(name) + " is not contiguous";
     return "";
+}
+
+// Empty when the fused passes take both operands (each supported, one dtype), else why not.
+std::string unsupported_pair(const char* name_a, const torch::Tensor& a, const char* name_b, const torch::Tensor& b) {
+    std::string why = unsupported(name_a, a);
+    if (why.empty()) why = unsupported(name_b, b);
+    if (why.empty() && a.scalar_type() != b.scalar_type())
+        why = std::string(name_a) + " is " + c10::toString(a.scalar_type()) + " and " + name_b + " " +
+              c10::toString(b.scalar_type()) + ", the kernel takes one dtype";
+    return why;
 }
 
 // Auto: the vectorised targets; the portable target runs the reference. LibTorch's own GELU (erf) is
 // vectorised and, on one thread, as fast as the pass; the pass wins on 2 threads up to a few hundred thousand
 // elements ((196, 768): 61 against 110 us) and is 5-10 % slower beyond ((4096, 768): 1.52 against 1.45 ms),
-// AVX-512 Xeon. The tanh form (3.2-3.7x) and silu * up (1.3-1.5x) win at every size measured. docs/ops.md.
+// AVX-512 Xeon. bfloat16 follows the same rule: LibTorch's bf16 erf GELU is vectorised too (AMX Xeon, 2 threads:
+// a tie at (196, 768), the pass 0.78-0.94x from (1024, 768) up). The tanh form (3.2-3.7x; bf16 6.7-7.4x) and
+// silu * up (1.3-1.5x; bf16 2.9-3.1x) win at every size measured. docs/ops.md.
 constexpr int64_t kGeluErfFusedMaxElements = int64_t{1} << 18;
 
 bool fused_is_faster(GeluForm form, int64_t numel) {
@@ -41,31 +53,43 @@ bool silu_mul_fused_is_faster() { return simd::vectorised(); }
 // microseconds.
 constexpr int64_t kGrain = int64_t{1} << 14;
 
-// out = GELU(x [+ bias]) over contiguous float32 (out may be x); bias, when defined, is one row of x's last
-// dimension, added to every row.
+// y[0, n) = pass(x, z) with the kernels' elementwise signature, on float32 as it is and on bfloat16 through
+// float32 chunks (simd::bf16_through_float: the same float32 operations, one rounding at the end). The
+// arrays are offset views of contiguous tensors of the one dtype; z may be null.
+template <typename Pass>
+void elementwise(const simd::Kernels& k, const torch::Tensor& x, const void* z, const torch::Tensor& y,
+                 int64_t offset, int64_t z_offset, int64_t n, Pass pass) {
+    if (x.scalar_type() == torch::kBFloat16) {
+        auto bits = [](const void* p) { return static_cast<const uint16_t*>(p); };
+        simd::bf16_through_float(k, bits(x.data_ptr()) + offset, z ? bits(z) + z_offset : nullptr,
+                                 static_cast<uint16_t*>(y.data_ptr()) + offset, n, pass);
+        return;
+    }
+    pass(x.data_ptr<float>() + offset, z ? static_cast<const float*>(z) + z_offset : nullptr,
+         y.data_ptr<float>() + offset, n);
+}
+
+// out = GELU(x [+ bias]) over contiguous float32 or bfloat16 (out may be x); bias, when defined, is one row of
+// x's last dimension (in x's dtype), added to every row.
 void gelu_pass(const torch::Tensor& x, const torch::Tensor& out, GeluForm form, const torch::Tensor& bias = {}) {
     const simd::Kernels& k = simd::kernels();
     const auto pass = form == GeluForm::Tanh ? k.gelu_tanh : k.gelu_erf;
-    const float* in = x.data_ptr<float>();
-    float* y = out.data_ptr<float>();
     if (!bias.defined()) {
-        at::parallel_for(0, x.numel(), kGrain, [&](int64_t b, int64_t e) { pass(in + b, nullptr, y + b, e - b); });
+        at::parallel_for(0, x.numel(), kGrain,
+                         [&](int64_t b, int64_t e) { elementwise(k, x, nullptr, out, b, 0, e - b, pass); });
         return;
     }
-    const float* row = bias.data_ptr<float>();
     const int64_t cols = bias.numel(), rows = x.numel() / cols;
     at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / cols), [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r) pass(in + r * cols, row, y + r * cols, cols);
+        for (int64_t r = b; r < e; ++r) elementwise(k, x, bias.data_ptr(), out, r * cols, 0, cols, pass);
     });
 }
 
-// out = silu(gate) * up over contiguous float32 (out may be gate or up).
+// out = silu(gate) * up over contiguous float32 or bfloat16 (out may be gate or up).
 void silu_mul_pass(const torch::Tensor& gate, const torch::Tensor& up, const torch::Tensor& out) {
     const simd::Kernels& k = simd::kernels();
-    const float* g = gate.data_ptr<float>();
-    const float* u = up.data_ptr<float>();
-    float* y = out.data_ptr<float>();
-    at::parallel_for(0, gate.numel(), kGrain, [&](int64_t b, int64_t e) { k.silu_mul(g + b, u + b, y + b, e - b); });
+    at::parallel_for(0, gate.numel(), kGrain,
+                     [&](int64_t b, int64_t e) { elementwise(k, gate, up.data_ptr(), out, b, b, e - b, k.silu_mul); });
 }
 
 // In a graph: the fused pass forward, LibTorch's derivative backward.
@@ -121,8 +145,7 @@ torch::Tensor bias_gelu_(torch::Tensor x, const torch::Tensor& bias, Impl impl, 
                  "bias_gelu_: bias: expected one row of x's last dimension (", x.dim() >= 1 ? x.size(-1) : 0,
                  "), got shape ", shape_string(bias.sizes()));
     if (x.numel() == 0) return records_graph({x, bias}) ? x + bias : x;
-    std::string why = unsupported("x", x);
-    if (why.empty()) why = unsupported("bias", bias);
+    const std::string why = unsupported_pair("x", x, "bias", bias);
     // In a graph: the sum, then gelu_ (whose fused pass keeps LibTorch's derivative).
     if (records_graph({x, bias})) return gelu_(x + bias, impl, form);
     // One pass instead of two: fused wherever the SIMD layer is vectorised (docs/ops.md).
@@ -135,8 +158,7 @@ torch::Tensor bias_gelu_(torch::Tensor x, const torch::Tensor& bias, Impl impl, 
 torch::Tensor silu_mul_(torch::Tensor gate, const torch::Tensor& up, Impl impl) {
     LINVIS_CHECK(gate.sizes() == up.sizes(), "silu_mul_: up: expected the shape of gate ", shape_string(gate.sizes()),
                  ", got ", shape_string(up.sizes()));
-    std::string why = unsupported("gate", gate);
-    if (why.empty()) why = unsupported("up", up);
+    const std::string why = unsupported_pair("gate", gate, "up", up);
     const bool graph = records_graph({gate, up});
     if (!use_fused(impl, "silu_mul_", why, silu_mul_fused_is_faster()))
         return graph ? torch::silu(gate) * up : torch::silu_(gate).mul_(up);
