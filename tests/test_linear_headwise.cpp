@@ -82,6 +82,32 @@ TEST(LinearHeadwise, FusedMatchesReferenceBfloat16) {
     for (const auto& c : kCases) expect_match(c, torch::kBFloat16, 3e-2, 3e-2);
 }
 
+// bfloat16 outside a graph: each row widened, the float32 kernel's sums, one rounding, so the output equals the
+// float32 fused kernel on the widened inputs rounded once, bit for bit; ViL's 4 x 4 blocks and the generic path,
+// contiguous and row-strided input (v_proj reads one half of proj_up's output).
+TEST(LinearHeadwise, Bfloat16InferenceIsTheFloat32KernelRoundedOnce) {
+    torch::manual_seed(12);
+    torch::NoGradGuard no_grad;
+    for (const auto& c : kCases) {
+        SCOPED_TRACE("heads " + std::to_string(c.heads) + " out " + std::to_string(c.out) + " in " +
+                     std::to_string(c.in));
+        std::vector<int64_t> xs = c.lead;
+        xs.push_back(2 * c.heads * c.in);
+        const torch::Tensor wide = torch::randn(xs).to(torch::kBFloat16);
+        const torch::Tensor w = (0.5 * torch::randn({c.heads, c.out, c.in})).to(torch::kBFloat16);
+        const torch::Tensor b = c.bias ? torch::randn({c.heads * c.out}).to(torch::kBFloat16) : torch::Tensor();
+        const auto f32 = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kFloat32) : t; };
+        for (const torch::Tensor& x : {wide.narrow(-1, 0, c.heads * c.in).contiguous(),
+                                       wide.narrow(-1, c.heads * c.in, c.heads * c.in)}) {
+            const torch::Tensor y = ops::linear_headwise(x, w, b, ops::Impl::Fused);
+            EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+            EXPECT_TRUE(torch::equal(y, ops::linear_headwise(f32(x), f32(w), f32(b), ops::Impl::Fused)
+                                            .to(torch::kBFloat16)))
+                << (x.is_contiguous() ? "contiguous" : "row-strided");
+        }
+    }
+}
+
 TEST(LinearHeadwise, FusedGradientsMatchFiniteDifferences) {
     torch::manual_seed(3);
     auto opt = torch::TensorOptions().dtype(torch::kFloat64).requires_grad(true);

@@ -7,7 +7,11 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <vector>
+
 #include "linvis/core/error.h"
+#include "ops/records_graph.h"
+#include "ops/simd/simd.h"
 
 namespace linvis::ops::cpu {
 namespace {
@@ -15,27 +19,45 @@ namespace {
 // Rows per parallel task: enough work per task to amortise the scheduling on small inputs.
 constexpr int64_t kRowGrain = 64;
 
-// y[n, h, o] = b[h O + o] + sum_i x[n, h, i] w[h, o, i], with the weight given transposed per head,
-// wt[h, i, o]: the o outputs of a head are then contiguous lanes (x[n, h, i] broadcast times a row of wt),
+// One row: y[h, o] = b[h O + o] + sum_i x[h, i] w[h, o, i], with the weight given transposed per head,
+// wt[h, i, o]: the o outputs of a head are then contiguous lanes (x[h, i] broadcast times a row of wt),
 // which the compiler vectorises; each output still sums b, then i = 0, 1, ... in order.
 template <typename T, int kO, int kI>
-void forward_rows(const T* x, int64_t ldx, const T* wt, const T* b, T* y, int64_t N, int64_t H, int64_t O_,
-                  int64_t I_) {
+inline void forward_row(const T* xr, const T* wt, const T* b, T* yr, int64_t H, int64_t O_, int64_t I_) {
     const int64_t O = kO ? kO : O_, I = kI ? kI : I_;
+    for (int64_t h = 0; h < H; ++h) {
+        const T* xh = xr + h * I;
+        const T* wth = wt + h * I * O;
+        T* yh = yr + h * O;
+        for (int64_t o = 0; o < O; ++o) yh[o] = b[h * O + o];
+        for (int64_t i = 0; i < I; ++i) {
+            const T xi = xh[i];
+            for (int64_t o = 0; o < O; ++o) yh[o] += xi * wth[i * O + o];
+        }
+    }
+}
+
+// Every row n of x (row stride ldx) into y (rows of H O).
+template <typename T, int kO, int kI>
+void forward_rows(const T* x, int64_t ldx, const T* wt, const T* b, T* y, int64_t N, int64_t H, int64_t O,
+                  int64_t I) {
     at::parallel_for(0, N, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n) forward_row<T, kO, kI>(x + n * ldx, wt, b, y + n * H * O, H, O, I);
+    });
+}
+
+// The same on bfloat16 rows (their bits) with a float32 weight and bias: each row widened, computed in
+// float32 as above and rounded once, so the result is the float32 kernel's on the widened x, rounded.
+template <int kO, int kI>
+void forward_rows_bf16(const uint16_t* x, int64_t ldx, const float* wt, const float* b, uint16_t* y, int64_t N,
+                       int64_t H, int64_t O, int64_t I) {
+    const simd::Kernels& k = simd::kernels();
+    at::parallel_for(0, N, kRowGrain, [&](int64_t begin, int64_t end) {
+        std::vector<float> xr(static_cast<size_t>(H * I)), yr(static_cast<size_t>(H * O));
         for (int64_t n = begin; n < end; ++n) {
-            const T* xr = x + n * ldx;
-            T* yr = y + n * H * O;
-            for (int64_t h = 0; h < H; ++h) {
-                const T* xh = xr + h * I;
-                const T* wth = wt + h * I * O;
-                T* yh = yr + h * O;
-                for (int64_t o = 0; o < O; ++o) yh[o] = b[h * O + o];
-                for (int64_t i = 0; i < I; ++i) {
-                    const T xi = xh[i];
-                    for (int64_t o = 0; o < O; ++o) yh[o] += xi * wth[i * O + o];
-                }
-            }
+            k.widen_bf16(x + n * ldx, xr.data(), H * I);
+            forward_row<float, kO, kI>(xr.data(), wt, b, yr.data(), H, O, I);
+            k.narrow_to_bf16(yr.data(), y + n * H * O, H * O);
         }
     });
 }
@@ -159,9 +181,20 @@ torch::Tensor linear_headwise_fused(const torch::Tensor& x, const torch::Tensor&
     const torch::Tensor w = weight.to(type).contiguous();
     // A missing bias is a zero vector: LibTorch 1.13's autograd functions reject undefined inputs.
     const torch::Tensor b = bias.defined() ? bias.to(type).contiguous() : torch::zeros({w.size(0) * w.size(1)}, w.options());
-    torch::Tensor y = LinearHeadwiseFunction::apply(rows(x, type), w, b);
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = weight.size(0) * weight.size(1);
+    if (x.scalar_type() == torch::kBFloat16 && !records_graph({x, weight, bias})) {
+        // bfloat16 outside a graph: widened a row at a time, not as a float32 copy of x and of y.
+        const torch::Tensor x2d = rows(x, torch::kBFloat16);
+        const int64_t N = x2d.size(0), H = w.size(0), O = w.size(1), I = w.size(2);
+        torch::Tensor y = torch::empty({N, H * O}, x2d.options());
+        const torch::Tensor wt = w.transpose(1, 2).contiguous();
+        auto bits = [](const torch::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); };
+        (O == 4 && I == 4 ? forward_rows_bf16<4, 4> : forward_rows_bf16<0, 0>)(
+            bits(x2d), x2d.stride(0), wt.data_ptr<float>(), b.data_ptr<float>(), bits(y), N, H, O, I);
+        return y.view(shape);
+    }
+    torch::Tensor y = LinearHeadwiseFunction::apply(rows(x, type), w, b);
     return y.view(shape).to(x.scalar_type());
 }
 
