@@ -8,7 +8,7 @@
 //                               [--skip-model]
 //   build/bench_ops attention [--threads 2] [--tokens 4097] [--heads 3] [--head-dim 64]
 //                                   [--reps 5]
-//   build/bench_ops depthwise_conv [--threads 2] [--reps 20] [--side 64]
+//   build/bench_ops depthwise_conv [--threads 2] [--reps 20] [--side 64] [--dtype f32|bf16]
 //   build/bench_ops layer_norm [--threads 2] [--reps 50] [--width 192]
 //
 // ttt_linear: the TTT-Linear scan of vittt_tiny (3 heads of d = 64, mini-batches of 16).
@@ -22,7 +22,8 @@
 //   reference that materialises the T x T weights.
 // depthwise_conv: the depthwise convolutions on tokens (ops/depthwise_conv.h): vittt_tiny's / vit3_tiny's
 //   residual 3x3 (C = 192), ViL's silu(3x3) on a chunk of the up-projection (C = 384, token stride 768)
-//   and vittt_tiny's causal Conv1d (C = 192, k = 4).
+//   and vittt_tiny's causal Conv1d (C = 192, k = 4). --dtype bf16 times both implementations on bfloat16
+//   inputs (the models' --dtype bf16), checked as bfloat16 against the float64 truth first.
 // layer_norm: the models' LayerNorm (ops/layer_norm.h) on (rows, 192) with weight and bias, for 197
 //   (a 224-px image and its class token), 4096 (1024 px) and 16384 (2048 px) rows.
 //
@@ -163,8 +164,9 @@ struct OpCheck {
     std::vector<Tensor> inputs;      // float32
     Tensor probe;                    // the output cotangent
     OpFn truth;                      // a reference form, run in float64
-    OpFn reference, fused;           // run in float32
+    OpFn reference, fused;           // run in `dtype`
     double tolerance;
+    torch::ScalarType dtype = torch::kFloat32;
 };
 
 // Fused and float32 reference results against the float64 truth, one line per tensor. A tensor passes
@@ -172,15 +174,16 @@ struct OpCheck {
 // a long sum, float32 rounding alone can exceed a fixed bound).
 bool passes(const OpCheck& check, const std::string& what) {
     const auto truth = output_and_grads(check.truth, check.inputs, check.probe, torch::kFloat64);
-    const auto reference = output_and_grads(check.reference, check.inputs, check.probe, torch::kFloat32);
-    const auto fused = output_and_grads(check.fused, check.inputs, check.probe, torch::kFloat32);
+    const auto reference = output_and_grads(check.reference, check.inputs, check.probe, check.dtype);
+    const auto fused = output_and_grads(check.fused, check.inputs, check.probe, check.dtype);
     bool ok = true;
     for (size_t t = 0; t < truth.size(); ++t) {
         const double e = rel_err(fused[t], truth[t]), r = rel_err(reference[t], truth[t]);
         const bool pass = e < check.tolerance || e <= 2 * r;
-        std::printf("  check %-12s rel L2 err vs float64 truth: fused %.2e, reference f32 %.2e, "
-                    "fused vs reference %.2e %s\n", check.names[t].c_str(), e, r, rel_err(fused[t], reference[t]),
-                    pass ? "ok" : "FAIL");
+        std::printf("  check %-12s rel L2 err vs float64 truth: fused %.2e, reference %s %.2e, "
+                    "fused vs reference %.2e %s\n", check.names[t].c_str(), e,
+                    check.dtype == torch::kFloat32 ? "f32" : c10::toString(check.dtype), r,
+                    rel_err(fused[t], reference[t]), pass ? "ok" : "FAIL");
         ok = ok && pass;
     }
     std::printf("%s check (fused error < %.0e or <= 2x the reference's): %s\n", what.c_str(), check.tolerance,
@@ -220,7 +223,8 @@ void print_fused_vs_reference(Harness& h, const std::vector<std::string>& cases,
 
 // One timed pass: the forward without autograd, or forward and backward w.r.t. every input: of the
 // loss sum(output * probe), or for a cotangent of ones when `probe` is undefined (no loss temporaries;
-// the ViT³ and T⁵ cases have always been measured so, the others with the loss).
+// the ViT³ and T⁵ cases have always been measured so, the others with the loss). The leaves keep the
+// inputs' dtype.
 std::function<void()> op_pass(const OpFn& op, const std::vector<Tensor>& inputs, const Tensor& probe, bool train) {
     if (!train) {
         return [op, inputs] {
@@ -228,7 +232,7 @@ std::function<void()> op_pass(const OpFn& op, const std::vector<Tensor>& inputs,
             op(inputs);
         };
     }
-    return [op, leaves = leaves_of(inputs), probe] {
+    return [op, leaves = leaves_of(inputs, inputs.front().scalar_type()), probe] {
         const Tensor out = op(leaves);
         if (probe.defined()) torch::autograd::grad({(out * probe).sum()}, leaves);
         else torch::autograd::grad({out}, leaves, {torch::ones_like(out)});
@@ -392,6 +396,8 @@ int run_attention(const AttentionOptions& o, Harness& h) {
 struct DepthwiseConvOptions {
     int reps = 20;
     int64_t side = 64;  // token grid side (1024 / 16)
+    std::string dtype = "f32";
+    torch::ScalarType type() const { return dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32; }
 };
 
 const char* const kDepthwiseOps[] = {"residual3x3", "silu3x3", "causal1d"};
@@ -422,13 +428,14 @@ int run_depthwise_conv(const DepthwiseConvOptions& o, Harness& h) {
     if (!h.child.empty()) {  // <op>_<fwd|train>_<reference|fused>
         const auto parts = split_case(h.child);
         if (parts.size() != 3) unknown_case(h.child);
-        const std::vector<Tensor> inputs = depthwise_inputs(parts[0], o.side);
+        std::vector<Tensor> inputs = depthwise_inputs(parts[0], o.side);
+        for (Tensor& t : inputs) t = t.to(o.type());
         const OpFn op = depthwise_op(parts[0], ops::parse_impl(parts[2]), o.side);
         return print_answer(measure_passes(op_pass(op, inputs, Tensor(), parts[1] == "train"), 2, o.reps));
     }
-    std::printf("depthwise_conv: %lld x %lld tokens, batch 1, threads %d, reps %d, SIMD %s (fused kernels: %s), "
+    std::printf("depthwise_conv: %lld x %lld tokens, %s, batch 1, threads %d, reps %d, SIMD %s (fused kernels: %s), "
                 "OpenMP wait: %s\n",
-                static_cast<long long>(o.side), static_cast<long long>(o.side), h.threads, o.reps,
+                static_cast<long long>(o.side), static_cast<long long>(o.side), o.dtype.c_str(), h.threads, o.reps,
                 runtime::simd_name(runtime::detect_simd()), ops::fused_kernel_target(),
                 runtime::openmp_wait_policy().c_str());
     print_fused_vs_reference(
@@ -437,8 +444,10 @@ int run_depthwise_conv(const DepthwiseConvOptions& o, Harness& h) {
             const OpFn reference = depthwise_op(op, Impl::Reference, o.side);
             torch::manual_seed(1);
             const Tensor probe = torch::randn({1, o.side * o.side, op == "silu3x3" ? 384 : 192});
+            // bf16: the fused kernel rounds its output once (2^-9 relative), the reference more often.
             return OpCheck{{"output", "dx", "dweight", "dbias"}, depthwise_inputs(op, o.side), probe, reference,
-                           reference, depthwise_op(op, Impl::Fused, o.side), 1e-5};
+                           reference, depthwise_op(op, Impl::Fused, o.side),
+                           o.type() == torch::kFloat32 ? 1e-5 : 1e-2, o.type()};
         },
         "op", "%9.3f %9.3f");
     return h.failed ? 1 : 0;
@@ -863,6 +872,8 @@ int main(int argc, char** argv) {
     depthwise_command->add_option("--reps", depthwise.reps, "timed repetitions (median)")->check(CLI::PositiveNumber);
     depthwise_command->add_option("--side", depthwise.side, "token grid side (64 = 1024x1024 image, patch 16)")
         ->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
+    depthwise_command->add_option("--dtype", depthwise.dtype, "dtype of the inputs, both implementations")
+        ->check(CLI::IsMember({"f32", "bf16"}));
 
     LayerNormOptions layer_norm;
     CLI::App* layer_norm_command =

@@ -8,8 +8,8 @@
 // stride: a chunk of a wider projection is read without a copy) and writes a contiguous result, with
 // its own backward (grad x, weight, bias; partial sums added in a fixed order, so the result does not
 // depend on the thread count). It computes float32 and float64 in their own dtype and bfloat16 in
-// float32 (one rounding of the result). Impl::Auto runs it for float32 CPU tensors on the vectorised
-// code paths and the reference otherwise (float64, bfloat16, other devices); Impl::Fused on another
+// float32 (one rounding of the result). Impl::Auto runs it for float32 and bfloat16 CPU tensors on the
+// vectorised code paths and the reference otherwise (float64, other devices); Impl::Fused on another
 // device or dtype is an error. docs/ops.md has the measurements.
 // FLOPs: B*H*W*C*9 and B*T*C*k multiply-adds (the convolution's count, as flops::conv2d).
 #pragma once

@@ -18,10 +18,12 @@ void check_bias(const char* op, const torch::Tensor& bias, int64_t C) {
                  "], got ", shape_string(bias.sizes()));
 }
 
-// Auto: float32 with the vectorised code paths, measured faster than the reference (LibTorch's
-// depthwise convolution on a (B, C, H, W) / (B, C, T) view plus the layout copies; docs/ops.md).
-// float64 and bfloat16 run the reference under Auto (the kernel takes them under Fused).
-bool fused_is_faster(const torch::Tensor& x) { return x.scalar_type() == torch::kFloat32 && simd::vectorised(); }
+// Auto: float32 and bfloat16 with the vectorised code paths, measured faster than the reference (LibTorch's
+// depthwise convolution on a (B, C, H, W) / (B, C, T) view plus the layout copies, and in bfloat16 LibTorch's
+// SiLU; docs/ops.md). float64 runs the reference under Auto (the kernel takes it under Fused).
+bool fused_is_faster(const torch::Tensor& x) {
+    return (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) && simd::vectorised();
+}
 
 }  // namespace
 
