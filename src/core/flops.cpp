@@ -209,20 +209,9 @@ public:
     static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::tensor_list grads) {
         const auto saved = ctx->get_saved_variables();
-        const torch::Tensor& x = saved[0];
-        const torch::Tensor& weight = saved[1];
-        const int64_t K = x.size(-1), N = weight.size(0), M = x.numel() / K;
-        const torch::Tensor g = grads[0].reshape({M, N}).contiguous();
-        torch::Tensor dx, dw, db;
-        if (torch::GradMode::is_enabled()) {
-            if (ctx->needs_input_grad(0)) dx = g.matmul(weight).view(x.sizes());
-            if (ctx->needs_input_grad(1)) dw = g.t().matmul(x.reshape({M, K}));
-        } else {
-            if (ctx->needs_input_grad(0)) dx = onednn_mm(g, weight, {}).view(x.sizes());
-            if (ctx->needs_input_grad(1)) dw = onednn_mm(g.t(), x.reshape({M, K}), {});
-        }
-        if (ctx->needs_input_grad(2)) db = g.sum(0);
-        return {dx, dw, db};
+        LinearGradients g = flops::linear_backward(grads[0], saved[0], saved[1],
+                                            {ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2)});
+        return {g.dx, g.dweight, g.dbias};
     }
 };
 }  // namespace
@@ -254,6 +243,21 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const 
     return accumulate_in_f32(x, weight, bias, [](const torch::Tensor& a, const torch::Tensor& w, const torch::Tensor& c) {
         return torch::nn::functional::linear(a, w, c);
     });
+}
+
+LinearGradients linear_backward(const torch::Tensor& dy, const torch::Tensor& x, const torch::Tensor& weight,
+                                std::array<bool, 3> needs) {
+    const int64_t K = x.size(-1), N = weight.size(0), M = x.numel() / K;
+    const torch::Tensor g = dy.reshape({M, N}).contiguous();
+    LinearGradients out;
+    // oneDNN's products where linear() takes the operands and the backward builds no graph; LibTorch's
+    // differentiable ones otherwise, so a double backward stays exact.
+    const bool onednn = !torch::GradMode::is_enabled() && takes_onednn(x, weight, {}) && g.scalar_type() == x.scalar_type();
+    const auto mm = [&](const torch::Tensor& a, const torch::Tensor& b) { return onednn ? onednn_mm(a, b, {}) : a.matmul(b); };
+    if (needs[0]) out.dx = mm(g, weight).view(x.sizes());
+    if (needs[1]) out.dweight = mm(g.t(), x.reshape({M, K}));
+    if (needs[2]) out.dbias = g.sum(0);
+    return out;
 }
 
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,

@@ -7,6 +7,8 @@
 // their multiply-adds to it. Counting costs nothing when no Counter is active.
 #pragma once
 
+#include <array>
+
 #include <cstdint>
 #include <string>
 
@@ -60,6 +62,16 @@ bool counting();
 // call) sends all products to LibTorch, for comparisons in one process.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const torch::Tensor& bias = {});
+
+// The gradients of y = linear(x, weight, bias) from dy (y's shape), each only where `needs` (dx, dweight, dbias)
+// asks: dx = dy . W, dW = dy^T . x (over all rows of x), db = dy summed over rows; through oneDNN where linear()
+// takes the operands, with LibTorch's differentiable products when grad mode is on (a backward that builds a
+// graph). The backward of linear() in a graph, and of the ops that recompute x in their backward (ops::gelu_linear).
+struct LinearGradients {
+    torch::Tensor dx, dweight, dbias;
+};
+LinearGradients linear_backward(const torch::Tensor& dy, const torch::Tensor& x, const torch::Tensor& weight,
+                                std::array<bool, 3> needs);
 
 // torch::gelu(linear(x, weight, bias), approximate) ("none" or "tanh"). A bf16 product without a graph on
 // oneDNN applies the GELU to the float32 accumulator inside the product and rounds once (LibTorch 1.13's
