@@ -1,6 +1,8 @@
-// ops::gelu_, ops::bias_gelu_ and ops::silu_mul_ (include/linvis/ops/activation.h): the fused passes on every
-// SIMD target this CPU runs against the exact function computed in float64, in place and with tails of every
-// length; in a graph, LibTorch's gradients under every Impl; the dispatch (dtype, layout).
+// ops::gelu_, ops::bias_gelu_, ops::silu_mul_, ops::gelu_linear and ops::gated_linear
+// (include/linvis/ops/activation.h): the fused passes on every SIMD target this CPU runs against the exact
+// function computed in float64, in place and with tails of every length; in a graph, LibTorch's gradients under
+// every Impl; the dispatch (dtype, layout); the linear ops' gradients against the reference and what their graph
+// keeps.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -8,7 +10,9 @@
 
 #include "linvis/core/error.h"
 #include "linvis/ops/activation.h"
+#include "support/heap.h"
 #include "support/simd_targets.h"
+#include "support/testing.h"
 
 namespace {
 
@@ -241,3 +245,157 @@ TEST(Activation, GeluTanhGradientInAGraph) {
 }
 
 }  // namespace
+
+// ---- ops::gelu_linear and ops::gated_linear: an activation and the linear layer after it as one op.
+
+namespace activation_linear {
+
+using linvis::ops::GateActivation;
+using linvis::ops::GeluForm;
+using linvis::ops::Impl;
+using linvis::testing::for_each_simd_target;
+using linvis::testing::SimdTarget;
+
+using linvis::testing::heap_bytes_in_use;
+
+struct Grads {
+    torch::Tensor y, dh, du, dw, db;
+};
+
+// y = op(h [, u]) and the gradients of sum(y * r) for a fixed r, every input a leaf.
+template <typename Op>
+Grads run(const torch::Tensor& h0, const torch::Tensor& u0, const torch::Tensor& w0, const torch::Tensor& b0, Op op) {
+    torch::manual_seed(11);
+    torch::Tensor h = h0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    torch::Tensor u = u0.defined() ? u0.clone().requires_grad_(true) : torch::Tensor();
+    torch::Tensor b = b0.defined() ? b0.clone().requires_grad_(true) : torch::Tensor();
+    torch::Tensor y = op(h * 1.0, u.defined() ? u * 1.0 : u, w, b);
+    (y * torch::randn(y.sizes()).to(y.scalar_type())).sum().backward();
+    return {y.detach(), h.grad(), u.defined() ? u.grad() : u, w.grad(), b.defined() ? b.grad() : b};
+}
+
+void expect_close(const Grads& a, const Grads& e, double rtol, double atol, const std::string& what) {
+    EXPECT_TRUE(linvis::testing::all_close(a.y, e.y, rtol, atol)) << what << ": output";
+    EXPECT_TRUE(linvis::testing::all_close(a.dh, e.dh, rtol, atol)) << what << ": d gate / h";
+    EXPECT_TRUE(linvis::testing::all_close(a.dw, e.dw, rtol, atol)) << what << ": d weight";
+    if (e.du.defined()) EXPECT_TRUE(linvis::testing::all_close(a.du, e.du, rtol, atol)) << what << ": d up";
+    if (e.db.defined()) EXPECT_TRUE(linvis::testing::all_close(a.db, e.db, rtol, atol)) << what << ": d bias";
+}
+
+TEST(ActivationLinear, ForwardAndGradientsMatchTheReferenceOnEveryTarget) {
+    torch::manual_seed(12);
+    // 197 rows (a ViT's tokens and a tail), hidden 96 -> 40 outputs.
+    const torch::Tensor h = torch::randn({2, 197, 96}) * 2, u = torch::randn({2, 197, 96});
+    const torch::Tensor w = torch::randn({40, 96}) * 0.1, b = torch::randn({40});
+    for (GeluForm form : {GeluForm::Erf, GeluForm::Tanh}) {
+        for (const torch::Tensor& bias : {b, torch::Tensor()}) {
+            auto gelu = [&](Impl impl) {
+                return [=](const torch::Tensor& x, const torch::Tensor&, const torch::Tensor& wt, const torch::Tensor& bt) {
+                    return linvis::ops::gelu_linear(x, wt, bt, form, impl);
+                };
+            };
+            const Grads ref = run(h, {}, w, bias, gelu(Impl::Reference));
+            for_each_simd_target([&](const SimdTarget& t) {
+                for (Impl impl : {Impl::Auto, Impl::Fused})
+                    expect_close(run(h, {}, w, bias, gelu(impl)), ref, 1e-5, 1e-5,
+                                 std::string("gelu_linear ") + (form == GeluForm::Tanh ? "tanh " : "erf ") +
+                                     (bias.defined() ? "bias " : "no bias ") + t.env + " " + linvis::ops::impl_name(impl));
+            });
+        }
+    }
+    auto gated = [](Impl impl, GateActivation act) {
+        return [=](const torch::Tensor& g, const torch::Tensor& up, const torch::Tensor& wt, const torch::Tensor& bt) {
+            return linvis::ops::gated_linear(g, up, wt, bt, act, impl);
+        };
+    };
+    for (GateActivation act : {GateActivation::Silu, GateActivation::GeluTanh}) {
+        const Grads ref = run(h, u, w, b, gated(Impl::Reference, act));
+        for_each_simd_target([&](const SimdTarget& t) {
+            for (Impl impl : {Impl::Auto, Impl::Fused})
+                expect_close(run(h, u, w, b, gated(impl, act)), ref, 1e-5, 1e-5,
+                             std::string("gated_linear ") + (act == GateActivation::Silu ? "silu " : "gelu tanh ") +
+                                 t.env + " " + linvis::ops::impl_name(impl));
+        });
+    }
+    const auto swiglu = [&](Impl impl) { return gated(impl, GateActivation::Silu); };
+    const Grads ref = run(h, u, w, b, swiglu(Impl::Reference));
+    // bf16: the same op in bf16 against the float32 reference. Operands, hidden layer, products and gradients are
+    // each rounded to bf16 (2^-8 relative) a few times on every path, and sums of terms of both signs (the
+    // weight's gradient over 394 rows) cancel, so the bound is relative to each tensor's largest value: 3e-2.
+    const auto bf = [](const torch::Tensor& t) { return t.to(torch::kBFloat16); };
+    Grads low = run(bf(h), bf(u), bf(w), bf(b), swiglu(Impl::Auto));
+    const std::pair<torch::Tensor*, const torch::Tensor*> pairs[] = {
+        {&low.y, &ref.y}, {&low.dh, &ref.dh}, {&low.du, &ref.du}, {&low.dw, &ref.dw}, {&low.db, &ref.db}};
+    for (const auto& [got, want] : pairs) {
+        ASSERT_EQ(got->scalar_type(), torch::kBFloat16);
+        const double scale = want->abs().max().item<double>();
+        EXPECT_TRUE(linvis::testing::all_close(got->to(torch::kFloat32), *want, 0.0, 3e-2 * scale))
+            << "gated_linear (silu) bf16";
+    }
+}
+
+TEST(ActivationLinear, OutsideAGraphTheActivationGoesIntoTheHiddenLayer) {
+    torch::manual_seed(13);
+    const torch::Tensor h = torch::randn({64, 48}), w = torch::randn({16, 48}), b = torch::randn({16});
+    torch::Tensor hidden = h.clone();
+    const torch::Tensor y = linvis::ops::gelu_linear(hidden, w, b, GeluForm::Erf, Impl::Fused);
+    EXPECT_TRUE(linvis::testing::all_close(hidden, torch::gelu(h), 1e-6, 1e-6)) << "not in place";
+    EXPECT_TRUE(linvis::testing::all_close(y, torch::addmm(b, torch::gelu(h), w.t()), 1e-5, 1e-5));
+    EXPECT_THROW(linvis::ops::gated_linear(h.clone(), h.narrow(0, 0, 5), w, b, GateActivation::Silu), linvis::Error);
+}
+
+TEST(ActivationLinear, DoubleBackwardMatchesTheReference) {
+    torch::manual_seed(14);
+    const torch::Tensor h0 = torch::randn({9, 12}), u0 = torch::randn({9, 12}), w0 = torch::randn({5, 12});
+    auto second = [&](bool swiglu, Impl impl) {
+        torch::Tensor h = h0.clone().requires_grad_(true), u = u0.clone().requires_grad_(true);
+        torch::Tensor w = w0.clone().requires_grad_(true);
+        torch::Tensor y = swiglu ? linvis::ops::gated_linear(h * 1.0, u * 1.0, w, {}, GateActivation::Silu, impl)
+                                 : linvis::ops::gelu_linear(h * 1.0, w, {}, GeluForm::Tanh, impl);
+        const auto g = torch::autograd::grad({y.pow(2).sum()}, {h, w}, {}, true, true);
+        (g[0].pow(2).sum() + g[1].pow(2).sum()).backward();
+        return std::make_pair(h.grad(), w.grad());
+    };
+    for (bool swiglu : {false, true}) {
+        const auto ref = second(swiglu, Impl::Reference), got = second(swiglu, Impl::Fused);
+        EXPECT_TRUE(linvis::testing::all_close(got.first, ref.first, 1e-4, 1e-5)) << (swiglu ? "silu_mul" : "gelu");
+        EXPECT_TRUE(linvis::testing::all_close(got.second, ref.second, 1e-4, 1e-5)) << (swiglu ? "silu_mul" : "gelu");
+    }
+}
+
+// Bytes the graph of y = op(hidden...) keeps beyond its inputs (which exist before the call).
+template <typename Op>
+int64_t bytes_kept(Op op) {
+    const int64_t before = heap_bytes_in_use();
+    torch::Tensor y = op();
+    return heap_bytes_in_use() - before;
+}
+
+TEST(ActivationLinear, TheGraphKeepsTheHiddenLayerButNotItsActivation) {
+    // A ViT-T MLP at 1024 px: 4096 tokens, hidden 768 (12 MiB per hidden-size tensor), output 192 (3 MiB).
+    torch::manual_seed(15);
+    const int64_t T = 4096, H = 768, D = 192, hidden_bytes = T * H * 4, out_bytes = T * D * 4;
+    torch::Tensor x = torch::randn({T, H}, torch::requires_grad());
+    torch::Tensor w = (torch::randn({D, H}) * 0.02).requires_grad_(true), b = torch::zeros({D}, torch::requires_grad());
+    {   // The measurement sees tensors at all (a malloc that mallinfo2 does not describe would show nothing).
+        const int64_t before = heap_bytes_in_use();
+        torch::Tensor probe = torch::empty({T, H});
+        ASSERT_GE(heap_bytes_in_use() - before, hidden_bytes);
+    }
+    for (bool swiglu : {false, true}) {
+        torch::Tensor h = x * 1.0, u = x * 0.5;
+        auto op = [&](Impl impl) {
+            return [&, impl] {
+                return swiglu ? linvis::ops::gated_linear(h, u, w, b, GateActivation::Silu, impl)
+                              : linvis::ops::gelu_linear(h, w, b, GeluForm::Erf, impl);
+            };
+        };
+        const int64_t reference = bytes_kept(op(Impl::Reference)), fused = bytes_kept(op(Impl::Auto));
+        const char* what = swiglu ? "gated_linear" : "gelu_linear";
+        // The reference keeps the activation (hidden size) and the output; the fused node only the output.
+        EXPECT_GE(reference, hidden_bytes + out_bytes) << what;
+        EXPECT_LT(fused, out_bytes + hidden_bytes / 4) << what;
+    }
+}
+
+}  // namespace activation_linear

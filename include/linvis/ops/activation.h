@@ -36,4 +36,21 @@ torch::Tensor bias_gelu_(torch::Tensor x, const torch::Tensor& bias, Impl impl =
 // graph.
 torch::Tensor silu_mul_(torch::Tensor gate, const torch::Tensor& up, Impl impl = Impl::Auto);
 
+// An MLP's activation and its output layer as one op: flops::linear(GELU(h), weight, bias), h being the hidden
+// layer before its activation. In a graph (Auto, Fused) one autograd node keeps h and the weight but not GELU(h),
+// and its backward computes GELU(h) again for the weight's gradient: one elementwise pass, against a hidden-size
+// tensor held for the whole forward (4 of the 17 token-width tensors a ViT-T block keeps for backward).
+// Reference: gelu then linear as LibTorch records them (both kept). Outside a graph: gelu_ into h, then the
+// product. The activation pass follows gelu_'s rule under `impl`.
+torch::Tensor gelu_linear(torch::Tensor h, const torch::Tensor& weight, const torch::Tensor& bias, GeluForm form,
+                          Impl impl = Impl::Auto);
+
+enum class GateActivation { Silu, GeluTanh };
+
+// flops::linear(act(gate) * value, weight, bias): SwiGLU's output layer (Silu, value = up), ViL's (Silu) and
+// Vittt's gated mixer output (GeluTanh), likewise: in a graph the node keeps gate, value and the weight, not
+// act(gate) nor the product. Outside a graph: silu_mul_ into gate (Silu), or gelu_ into gate times value.
+torch::Tensor gated_linear(torch::Tensor gate, const torch::Tensor& value, const torch::Tensor& weight,
+                           const torch::Tensor& bias, GateActivation act, Impl impl = Impl::Auto);
+
 }  // namespace linvis::ops

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "linvis/core/error.h"
+#include "linvis/core/flops.h"
 #include "ops/records_graph.h"
 #include "ops/simd/simd.h"
 
@@ -130,7 +131,130 @@ public:
     }
 };
 
+// GELU(h) into a new tensor (h untouched), the fused pass where gelu_'s rule under `impl` takes it.
+torch::Tensor gelu_of(const torch::Tensor& h, GeluForm form, Impl impl) {
+    if (!use_fused(impl, "gelu_linear", unsupported("h", h), fused_is_faster(form, h.numel())))
+        return torch::gelu(h, gelu_approximate(form));
+    torch::Tensor a = torch::empty_like(h);
+    gelu_pass(h, a, form);
+    return a;
+}
+
+// silu(gate) * up into a new tensor, likewise.
+torch::Tensor silu_mul_of(const torch::Tensor& gate, const torch::Tensor& up, Impl impl) {
+    if (!use_fused(impl, "gated_linear", unsupported_pair("gate", gate, "value", up), silu_mul_fused_is_faster()))
+        return torch::silu(gate) * up;
+    torch::Tensor a = torch::empty_like(gate);
+    silu_mul_pass(gate, up, a);
+    return a;
+}
+
+torch::Tensor defined_or_empty(const torch::Tensor& t, const torch::Tensor& like) {
+    return t.defined() ? t : torch::empty({0}, like.options());
+}
+torch::Tensor undefined_if_empty(const torch::Tensor& t) { return t.numel() > 0 ? t : torch::Tensor(); }
+
+// linear(GELU(h)) as one node that keeps h and the weight, not GELU(h): the backward computes GELU(h) again for
+// the weight's gradient. Under a backward that builds a graph (double backward) every step is LibTorch's
+// differentiable op.
+class GeluLinear : public torch::autograd::Function<GeluLinear> {
+public:
+    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& h,
+                                 const torch::Tensor& weight, const torch::Tensor& bias, bool tanh_form,
+                                 int64_t impl) {
+        ctx->save_for_backward({h, weight});
+        ctx->saved_data["tanh"] = tanh_form;
+        ctx->saved_data["impl"] = impl;
+        const GeluForm form = tanh_form ? GeluForm::Tanh : GeluForm::Erf;
+        return flops::linear(gelu_of(h, form, static_cast<Impl>(impl)), weight, undefined_if_empty(bias));
+    }
+    static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::tensor_list grads) {
+        const auto saved = ctx->get_saved_variables();
+        const torch::Tensor& h = saved[0];
+        const GeluForm form = ctx->saved_data["tanh"].toBool() ? GeluForm::Tanh : GeluForm::Erf;
+        const Impl impl = torch::GradMode::is_enabled() ? Impl::Reference
+                                                        : static_cast<Impl>(ctx->saved_data["impl"].toInt());
+        const flops::LinearGradients g = flops::linear_backward(
+            grads[0], gelu_of(h, form, impl), saved[1],
+            {ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2)});
+        torch::Tensor dh;
+        if (ctx->needs_input_grad(0)) dh = torch::gelu_backward(g.dx, h, gelu_approximate(form));
+        return {dh, g.dweight, g.dbias, {}, {}};
+    }
+};
+
+// act(gate) * value into a new tensor: silu * value in one fused pass, GELU (tanh) then the product.
+torch::Tensor gated_of(const torch::Tensor& gate, const torch::Tensor& value, GateActivation act, Impl impl) {
+    if (act == GateActivation::GeluTanh) return gelu_of(gate, GeluForm::Tanh, impl).mul_(value);
+    return silu_mul_of(gate, value, impl);
+}
+
+// linear(act(gate) * value) as one node that keeps gate, value and the weight, not their product.
+class GatedLinear : public torch::autograd::Function<GatedLinear> {
+public:
+    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& gate,
+                                 const torch::Tensor& value, const torch::Tensor& weight, const torch::Tensor& bias,
+                                 int64_t act, int64_t impl) {
+        ctx->save_for_backward({gate, value, weight});
+        ctx->saved_data["act"] = act;
+        ctx->saved_data["impl"] = impl;
+        return flops::linear(gated_of(gate, value, static_cast<GateActivation>(act), static_cast<Impl>(impl)), weight,
+                             undefined_if_empty(bias));
+    }
+    static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::tensor_list grads) {
+        const auto saved = ctx->get_saved_variables();
+        const torch::Tensor &gate = saved[0], &value = saved[1];
+        const auto act = static_cast<GateActivation>(ctx->saved_data["act"].toInt());
+        const bool graph = torch::GradMode::is_enabled();
+        const Impl impl = graph ? Impl::Reference : static_cast<Impl>(ctx->saved_data["impl"].toInt());
+        const bool need_gate = ctx->needs_input_grad(0), need_value = ctx->needs_input_grad(1);
+        const flops::LinearGradients g = flops::linear_backward(
+            grads[0], gated_of(gate, value, act, impl), saved[2],
+            {need_gate || need_value, ctx->needs_input_grad(2), ctx->needs_input_grad(3)});
+        torch::Tensor d_gate, d_value;
+        if (act == GateActivation::GeluTanh) {
+            if (need_gate) d_gate = torch::gelu_backward(g.dx * value, gate, "tanh");
+            if (need_value) d_value = g.dx * torch::gelu(gate, "tanh");
+        } else {
+            // LibTorch 1.13 has no derivative of silu_backward: in a graph its formula, s (1 + g (1 - s)), s = sigmoid(g).
+            if (need_gate && graph) {
+                const torch::Tensor s = torch::sigmoid(gate);
+                d_gate = g.dx * value * s * (1 + gate * (1 - s));
+            } else if (need_gate) {
+                d_gate = torch::silu_backward(g.dx * value, gate);
+            }
+            if (need_value) d_value = g.dx * torch::silu(gate);
+        }
+        return {d_gate, d_value, g.dweight, g.dbias, {}, {}};
+    }
+};
+
 }  // namespace
+
+torch::Tensor gelu_linear(torch::Tensor h, const torch::Tensor& weight, const torch::Tensor& bias, GeluForm form,
+                          Impl impl) {
+    if (impl == Impl::Reference)
+        return flops::linear(records_graph({h}) ? torch::gelu(h, gelu_approximate(form))
+                                                : torch::gelu_(h, gelu_approximate(form)),
+                             weight, bias);
+    if (!records_graph({h, weight, bias})) return flops::linear(gelu_(std::move(h), impl, form), weight, bias);
+    return GeluLinear::apply(h, weight, defined_or_empty(bias, h), form == GeluForm::Tanh, static_cast<int64_t>(impl));
+}
+
+torch::Tensor gated_linear(torch::Tensor gate, const torch::Tensor& value, const torch::Tensor& weight,
+                           const torch::Tensor& bias, GateActivation act, Impl impl) {
+    LINVIS_CHECK(gate.sizes() == value.sizes(), "gated_linear: value: expected the shape of gate ",
+                 shape_string(gate.sizes()), ", got ", shape_string(value.sizes()));
+    if (impl == Impl::Reference || !records_graph({gate, value, weight, bias})) {
+        if (act == GateActivation::Silu) return flops::linear(silu_mul_(std::move(gate), value, impl), weight, bias);
+        torch::Tensor a = gelu_(std::move(gate), impl, GeluForm::Tanh);
+        return flops::linear(records_graph({a, value}) ? a * value : a.mul_(value), weight, bias);
+    }
+    return GatedLinear::apply(gate, value, weight, defined_or_empty(bias, gate), static_cast<int64_t>(act),
+                              static_cast<int64_t>(impl));
+}
 
 torch::Tensor gelu_(torch::Tensor x, Impl impl, GeluForm form) {
     if (!use_fused(impl, "gelu_", unsupported("x", x), fused_is_faster(form, x.numel())))

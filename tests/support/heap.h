@@ -1,0 +1,18 @@
+// Bytes the process's malloc has handed out and not taken back (glibc's mallinfo2: the arena's blocks in use
+// plus its mmap'd blocks), for tests of how much memory an autograd graph keeps. LibTorch's CPU tensors come
+// from malloc, so a tensor of N bytes kept alive shows as about N more. The test binary uses glibc's malloc
+// (tcmalloc is linked into the linvis command only).
+#pragma once
+
+#include <malloc.h>
+
+#include <cstdint>
+
+namespace linvis::testing {
+
+inline int64_t heap_bytes_in_use() {
+    const struct mallinfo2 m = mallinfo2();
+    return static_cast<int64_t>(m.uordblks + m.hblkhd);
+}
+
+}  // namespace linvis::testing
