@@ -152,7 +152,7 @@ public:
         fc1 = register_module("fc1", torch::nn::Linear(dim, hidden));
         fc2 = register_module("fc2", torch::nn::Linear(hidden, dim));
     }
-    torch::Tensor forward(const torch::Tensor& x) { return linear(fc2, nn::linear_gelu(x, fc1->weight, fc1->bias, ops::GeluForm::Tanh)); }
+    torch::Tensor forward(const torch::Tensor& x) { return nn::gelu_mlp(x, fc1, fc2, ops::GeluForm::Tanh); }
     torch::nn::Linear fc1{nullptr}, fc2{nullptr};
 };
 

@@ -65,6 +65,13 @@ torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, c
     return flops::linear_gelu(x, weight, bias, form == ops::GeluForm::Tanh ? "tanh" : "none");
 }
 
+torch::Tensor gelu_mlp(const torch::Tensor& x, const torch::nn::Linear& fc1, const torch::nn::Linear& fc2,
+                       ops::GeluForm form, ops::Impl impl) {
+    if (can_overwrite({x, fc1->weight, fc1->bias, fc2->weight, fc2->bias}))
+        return flops::linear(linear_gelu(x, fc1->weight, fc1->bias, form, impl), fc2->weight, fc2->bias);
+    return ops::gelu_linear(flops::linear(x, fc1->weight, fc1->bias), fc2->weight, fc2->bias, form, impl);
+}
+
 torch::Tensor resample_abs_pos_embed(const torch::Tensor& pos_embed, std::array<int64_t, 2> new_grid,
                                      std::array<int64_t, 2> old_grid, int64_t num_prefix_tokens, bool antialias) {
     LINVIS_CHECK(pos_embed.defined() && pos_embed.dim() == 3 && pos_embed.size(0) == 1,

@@ -153,10 +153,11 @@ torch::Tensor VilLayerImpl::forward(torch::Tensor input, int64_t grid_h, int64_t
     // into z outside a graph.
     torch::Tensor skipped = can_overwrite({h_tilde, learnable_skip, x_act}) ? h_tilde.addcmul_(learnable_skip, x_act)
                                                                              : h_tilde + learnable_skip * x_act;
-    torch::Tensor h = ops::silu_mul_(z, skipped, elementwise_impl(impl));
-    x_act = z = h_tilde = skipped = torch::Tensor();
-    torch::Tensor y = flops::linear(h, proj_down->weight, proj_down->bias);
-    h = torch::Tensor();
+    x_act = h_tilde = torch::Tensor();
+    // In a graph the gated product is not kept for backward (ops::gated_linear).
+    torch::Tensor y = ops::gated_linear(std::move(z), skipped, proj_down->weight, proj_down->bias,
+                                        ops::GateActivation::Silu, elementwise_impl(impl));
+    skipped = torch::Tensor();
     return reversed ? y.flip({1}) : y;
 }
 

@@ -110,12 +110,10 @@ MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool with_dwc, ops::Impl impl_) : 
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x, int64_t height, int64_t width) {
+    if (!dwc) return nn::gelu_mlp(x, fc1, fc2, ops::GeluForm::Erf, elementwise_impl(impl));
     torch::Tensor y = nn::linear_gelu(x, fc1->weight, fc1->bias, ops::GeluForm::Erf, elementwise_impl(impl));
-    if (dwc) {
-        y = ops::depthwise_conv2d_tokens(y, height, width, dwc->weight, dwc->bias, ops::DwEpilogue::Residual, impl);
-        y = ops::gelu_(y, elementwise_impl(impl));
-    }
-    return flops::linear(y, fc2->weight, fc2->bias);
+    y = ops::depthwise_conv2d_tokens(y, height, width, dwc->weight, dwc->bias, ops::DwEpilogue::Residual, impl);
+    return ops::gelu_linear(std::move(y), fc2->weight, fc2->bias, ops::GeluForm::Erf, elementwise_impl(impl));
 }
 
 TransformerBlockImpl::TransformerBlockImpl(const TransformerBlockOptions& options, std::shared_ptr<Mixer> mixer)
@@ -126,7 +124,7 @@ TransformerBlockImpl::TransformerBlockImpl(const TransformerBlockOptions& option
     norm1 = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({D}).eps(options.norm_eps)));
     attn = register_module("attn", std::move(mixer));
     norm2 = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({D}).eps(options.norm_eps)));
-    mlp = register_module("mlp", Mlp(D, options.mlp_hidden));
+    mlp = register_module("mlp", Mlp(D, options.mlp_hidden, false, options.impl));
 }
 
 torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x_in, int64_t height, int64_t width) {

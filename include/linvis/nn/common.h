@@ -48,6 +48,11 @@ ops::Impl elementwise_impl(ops::Impl model_impl);
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
                           ops::GeluForm form, ops::Impl impl = ops::Impl::Auto);
 
+// fc2(GELU(fc1(x))), the erf or tanh form: outside a graph linear_gelu then fc2; in a graph fc1's product then
+// ops::gelu_linear, whose node keeps fc1's output and not its GELU (Reference: LibTorch's graph, both kept).
+torch::Tensor gelu_mlp(const torch::Tensor& x, const torch::nn::Linear& fc1, const torch::nn::Linear& fc2,
+                       ops::GeluForm form, ops::Impl impl = ops::Impl::Auto);
+
 // timm's resample_abs_pos_embed: pos_embed (1, P + Ho*Wo, D) with P prefix (class) tokens ->
 // (1, P + Hn*Wn, D). The prefix positions are kept unchanged; the grid part is reshaped to
 // (1, D, Ho, Wo), resized with bicubic interpolation (align_corners false) in float32 (float64

@@ -100,7 +100,7 @@ struct TransformerBlockOptions {
     double drop_path = 0.0;
     double norm_eps = 1e-6;
     bool cpe = false;  // ViT3: x + dwconv3x3(x) on the grid before the mixer (key cpe.*)
-    ops::Impl impl = ops::Impl::Auto;  // of the cpe (ops::depthwise_conv2d_tokens)
+    ops::Impl impl = ops::Impl::Auto;  // of the cpe (ops::depthwise_conv2d_tokens) and the MLP's elementwise passes
 };
 
 // timm's pre-norm Block: x = x + drop_path(attn(norm1(x))); x = x + drop_path(mlp(norm2(x))), with
