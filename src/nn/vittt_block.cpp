@@ -78,17 +78,20 @@ torch::Tensor TttLinearBranchImpl::causal_conv(const torch::nn::Conv1d& conv, co
     return ops::causal_depthwise_conv1d_tokens(u, conv->weight, conv->bias, options_.impl);
 }
 
-ops::TttLinearInputs TttLinearBranchImpl::scan_inputs(const torch::Tensor& x) {
+ops::TttLinearInputs TttLinearBranchImpl::scan_inputs(const torch::Tensor& x, bool reversed) {
     LINVIS_CHECK(x.dim() == 3 && x.size(2) == options_.dim, "vittt TTT branch: input: expected (B, T, ",
                  options_.dim, "), got ", shape_string(x.sizes()));
     const int64_t B = x.size(0), T = x.size(1), nh = options_.num_heads, d = options_.dim / nh;
-    torch::Tensor u = linear(q_proj, x);
+    // The products act on each token alone, so flipping their results equals computing them on flip(x).
+    auto order = [&](torch::Tensor t, int64_t token_dim) { return reversed ? torch::flip(t, {token_dim}) : t; };
+    torch::Tensor u = order(linear(q_proj, x), 1);
     auto heads = [&](const torch::Tensor& t) { return t.reshape({B, T, nh, d}).permute({0, 2, 1, 3}); };
     torch::Tensor xq = heads(causal_conv(conv_q, u));
     torch::Tensor xk = heads(causal_conv(conv_k, u));
     u = torch::Tensor();  // freed before xv exists: one (B, T, D) less at the mixer's peak
-    torch::Tensor xv = heads(linear(v_proj, x));
-    torch::Tensor lr = ops::ttt_learning_rate(x, learnable_ttt_lr_weight, learnable_ttt_lr_bias, options_.eta_base, d);
+    torch::Tensor xv = heads(order(linear(v_proj, x), 1));
+    torch::Tensor lr = order(
+        ops::ttt_learning_rate(x, learnable_ttt_lr_weight, learnable_ttt_lr_bias, options_.eta_base, d), 2);
     return {xq, xk, xv, lr, learnable_token_idx, W1, b1, ttt_norm_weight, ttt_norm_bias};
 }
 
@@ -122,8 +125,10 @@ SwiGluMlpImpl::SwiGluMlpImpl(int64_t dim, int64_t hidden, ops::Impl impl) : impl
 }
 
 torch::Tensor SwiGluMlpImpl::forward(const torch::Tensor& x) {
-    // silu(gate) * up written into gate outside a graph: one hidden-size temporary fewer.
-    return linear(down_proj, ops::silu_mul_(linear(gate_proj, x), linear(up_proj, x), impl_));
+    // silu(gate) * up written into gate outside a graph: one hidden-size temporary fewer; in a graph the product
+    // is not kept for backward (ops::gated_linear).
+    return ops::gated_linear(linear(gate_proj, x), linear(up_proj, x), down_proj->weight, {}, ops::GateActivation::Silu,
+                             impl_);
 }
 
 // ------------------------------------------------------------------ VitttBlock
@@ -210,8 +215,7 @@ std::pair<torch::Tensor, torch::Tensor> VitttBlockImpl::scan_directions(torch::T
     // Both directions' scans in one call: their heads share the cores (ops::ttt_linear_many).
     TttLinearBranchImpl& forth_ = *forth_branch();
     TttLinearBranchImpl& back_ = *back_branch();
-    std::vector<ops::TttLinearInputs> inputs{forth_.scan_inputs(x)};
-    inputs.push_back(back_.scan_inputs(torch::flip(x, {1})));  // the flipped copy is freed here
+    std::vector<ops::TttLinearInputs> inputs{forth_.scan_inputs(x), back_.scan_inputs(x, /*reversed=*/true)};
     x = torch::Tensor();  // the scans need only their inputs (autograd keeps what backward needs)
     std::vector<ops::TttLinearResult> scanned = ops::ttt_linear_many(
         inputs, forth_.scan_options(norms_forth != nullptr || norms_back != nullptr), forth_.options().impl);
@@ -239,8 +243,12 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
 torch::Tensor VitttBlockImpl::mixer(const torch::Tensor& y) {
     // The mixer's temporaries (x, gate, both directions) live in this frame only: none is alive in the MLP.
     torch::Tensor x = nn::layer_norm(norm1, y);
-    torch::Tensor gate = nn::linear_gelu(x, g_proj->weight, g_proj->bias, ops::GeluForm::Tanh,
-                                         elementwise_impl(options_.branch.impl));
+    const ops::Impl impl = elementwise_impl(options_.branch.impl);
+    // In a graph the gate stays a pre-activation: ops::gated_linear recomputes its GELU and the gated product in
+    // the backward instead of the graph keeping both (two (B, T, D) tensors per block).
+    const bool graph = !can_overwrite({y, g_proj->weight, o_proj->weight});
+    torch::Tensor gate = graph ? linear(g_proj, x)
+                               : nn::linear_gelu(x, g_proj->weight, g_proj->bias, ops::GeluForm::Tanh, impl);
     nn::Probe* probe_forth = probing("ttt.grad_norms.forth");
     nn::Probe* probe_back = probing("ttt.grad_norms.back");
     torch::Tensor norms_forth, norms_back;
@@ -250,6 +258,9 @@ torch::Tensor VitttBlockImpl::mixer(const torch::Tensor& y) {
     if (probe_back) probe_back->record("ttt.grad_norms.back", norms_back);
     // z_forth and z_back_reversed are fresh post_norm outputs: in inference the sum and the gate go into z_forth
     // in one pass that reads back's tokens in reverse, instead of a flipped copy, an add and a multiply.
+    if (graph)
+        return ops::gated_linear(gate, z_forth + torch::flip(z_back_reversed, {1}), o_proj->weight, o_proj->bias,
+                                 ops::GateActivation::GeluTanh, impl);
     torch::Tensor gated;
     if (!can_overwrite({z_forth, z_back_reversed, gate}))
         gated = gate * (z_forth + torch::flip(z_back_reversed, {1}));

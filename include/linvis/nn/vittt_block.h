@@ -36,8 +36,10 @@ public:
     // gradient norms ||dloss_t/dW|| (B, nh, T) (the Gradient Magnitude Map of paper section 6).
     torch::Tensor forward(const torch::Tensor& x, torch::Tensor* grad_norms = nullptr);
     // forward in two halves, so that several branches' scans can run in one ops::ttt_linear_many call:
-    // the scan's inputs from x, and the branch output (post_norm) from the scan's result.
-    ops::TttLinearInputs scan_inputs(const torch::Tensor& x);
+    // the scan's inputs from x, and the branch output (post_norm) from the scan's result. reversed: the inputs
+    // of the scan over x's tokens in reverse order (those of flip(x)), each flipped after its product, so a
+    // graph keeps x once rather than x and its flipped copy.
+    ops::TttLinearInputs scan_inputs(const torch::Tensor& x, bool reversed = false);
     torch::Tensor output(const ops::TttLinearResult& scanned);
     ops::TttLinearOptions scan_options(bool grad_norms) const;
     void reset_parameters();
