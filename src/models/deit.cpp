@@ -24,13 +24,17 @@ public:
 
     torch::Tensor forward(const torch::Tensor& x, int64_t, int64_t) override {
         const int64_t B = x.size(0), N = x.size(1), C = x.size(2);
-        torch::Tensor packed = flops::linear(x, qkv->weight, qkv->bias)
-                                   .reshape({B, N, 3, heads_, C / heads_})
-                                   .permute({2, 0, 3, 1, 4});
+        // unbind, not three selects: its backward stacks the three gradients in one pass, where each select's
+        // would zero a full (3, B, h, N, d) tensor and the three would then be added.
+        const std::vector<torch::Tensor> qkv_heads = flops::linear(x, qkv->weight, qkv->bias)
+                                                         .reshape({B, N, 3, heads_, C / heads_})
+                                                         .permute({2, 0, 3, 1, 4})
+                                                         .unbind(0);
+        const torch::Tensor &q = qkv_heads[0], &k = qkv_heads[1], &v = qkv_heads[2];
         if (auto* probe = nn::probing("attn.weights"))
-            probe->record("attn.weights", torch::softmax(torch::matmul(packed[0], packed[1].transpose(-2, -1)) * scale_, -1));
-        if (auto* probe = nn::probing("attn.v")) probe->record("attn.v", packed[2]);
-        torch::Tensor out = ops::softmax_attention(packed[0], packed[1], packed[2], scale_, {}, impl_);
+            probe->record("attn.weights", torch::softmax(torch::matmul(q, k.transpose(-2, -1)) * scale_, -1));
+        if (auto* probe = nn::probing("attn.v")) probe->record("attn.v", v);
+        torch::Tensor out = ops::softmax_attention(q, k, v, scale_, {}, impl_);
         return flops::linear(out.transpose(1, 2).reshape({B, N, C}), proj->weight, proj->bias);
     }
 
