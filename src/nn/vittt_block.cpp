@@ -256,11 +256,11 @@ torch::Tensor VitttBlockImpl::mixer(const torch::Tensor& y) {
         scan_directions(std::move(x), probe_forth ? &norms_forth : nullptr, probe_back ? &norms_back : nullptr);
     if (probe_forth) probe_forth->record("ttt.grad_norms.forth", norms_forth);
     if (probe_back) probe_back->record("ttt.grad_norms.back", norms_back);
-    // z_forth and z_back_reversed are fresh post_norm outputs: in inference the sum and the gate go into z_forth
-    // in one pass that reads back's tokens in reverse, instead of a flipped copy, an add and a multiply.
     if (graph)
         return ops::gated_linear(gate, z_forth + torch::flip(z_back_reversed, {1}), o_proj->weight, o_proj->bias,
                                  ops::GateActivation::GeluTanh, impl);
+    // z_forth and z_back_reversed are fresh post_norm outputs: in inference the sum and the gate go into z_forth
+    // in one pass that reads back's tokens in reverse, instead of a flipped copy, an add and a multiply.
     torch::Tensor gated;
     if (!can_overwrite({z_forth, z_back_reversed, gate}))
         gated = gate * (z_forth + torch::flip(z_back_reversed, {1}));
