@@ -235,11 +235,9 @@ public:
 
 torch::Tensor gelu_linear(torch::Tensor h, const torch::Tensor& weight, const torch::Tensor& bias, GeluForm form,
                           Impl impl) {
-    if (impl == Impl::Reference)
-        return flops::linear(records_graph({h}) ? torch::gelu(h, gelu_approximate(form))
-                                                : torch::gelu_(h, gelu_approximate(form)),
-                             weight, bias);
-    if (!records_graph({h, weight, bias})) return flops::linear(gelu_(std::move(h), impl, form), weight, bias);
+    // Reference, and any call outside a graph: gelu_ (LibTorch's GELU under Reference, out of place in a graph).
+    if (impl == Impl::Reference || !records_graph({h, weight, bias}))
+        return flops::linear(gelu_(std::move(h), impl, form), weight, bias);
     return GeluLinear::apply(h, weight, defined_or_empty(bias, h), form == GeluForm::Tanh, static_cast<int64_t>(impl));
 }
 
