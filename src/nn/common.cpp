@@ -1,6 +1,7 @@
 #include "linvis/nn/common.h"
 
 #include <cmath>
+#include <optional>
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
@@ -20,6 +21,48 @@ torch::Tensor layer_norm(const torch::Tensor& x, torch::IntArrayRef normalized_s
 torch::Tensor layer_norm(const torch::nn::LayerNorm& norm, const torch::Tensor& x) {
     const auto& o = norm->options;
     return layer_norm(x, o.normalized_shape(), norm->weight, norm->bias, o.eps());
+}
+
+NormedInput::NormedInput(torch::Tensor x) : x_(std::move(x)) {}
+
+NormedInput::NormedInput(const torch::nn::LayerNorm& norm, torch::Tensor x)
+    : x_(std::move(x)), weight_(norm->weight), bias_(norm->bias), eps_(norm->options.eps()), normed_(true) {
+    const std::vector<int64_t>& shape = norm->options.normalized_shape();
+    LINVIS_CHECK(shape.size() == 1, "NormedInput: the LayerNorm normalises ", shape.size(),
+                 " trailing dims; pre-norm blocks normalise one");
+    LINVIS_CHECK(x_.dim() >= 1 && x_.size(-1) == shape[0], "LayerNorm: input: expected last dim ", shape[0],
+                 ", got shape ", shape_string(x_.sizes()));
+}
+
+NormedInput::NormedInput(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, double eps)
+    : x_(std::move(x)), weight_(std::move(weight)), bias_(std::move(bias)), eps_(eps), normed_(true) {
+    LINVIS_CHECK(x_.dim() >= 1 && (!weight_.defined() || x_.size(-1) == weight_.size(0)),
+                 "LayerNorm: input: expected last dim ", weight_.defined() ? weight_.size(0) : 0, ", got shape ",
+                 shape_string(x_.sizes()));
+}
+
+torch::Tensor NormedInput::value() const {
+    return normed_ ? layer_norm(x_, {x_.size(-1)}, weight_, bias_, eps_) : x_;
+}
+
+bool NormedInput::records_graph() const { return !can_overwrite({x_, weight_, bias_}); }
+
+std::vector<torch::Tensor> NormedInput::linear(const std::vector<ops::NormedProduct>& products,
+                                               ops::Impl impl) const {
+    if (normed_ && impl != ops::Impl::Reference && precision::accumulation_dtype(x_) == x_.scalar_type())
+        return ops::layer_norm_linear(x_, weight_, bias_, eps_, products, impl);
+    const torch::Tensor normed = value();
+    std::vector<torch::Tensor> out;
+    for (const ops::NormedProduct& product : products) {
+        std::optional<flops::Uncounted> uncounted;
+        if (!product.counted) uncounted.emplace();
+        out.push_back(flops::linear(normed, product.weight, product.bias));
+    }
+    return out;
+}
+
+torch::Tensor NormedInput::linear(const torch::nn::Linear& layer, ops::Impl impl) const {
+    return linear(std::vector<ops::NormedProduct>{{layer->weight, layer->bias}}, impl)[0];
 }
 
 torch::Tensor drop_path(const torch::Tensor& x, double rate, bool training) {
@@ -65,11 +108,11 @@ torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, c
     return flops::linear_gelu(x, weight, bias, form == ops::GeluForm::Tanh ? "tanh" : "none");
 }
 
-torch::Tensor gelu_mlp(const torch::Tensor& x, const torch::nn::Linear& fc1, const torch::nn::Linear& fc2,
+torch::Tensor gelu_mlp(const NormedInput& x, const torch::nn::Linear& fc1, const torch::nn::Linear& fc2,
                        ops::GeluForm form, ops::Impl impl) {
-    if (can_overwrite({x, fc1->weight, fc1->bias, fc2->weight, fc2->bias}))
-        return flops::linear(linear_gelu(x, fc1->weight, fc1->bias, form, impl), fc2->weight, fc2->bias);
-    return ops::gelu_linear(flops::linear(x, fc1->weight, fc1->bias), fc2->weight, fc2->bias, form, impl);
+    if (!x.records_graph() && can_overwrite({fc1->weight, fc1->bias, fc2->weight, fc2->bias}))
+        return flops::linear(linear_gelu(x.value(), fc1->weight, fc1->bias, form, impl), fc2->weight, fc2->bias);
+    return ops::gelu_linear(x.linear(fc1, impl), fc2->weight, fc2->bias, form, impl);
 }
 
 torch::Tensor resample_abs_pos_embed(const torch::Tensor& pos_embed, std::array<int64_t, 2> new_grid,

@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "linvis/ops/activation.h"
+#include "linvis/ops/layer_norm.h"
 
 namespace linvis::nn {
 
@@ -19,6 +20,33 @@ torch::Tensor layer_norm(const torch::Tensor& x, torch::IntArrayRef normalized_s
                          const torch::Tensor& bias, double eps);
 // The same for a torch::nn::LayerNorm module (its shape, affine parameters and eps).
 torch::Tensor layer_norm(const torch::nn::LayerNorm& norm, const torch::Tensor& x);
+
+// A pre-norm sub-layer's input: x and the LayerNorm to apply to it first (none: x as it is). The sub-layer takes
+// its first products through `linear`: in a graph one ops::layer_norm_linear node, which keeps x (the residual
+// stream the block keeps anyway) rather than the normalised copy; outside a graph layer_norm then the products.
+// `value` is the normalised tensor itself, for sub-layers that need it (one call: it is computed each time).
+// Under Impl::Reference, and for bf16 / f16 (normalised in float32 as layer_norm above), `linear` is `value`
+// then the products. Implicitly made from a tensor, so a sub-layer's forward(NormedInput) takes plain inputs too.
+class NormedInput {
+public:
+    NormedInput(torch::Tensor x);  // NOLINT(google-explicit-constructor): a plain input is a NormedInput
+    NormedInput(const torch::nn::LayerNorm& norm, torch::Tensor x);
+    // An affine LayerNorm given by its parameters (ViL's 1 + weight).
+    NormedInput(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, double eps);
+
+    const torch::Tensor& input() const { return x_; }
+    torch::Tensor value() const;
+    // Whether autograd records the products (x or the norm's parameters require a gradient): the case where
+    // `linear` keeps less than `value` then the products.
+    bool records_graph() const;
+    std::vector<torch::Tensor> linear(const std::vector<ops::NormedProduct>& products, ops::Impl impl) const;
+    torch::Tensor linear(const torch::nn::Linear& layer, ops::Impl impl) const;
+
+private:
+    torch::Tensor x_, weight_, bias_;
+    double eps_ = 0.0;
+    bool normed_ = false;
+};
 
 // Stochastic depth (timm DropPath, scale_by_keep): in training, zeroes the whole residual
 // branch of each sample with probability `rate` and scales the kept ones by 1 / (1 - rate).
@@ -48,9 +76,10 @@ ops::Impl elementwise_impl(ops::Impl model_impl);
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
                           ops::GeluForm form, ops::Impl impl = ops::Impl::Auto);
 
-// fc2(GELU(fc1(x))), the erf or tanh form: outside a graph linear_gelu then fc2; in a graph fc1's product then
-// ops::gelu_linear, whose node keeps fc1's output and not its GELU (Reference: LibTorch's graph, both kept).
-torch::Tensor gelu_mlp(const torch::Tensor& x, const torch::nn::Linear& fc1, const torch::nn::Linear& fc2,
+// fc2(GELU(fc1(x))), the erf or tanh form: outside a graph linear_gelu then fc2; in a graph fc1's product (through
+// NormedInput::linear) then ops::gelu_linear, whose node keeps fc1's output and not its GELU (Reference:
+// LibTorch's graph, both kept).
+torch::Tensor gelu_mlp(const NormedInput& x, const torch::nn::Linear& fc1, const torch::nn::Linear& fc2,
                        ops::GeluForm form, ops::Impl impl = ops::Impl::Auto);
 
 // timm's resample_abs_pos_embed: pos_embed (1, P + Ho*Wo, D) with P prefix (class) tokens ->

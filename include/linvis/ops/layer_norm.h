@@ -8,6 +8,8 @@
 // LibTorch's analytic formula too). LibTorch 1.13 from Debian runs a slow generic build. docs/ops.md.
 #pragma once
 
+#include <vector>
+
 #include <torch/torch.h>
 
 #include "linvis/ops/impl.h"
@@ -16,5 +18,26 @@ namespace linvis::ops {
 
 torch::Tensor layer_norm(const torch::Tensor& x, torch::IntArrayRef normalized_shape, const torch::Tensor& weight,
                          const torch::Tensor& bias, double eps, Impl impl = Impl::Auto);
+
+// One product of a LayerNorm's output: linear(layer_norm(x), weight, bias), bias optional. counted = false
+// leaves it out of the FLOP count (flops::Uncounted), as the paper leaves out Vittt's learning-rate gate.
+struct NormedProduct {
+    torch::Tensor weight;  // (N, C)
+    torch::Tensor bias;    // (N) or undefined
+    bool counted = true;
+};
+
+// The products of one LayerNorm's output over the last dim C of x: [flops::linear(layer_norm(x), p.weight,
+// p.bias) for p in products], a pre-norm block's first products (qkv; fc1; Vittt's projections). In a graph
+// (Auto on the vectorised targets, Fused) one autograd node keeps x, the per-row mean and rstd, the LayerNorm's
+// parameters and the weights, not the normalised x: its backward normalises x again (one pass) for the weights'
+// gradients, then runs LibTorch's native_layer_norm_backward on the summed input gradients. A block keeps x
+// anyway (the residual stream), so one x-size tensor per LayerNorm is saved. Under a backward that builds a
+// graph (double backward) every step is LibTorch's differentiable op. Reference, and inputs the fused LayerNorm
+// does not take: layer_norm then the products, as LibTorch records them (both kept). Outside a graph:
+// layer_norm under `impl` (one normalised copy, freed after the products), then the products.
+std::vector<torch::Tensor> layer_norm_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                                             const torch::Tensor& bias, double eps,
+                                             const std::vector<NormedProduct>& products, Impl impl = Impl::Auto);
 
 }  // namespace linvis::ops

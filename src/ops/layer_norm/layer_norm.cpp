@@ -2,8 +2,11 @@
 // kernel (ops/layer_norm/cpu.cpp) with its autograd node, and the choice.
 #include "linvis/ops/layer_norm.h"
 
+#include <optional>
 #include <string>
 
+#include "linvis/core/error.h"
+#include "linvis/core/flops.h"
 #include "ops/layer_norm/cpu.h"
 #include "ops/records_graph.h"
 #include "ops/simd/simd.h"
@@ -48,7 +51,120 @@ torch::Tensor fused_layer_norm(const torch::Tensor& x, const torch::Tensor& weig
     return cpu::layer_norm_forward(x, weight, bias, eps).y;
 }
 
+// The products of a LayerNorm's output as one node (layer_norm_linear). Its inputs are one flat list: x, the
+// LayerNorm's weight and bias, then each product's weight and bias, an absent one an empty placeholder
+// (Function::apply takes defined tensors only; `present` says which are real). It keeps x, mean, rstd and the
+// parameters, not the normalised x.
+class LayerNormLinear : public torch::autograd::Function<LayerNormLinear> {
+public:
+    static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::TensorList tensors,
+                                                  std::vector<int64_t> present, std::vector<int64_t> counted,
+                                                  double eps) {
+        const auto real = [&](size_t i) { return present[i] != 0 ? tensors[i] : torch::Tensor(); };
+        const torch::Tensor &x = tensors[0], weight = real(1), bias = real(2);
+        cpu::LayerNormOut normed = cpu::layer_norm_forward(x, weight, bias, eps);
+        torch::autograd::variable_list outputs;
+        torch::autograd::variable_list saved{x, normed.mean, normed.rstd, weight, bias};
+        for (size_t p = 0; p < counted.size(); ++p) {
+            const size_t at = 3 + 2 * p;
+            std::optional<flops::Uncounted> uncounted;
+            if (counted[p] == 0) uncounted.emplace();
+            outputs.push_back(flops::linear(normed.y, tensors[at], real(at + 1)));
+            saved.push_back(tensors[at]);
+        }
+        ctx->save_for_backward(saved);
+        ctx->saved_data["present"] = present;
+        ctx->saved_data["eps"] = eps;
+        return outputs;
+    }
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        const auto saved = ctx->get_saved_variables();
+        const torch::Tensor &x = saved[0], &mean = saved[1], &rstd = saved[2], &weight = saved[3], &bias = saved[4];
+        const std::vector<int64_t> present = ctx->saved_data["present"].toIntVector();
+        const double eps = ctx->saved_data["eps"].toDouble();
+        const size_t products = saved.size() - 5;
+        const bool graph = torch::GradMode::is_enabled();
+        const bool need_normed_grad = ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
+        // The normalised x again: the fused kernel's own values (the forward's, bit for bit), or under a graph
+        // LibTorch's layer norm, differentiable in x and the parameters.
+        const torch::Tensor normed = graph ? torch::layer_norm(x, {x.size(-1)}, weight, bias, eps)
+                                           : cpu::layer_norm_forward(x, weight, bias, eps).y;
+        torch::autograd::variable_list result(3 + 2 * products + 3);
+        torch::Tensor d_normed;
+        for (size_t p = 0; p < products; ++p) {
+            const size_t at = 3 + 2 * p;
+            if (!grads[p].defined()) continue;
+            const bool need_bias = present[at + 1] != 0 && ctx->needs_input_grad(at + 1);
+            flops::LinearGradients g = flops::linear_backward(
+                grads[p], normed, saved[5 + p], {need_normed_grad, ctx->needs_input_grad(at), need_bias});
+            result[at] = g.dweight;
+            result[at + 1] = g.dbias;
+            if (!g.dx.defined()) continue;
+            if (!d_normed.defined())
+                d_normed = g.dx;
+            else
+                d_normed = graph ? d_normed + g.dx : d_normed.add_(g.dx);
+        }
+        if (need_normed_grad && d_normed.defined()) {
+            const auto optional = [](const torch::Tensor& t) {
+                return t.defined() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+            };
+            const std::array<bool, 3> mask{ctx->needs_input_grad(0), weight.defined() && ctx->needs_input_grad(1),
+                                           bias.defined() && ctx->needs_input_grad(2)};
+            auto [dx, dw, db] = torch::native_layer_norm_backward(d_normed, x, {x.size(-1)}, mean, rstd,
+                                                                  optional(weight), optional(bias), mask);
+            result[0] = dx;
+            result[1] = dw;
+            result[2] = db;
+        }
+        return result;
+    }
+};
+
 }  // namespace
+
+std::vector<torch::Tensor> layer_norm_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                                             const torch::Tensor& bias, double eps,
+                                             const std::vector<NormedProduct>& products, Impl impl) {
+    LINVIS_CHECK(x.dim() >= 1, "layer_norm_linear: x: expected at least one dimension, got a scalar");
+    const int64_t C = x.size(-1);
+    bool graph = records_graph({x, weight, bias});
+    for (size_t p = 0; p < products.size(); ++p) {
+        const NormedProduct& product = products[p];
+        LINVIS_CHECK(product.weight.defined() && product.weight.dim() == 2 && product.weight.size(1) == C,
+                     "layer_norm_linear: product ", p, ": weight: expected (N, ", C, "), got ",
+                     product.weight.defined() ? shape_string(product.weight.sizes()) : std::string("undefined"));
+        LINVIS_CHECK(!product.bias.defined() ||
+                         (product.bias.dim() == 1 && product.bias.size(0) == product.weight.size(0)),
+                     "layer_norm_linear: product ", p, ": bias: expected (", product.weight.size(0), "), got ",
+                     shape_string(product.bias.sizes()));
+        graph = graph || records_graph({product.weight, product.bias});
+    }
+    const auto products_of = [&](const torch::Tensor& normed) {
+        std::vector<torch::Tensor> out;
+        for (const NormedProduct& product : products) {
+            std::optional<flops::Uncounted> uncounted;
+            if (!product.counted) uncounted.emplace();
+            out.push_back(flops::linear(normed, product.weight, product.bias));
+        }
+        return out;
+    };
+    if (!graph || !use_fused(impl, "layer_norm_linear", cpu::layer_norm_unsupported(x, {C}, weight, bias),
+                             simd::vectorised()))
+        return products_of(layer_norm(x, {C}, weight, bias, eps, impl));
+    const torch::Tensor empty = torch::empty({0}, x.options());
+    std::vector<torch::Tensor> tensors{x, weight.defined() ? weight : empty, bias.defined() ? bias : empty};
+    std::vector<int64_t> present{1, weight.defined(), bias.defined()}, counted;
+    for (const NormedProduct& product : products) {
+        tensors.push_back(product.weight);
+        tensors.push_back(product.bias.defined() ? product.bias : empty);
+        present.push_back(1);
+        present.push_back(product.bias.defined());
+        counted.push_back(product.counted);
+    }
+    return LayerNormLinear::apply(torch::TensorList(tensors), present, counted, eps);
+}
 
 torch::Tensor layer_norm(const torch::Tensor& x, torch::IntArrayRef normalized_shape, const torch::Tensor& weight,
                          const torch::Tensor& bias, double eps, Impl impl) {
