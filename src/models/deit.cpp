@@ -22,11 +22,11 @@ public:
         proj = register_module("proj", torch::nn::Linear(dim, dim));
     }
 
-    torch::Tensor forward(const torch::Tensor& x, int64_t, int64_t) override {
-        const int64_t B = x.size(0), N = x.size(1), C = x.size(2);
+    torch::Tensor forward(const nn::NormedInput& x, int64_t, int64_t) override {
+        const int64_t B = x.input().size(0), N = x.input().size(1), C = x.input().size(2);
         // unbind, not three selects: its backward stacks the three gradients in one pass, where each select's
         // would zero a full (3, B, h, N, d) tensor and the three would then be added.
-        const std::vector<torch::Tensor> qkv_heads = flops::linear(x, qkv->weight, qkv->bias)
+        const std::vector<torch::Tensor> qkv_heads = x.linear(qkv, nn::elementwise_impl(impl_))
                                                          .reshape({B, N, 3, heads_, C / heads_})
                                                          .permute({2, 0, 3, 1, 4})
                                                          .unbind(0);

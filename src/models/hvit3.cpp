@@ -42,9 +42,9 @@ public:
     }
     Tensor forward(Tensor x, int64_t H, int64_t W) {
         x = ops::depthwise_conv2d_tokens(x, H, W, cpe->weight, cpe->bias, ops::DwEpilogue::Residual, impl);
-        x = x + lnn::drop_path(attn->forward_with_rope(lnn::layer_norm(norm1, x), H, W, rope->table(H, W)), drop_path_rate,
+        x = x + lnn::drop_path(attn->forward_with_rope(lnn::NormedInput(norm1, x), H, W, rope->table(H, W)), drop_path_rate,
                                is_training());
-        x = x + lnn::drop_path(mlp->forward(lnn::layer_norm(norm2, x), H, W), drop_path_rate, is_training());
+        x = x + lnn::drop_path(mlp->forward(lnn::NormedInput(norm2, x), H, W), drop_path_rate, is_training());
         return x;
     }
 

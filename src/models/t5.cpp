@@ -33,9 +33,9 @@ public:
         k_conv2d = register_module("k_conv2d", torch::nn::Conv2d(dw));
     }
 
-    torch::Tensor forward(const torch::Tensor& x, int64_t height, int64_t width) override {
+    torch::Tensor forward(const nn::NormedInput& x, int64_t height, int64_t width) override {
         const ops::T5TttParams params{w1, w2, w3, q_conv2d->weight, q_conv2d->bias, k_conv2d->weight, k_conv2d->bias};
-        torch::Tensor packed = flops::linear(x, qkv->weight, qkv->bias);
+        torch::Tensor packed = x.linear(qkv, nn::elementwise_impl(impl_));
         if (nn::Probe* probe = nn::Probe::active(); probe && (probe->wants("attn.v") || probe->wants("attn.of_v")))
             record_probe(*probe, packed, params, height, width);
         torch::Tensor out = ops::t5_ttt_attention_qkv(packed, params, heads_, height, width, impl_);

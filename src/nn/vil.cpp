@@ -3,6 +3,7 @@
 #include "linvis/nn/vil.h"
 
 #include <cmath>
+#include <utility>
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
@@ -128,27 +129,36 @@ VilLayerImpl::VilLayerImpl(int64_t dim, bool reversed_, ops::MlstmMode mode, int
     proj_down->bias.zero_();
 }
 
-torch::Tensor VilLayerImpl::forward(torch::Tensor input, int64_t grid_h, int64_t grid_w) {
-    const int64_t S = input.size(1), I = inner_dim;
+torch::Tensor VilLayerImpl::forward(const NormedInput& in, int64_t grid_h, int64_t grid_w) {
+    const int64_t S = in.input().size(1), I = inner_dim;
     LINVIS_CHECK(S == grid_h * grid_w, "ViLLayer: input: expected ", grid_h, "x", grid_w, " = ", grid_h * grid_w,
-                 " tokens, got shape ", shape_string(input.sizes()));
-    if (reversed) input = input.flip({1});
+                 " tokens, got shape ", shape_string(in.input().sizes()));
+    auto order = [&](torch::Tensor t) { return reversed ? t.flip({1}) : t; };
+    const ops::NormedProduct halves[] = {{proj_up->weight.narrow(0, 0, I), proj_up->bias.narrow(0, 0, I)},
+                                         {proj_up->weight.narrow(0, I, I), proj_up->bias.narrow(0, I, I)}};
     // proj_up as two products, x_mlstm now and z after the cell: the cell then runs beside the (S, D) input
-    // instead of z's (S, I) half, and x_mlstm goes once v exists. Same FLOPs as the one (S, 2I) product.
-    auto up_half = [&](int64_t half) {
-        return flops::linear(input, proj_up->weight.narrow(0, half * I, I), proj_up->bias.narrow(0, half * I, I));
-    };
+    // instead of z's (S, I) half, and x_mlstm goes once v exists. Same FLOPs as the one (S, 2I) product. In a
+    // graph, where z is kept anyway, both come from one NormedInput::linear (the products act per token, so
+    // they are flipped after it) and the graph keeps the block's input instead of the normalised copy.
+    torch::Tensor normed, x_mlstm, z;  // normed: the block's normalised input in scan order (outside a graph)
+    if (in.records_graph() || !can_overwrite({proj_up->weight, proj_up->bias})) {
+        std::vector<torch::Tensor> up = in.linear(std::vector<ops::NormedProduct>{halves[0], halves[1]}, elementwise_impl(impl));
+        x_mlstm = order(up[0]);
+        z = order(up[1]);
+    } else {
+        normed = order(in.value());
+        x_mlstm = flops::linear(normed, halves[0].weight, halves[0].bias);
+    }
     torch::Tensor x_act, h_tilde;
     {
-        torch::Tensor x_mlstm = up_half(0);
         x_act = ops::depthwise_conv2d_tokens(x_mlstm, grid_h, grid_w, conv->weight, conv->bias,
                                              ops::DwEpilogue::Silu, impl);  // silu(conv(x_mlstm)) on the token grid
         torch::Tensor v = v_proj->forward(x_mlstm);
         x_mlstm = torch::Tensor();
         h_tilde = mlstm_cell->forward(q_proj->forward(x_act), k_proj->forward(x_act), v);
     }
-    torch::Tensor z = up_half(1);
-    input = torch::Tensor();
+    if (!z.defined()) z = flops::linear(normed, halves[1].weight, halves[1].bias);
+    normed = torch::Tensor();
     // (h_tilde + skip * x_act) * silu(z): h_tilde and z are fresh, the sum goes into h_tilde, the gated product
     // into z outside a graph.
     torch::Tensor skipped = can_overwrite({h_tilde, learnable_skip, x_act}) ? h_tilde.addcmul_(learnable_skip, x_act)
@@ -169,7 +179,9 @@ VilBlockImpl::VilBlockImpl(int64_t dim, bool reversed, double drop_path_, ops::M
 }
 
 torch::Tensor VilBlockImpl::forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w) {
-    torch::Tensor branch = layer->forward(norm->forward(x), grid_h, grid_w);
+    LINVIS_CHECK(x.size(-1) == norm->weight.size(0), "ViL LayerNorm: input: expected last dim ", norm->weight.size(0),
+                 ", got ", shape_string(x.sizes()));
+    torch::Tensor branch = layer->forward(NormedInput(x, 1.0 + norm->weight, norm->bias, norm->eps), grid_h, grid_w);
     return add_into(nn::drop_path(branch, drop_path, is_training()), x);
 }
 

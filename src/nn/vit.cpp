@@ -109,9 +109,13 @@ MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool with_dwc, ops::Impl impl_) : 
     fc2 = register_module("fc2", vit_linear(hidden, dim));
 }
 
-torch::Tensor MlpImpl::forward(const torch::Tensor& x, int64_t height, int64_t width) {
-    if (!dwc) return nn::gelu_mlp(x, fc1, fc2, ops::GeluForm::Erf, elementwise_impl(impl));
-    torch::Tensor y = nn::linear_gelu(x, fc1->weight, fc1->bias, ops::GeluForm::Erf, elementwise_impl(impl));
+torch::Tensor MlpImpl::forward(const NormedInput& x, int64_t height, int64_t width) {
+    const ops::Impl passes = elementwise_impl(impl);
+    if (!dwc) return nn::gelu_mlp(x, fc1, fc2, ops::GeluForm::Erf, passes);
+    // In a float32 graph fc1 through layer_norm_linear, then the GELU (nn::linear_gelu's graph path).
+    torch::Tensor y = x.records_graph() && x.input().scalar_type() == torch::kFloat32
+                          ? ops::gelu_(x.linear(fc1, passes), passes, ops::GeluForm::Erf)
+                          : nn::linear_gelu(x.value(), fc1->weight, fc1->bias, ops::GeluForm::Erf, passes);
     y = ops::depthwise_conv2d_tokens(y, height, width, dwc->weight, dwc->bias, ops::DwEpilogue::Residual, impl);
     return ops::gelu_linear(std::move(y), fc2->weight, fc2->bias, ops::GeluForm::Erf, elementwise_impl(impl));
 }
@@ -132,8 +136,8 @@ torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x_in, int64_t h
     if (cpe)
         x = ops::depthwise_conv2d_tokens(x, height, width, cpe->weight, cpe->bias, ops::DwEpilogue::Residual,
                                          options_.impl);
-    x = add_into(drop_path(attn->forward(nn::layer_norm(norm1, x), height, width), options_.drop_path, is_training()), x);
-    return add_into(drop_path(mlp->forward(nn::layer_norm(norm2, x)), options_.drop_path, is_training()), x);
+    x = add_into(drop_path(attn->forward(NormedInput(norm1, x), height, width), options_.drop_path, is_training()), x);
+    return add_into(drop_path(mlp->forward(NormedInput(norm2, x)), options_.drop_path, is_training()), x);
 }
 
 }  // namespace linvis::nn

@@ -25,12 +25,13 @@ Vit3TttImpl::Vit3TttImpl(int64_t dim_, int64_t num_heads_, bool qkv_bias, ops::I
     proj = register_module("proj", vit_linear(dim + head_dim, dim));
 }
 
-torch::Tensor Vit3TttImpl::forward_with_rope(const torch::Tensor& x, int64_t height, int64_t width,
+torch::Tensor Vit3TttImpl::forward_with_rope(const NormedInput& in, int64_t height, int64_t width,
                                              const torch::Tensor& rope_rotations) {
+    const torch::Tensor& x = in.input();
     LINVIS_CHECK(x.dim() == 3 && x.size(2) == dim && x.size(1) == height * width, "Vit3Ttt: expected x (B, ",
                  height * width, ", ", dim, "), got ", shape_string(x.sizes()));
-    torch::Tensor mixed = ops::vit3_ttt_mix(flops::linear(x, qkv->weight, qkv->bias), w1, w2, w3, num_heads, height, width,
-                                            rope_rotations, impl);
+    torch::Tensor mixed = ops::vit3_ttt_mix(in.linear(qkv, elementwise_impl(impl)), w1, w2, w3, num_heads, height,
+                                            width, rope_rotations, impl);
     return flops::linear(mixed, proj->weight, proj->bias);
 }
 

@@ -78,20 +78,39 @@ torch::Tensor TttLinearBranchImpl::causal_conv(const torch::nn::Conv1d& conv, co
     return ops::causal_depthwise_conv1d_tokens(u, conv->weight, conv->bias, options_.impl);
 }
 
+std::vector<ops::NormedProduct> TttLinearBranchImpl::products() const {
+    const int64_t nh = options_.num_heads;
+    return {{q_proj->weight, q_proj->bias},
+            {v_proj->weight, v_proj->bias},
+            {learnable_ttt_lr_weight.squeeze(1), learnable_ttt_lr_bias.view({nh}), /*counted=*/false}};
+}
+
 ops::TttLinearInputs TttLinearBranchImpl::scan_inputs(const torch::Tensor& x, bool reversed) {
     LINVIS_CHECK(x.dim() == 3 && x.size(2) == options_.dim, "vittt TTT branch: input: expected (B, T, ",
                  options_.dim, "), got ", shape_string(x.sizes()));
-    const int64_t B = x.size(0), T = x.size(1), nh = options_.num_heads, d = options_.dim / nh;
+    const std::vector<ops::NormedProduct> lr_gate{products()[2]};
+    const torch::Tensor lr_logits = NormedInput(x).linear(lr_gate, ops::Impl::Auto)[0];
+    return assemble(linear(q_proj, x), [&] { return linear(v_proj, x); }, lr_logits, reversed);
+}
+
+ops::TttLinearInputs TttLinearBranchImpl::scan_inputs(const std::vector<torch::Tensor>& products, bool reversed) {
+    LINVIS_CHECK(products.size() == 3, "vittt TTT branch: expected the 3 products of products(), got ",
+                 products.size());
+    return assemble(products[0], [&] { return products[1]; }, products[2], reversed);
+}
+
+ops::TttLinearInputs TttLinearBranchImpl::assemble(torch::Tensor u, const std::function<torch::Tensor()>& v,
+                                                   const torch::Tensor& lr_logits, bool reversed) {
+    const int64_t B = u.size(0), T = u.size(1), nh = options_.num_heads, d = options_.dim / nh;
     // The products act on each token alone, so flipping their results equals computing them on flip(x).
     auto order = [&](torch::Tensor t, int64_t token_dim) { return reversed ? torch::flip(t, {token_dim}) : t; };
-    torch::Tensor u = order(linear(q_proj, x), 1);
+    u = order(std::move(u), 1);
     auto heads = [&](const torch::Tensor& t) { return t.reshape({B, T, nh, d}).permute({0, 2, 1, 3}); };
     torch::Tensor xq = heads(causal_conv(conv_q, u));
     torch::Tensor xk = heads(causal_conv(conv_k, u));
     u = torch::Tensor();  // freed before xv exists: one (B, T, D) less at the mixer's peak
-    torch::Tensor xv = heads(order(linear(v_proj, x), 1));
-    torch::Tensor lr = order(
-        ops::ttt_learning_rate(x, learnable_ttt_lr_weight, learnable_ttt_lr_bias, options_.eta_base, d), 2);
+    torch::Tensor xv = heads(order(v(), 1));
+    torch::Tensor lr = order(ops::ttt_learning_rate_of_logits(lr_logits, options_.eta_base, d), 2);
     return {xq, xk, xv, lr, learnable_token_idx, W1, b1, ttt_norm_weight, ttt_norm_bias};
 }
 
@@ -124,11 +143,13 @@ SwiGluMlpImpl::SwiGluMlpImpl(int64_t dim, int64_t hidden, ops::Impl impl) : impl
     init_linear(down_proj);
 }
 
-torch::Tensor SwiGluMlpImpl::forward(const torch::Tensor& x) {
+torch::Tensor SwiGluMlpImpl::forward(const NormedInput& x) {
     // silu(gate) * up written into gate outside a graph: one hidden-size temporary fewer; in a graph the product
-    // is not kept for backward (ops::gated_linear).
-    return ops::gated_linear(linear(gate_proj, x), linear(up_proj, x), down_proj->weight, {}, ops::GateActivation::Silu,
-                             impl_);
+    // is not kept for backward (ops::gated_linear), nor the normalised input (NormedInput::linear).
+    const std::vector<ops::NormedProduct> products{{gate_proj->weight, gate_proj->bias},
+                                                   {up_proj->weight, up_proj->bias}};
+    std::vector<torch::Tensor> p = x.linear(products, impl_);
+    return ops::gated_linear(std::move(p[0]), p[1], down_proj->weight, {}, ops::GateActivation::Silu, impl_);
 }
 
 // ------------------------------------------------------------------ VitttBlock
@@ -206,17 +227,21 @@ torch::Tensor VitttBlockImpl::drop_path(const torch::Tensor& x) const {
 std::pair<torch::Tensor, torch::Tensor> VitttBlockImpl::mixer_branches(torch::Tensor x,
                                                                        torch::Tensor* norms_forth,
                                                                        torch::Tensor* norms_back) {
-    auto [z_forth, z_back_reversed] = scan_directions(std::move(x), norms_forth, norms_back);
+    auto [z_forth, z_back_reversed] = scan_directions(direction_inputs(std::move(x)), norms_forth, norms_back);
     return {z_forth, torch::flip(z_back_reversed, {1})};
 }
 
-std::pair<torch::Tensor, torch::Tensor> VitttBlockImpl::scan_directions(torch::Tensor x, torch::Tensor* norms_forth,
+std::vector<ops::TttLinearInputs> VitttBlockImpl::direction_inputs(torch::Tensor x) {
+    // x dies on return: the scans need only their inputs (autograd keeps what backward needs).
+    return {forth_branch()->scan_inputs(x), back_branch()->scan_inputs(x, /*reversed=*/true)};
+}
+
+std::pair<torch::Tensor, torch::Tensor> VitttBlockImpl::scan_directions(std::vector<ops::TttLinearInputs> inputs,
+                                                                        torch::Tensor* norms_forth,
                                                                         torch::Tensor* norms_back) {
     // Both directions' scans in one call: their heads share the cores (ops::ttt_linear_many).
     TttLinearBranchImpl& forth_ = *forth_branch();
     TttLinearBranchImpl& back_ = *back_branch();
-    std::vector<ops::TttLinearInputs> inputs{forth_.scan_inputs(x), back_.scan_inputs(x, /*reversed=*/true)};
-    x = torch::Tensor();  // the scans need only their inputs (autograd keeps what backward needs)
     std::vector<ops::TttLinearResult> scanned = ops::ttt_linear_many(
         inputs, forth_.scan_options(norms_forth != nullptr || norms_back != nullptr), forth_.options().impl);
     inputs.clear();
@@ -236,24 +261,43 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
                                                    options_.branch.impl);
 
     y = add_into(drop_path(mixer(y)), y);
-    y = add_into(drop_path(mlp->forward(nn::layer_norm(norm2, y))), y);
+    y = add_into(drop_path(mlp->forward(NormedInput(norm2, y))), y);
     return y;
 }
 
 torch::Tensor VitttBlockImpl::mixer(const torch::Tensor& y) {
     // The mixer's temporaries (x, gate, both directions) live in this frame only: none is alive in the MLP.
-    torch::Tensor x = nn::layer_norm(norm1, y);
     const ops::Impl impl = elementwise_impl(options_.branch.impl);
     // In a graph the gate stays a pre-activation: ops::gated_linear recomputes its GELU and the gated product in
-    // the backward instead of the graph keeping both (two (B, T, D) tensors per block).
+    // the backward instead of the graph keeping both (two (B, T, D) tensors per block). Every product of norm1's
+    // output is one NormedInput::linear, so the graph keeps y and not the normalised copy either.
     const bool graph = !can_overwrite({y, g_proj->weight, o_proj->weight});
-    torch::Tensor gate = graph ? linear(g_proj, x)
-                               : nn::linear_gelu(x, g_proj->weight, g_proj->bias, ops::GeluForm::Tanh, impl);
+    torch::Tensor gate;
+    std::vector<ops::TttLinearInputs> inputs;
+    if (graph) {
+        TttLinearBranchImpl &forth_ = *forth_branch(), &back_ = *back_branch();
+        std::vector<ops::NormedProduct> products{{g_proj->weight, g_proj->bias}};
+        for (const ops::NormedProduct& p : forth_.products()) products.push_back(p);
+        // One branch for both directions (v1): its products serve both.
+        if (!options_.shared_directions)
+            for (const ops::NormedProduct& p : back_.products()) products.push_back(p);
+        std::vector<torch::Tensor> out = NormedInput(norm1, y).linear(products, impl);
+        gate = out[0];
+        const std::vector<torch::Tensor> of_forth(out.begin() + 1, out.begin() + 4);
+        const std::vector<torch::Tensor> of_back = options_.shared_directions
+                                                       ? of_forth
+                                                       : std::vector<torch::Tensor>(out.begin() + 4, out.end());
+        inputs = {forth_.scan_inputs(of_forth), back_.scan_inputs(of_back, /*reversed=*/true)};
+    } else {
+        torch::Tensor x = nn::layer_norm(norm1, y);
+        gate = nn::linear_gelu(x, g_proj->weight, g_proj->bias, ops::GeluForm::Tanh, impl);
+        inputs = direction_inputs(std::move(x));
+    }
     nn::Probe* probe_forth = probing("ttt.grad_norms.forth");
     nn::Probe* probe_back = probing("ttt.grad_norms.back");
     torch::Tensor norms_forth, norms_back;
-    auto [z_forth, z_back_reversed] =
-        scan_directions(std::move(x), probe_forth ? &norms_forth : nullptr, probe_back ? &norms_back : nullptr);
+    auto [z_forth, z_back_reversed] = scan_directions(std::move(inputs), probe_forth ? &norms_forth : nullptr,
+                                                      probe_back ? &norms_back : nullptr);
     if (probe_forth) probe_forth->record("ttt.grad_norms.forth", norms_forth);
     if (probe_back) probe_back->record("ttt.grad_norms.back", norms_back);
     if (graph)

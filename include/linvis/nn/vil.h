@@ -71,13 +71,13 @@ TORCH_MODULE(MatrixLstmCell);
 
 // ViLLayer (1.6): proj_up -> (x_mlstm, z); depthwise 3x3 conv on the token grid + SiLU -> q, k;
 // v from the pre-conv x_mlstm; mLSTM cell; + learnable_skip * conv act; * SiLU(z); proj_down.
-// A reversed layer flips the sequence before and after. x (B, S, D) with S = grid_h * grid_w.
+// A reversed layer flips the sequence before and after. x (B, S, D) with S = grid_h * grid_w, the block's
+// normalised input (NormedInput: in a graph proj_up takes it through layer_norm_linear).
 class VilLayerImpl : public torch::nn::Module {
 public:
     VilLayerImpl(int64_t dim, bool reversed, ops::MlstmMode mode, int64_t chunk_size,
                  ops::Impl impl = ops::Impl::Auto);
-    // x by value: a caller that moves it in (VilBlock passes its norm's output) lets it go early.
-    torch::Tensor forward(torch::Tensor x, int64_t grid_h, int64_t grid_w);
+    torch::Tensor forward(const NormedInput& x, int64_t grid_h, int64_t grid_w);
     torch::Tensor learnable_skip;
     torch::nn::Linear proj_up{nullptr}, proj_down{nullptr};
     LinearHeadwise q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};

@@ -66,7 +66,8 @@ TORCH_MODULE(GridPosEmbed);
 class MlpImpl : public torch::nn::Module {
 public:
     MlpImpl(int64_t dim, int64_t hidden, bool with_dwc = false, ops::Impl impl = ops::Impl::Auto);
-    torch::Tensor forward(const torch::Tensor& x, int64_t height = 0, int64_t width = 0);
+    // x: the block's normalised input (NormedInput: fc1 takes it through layer_norm_linear in a graph).
+    torch::Tensor forward(const NormedInput& x, int64_t height = 0, int64_t width = 0);
 
     torch::nn::Linear fc1{nullptr}, fc2{nullptr};
     torch::nn::Conv2d dwc{nullptr};
@@ -88,10 +89,11 @@ public:
 };
 
 // A token mixer: tokens (B, T, D) on an height x width grid -> (B, T, D). What distinguishes the
-// families of TransformerBlock models (softmax attention, T5's TTT attention, ViT3's TTT).
+// families of TransformerBlock models (softmax attention, T5's TTT attention, ViT3's TTT). The block passes
+// norm1 and its input as a NormedInput: the mixer's first product (qkv) takes it through NormedInput::linear.
 class Mixer : public torch::nn::Module {
 public:
-    virtual torch::Tensor forward(const torch::Tensor& x, int64_t height, int64_t width) = 0;
+    virtual torch::Tensor forward(const NormedInput& x, int64_t height, int64_t width) = 0;
 };
 
 struct TransformerBlockOptions {

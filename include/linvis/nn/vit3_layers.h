@@ -18,10 +18,10 @@ namespace linvis::nn {
 class Vit3TttImpl : public Mixer {
 public:
     Vit3TttImpl(int64_t dim, int64_t num_heads, bool qkv_bias = true, ops::Impl impl = ops::Impl::Auto);
-    torch::Tensor forward(const torch::Tensor& x, int64_t height, int64_t width) override {
+    torch::Tensor forward(const NormedInput& x, int64_t height, int64_t width) override {
         return forward_with_rope(x, height, width, {});
     }
-    torch::Tensor forward_with_rope(const torch::Tensor& x, int64_t height, int64_t width,
+    torch::Tensor forward_with_rope(const NormedInput& x, int64_t height, int64_t width,
                                     const torch::Tensor& rope_rotations);
 
     int64_t dim, num_heads, head_dim;

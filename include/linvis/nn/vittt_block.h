@@ -3,6 +3,9 @@
 // branches, o_proj, SwiGLU MLP). Parameter names: docs/vittt.md.
 #pragma once
 
+#include <functional>
+#include <vector>
+
 #include <torch/torch.h>
 
 #include "linvis/ops/ttt_linear.h"
@@ -40,6 +43,11 @@ public:
     // of the scan over x's tokens in reverse order (those of flip(x)), each flipped after its product, so a
     // graph keeps x once rather than x and its flipped copy.
     ops::TttLinearInputs scan_inputs(const torch::Tensor& x, bool reversed = false);
+    // The products of x the scan inputs come from: q_proj, v_proj and the learning-rate gate's logits (not
+    // FLOP-counted), for one NormedInput::linear over the block's norm1 with its other products; then
+    // scan_inputs of their results (u, v, lr logits, each (B, T, .)).
+    std::vector<ops::NormedProduct> products() const;
+    ops::TttLinearInputs scan_inputs(const std::vector<torch::Tensor>& products, bool reversed = false);
     torch::Tensor output(const ops::TttLinearResult& scanned);
     ops::TttLinearOptions scan_options(bool grad_norms) const;
     void reset_parameters();
@@ -53,15 +61,19 @@ public:
 
 private:
     torch::Tensor causal_conv(const torch::nn::Conv1d& conv, const torch::Tensor& u) const;
+    // The scan inputs from u = q_proj(x), v_proj(x) (called once u's convolutions are done, so u is freed before
+    // it exists: one (B, T, D) less at the mixer's peak) and the lr logits.
+    ops::TttLinearInputs assemble(torch::Tensor u, const std::function<torch::Tensor()>& v,
+                                  const torch::Tensor& lr_logits, bool reversed);
     TttBranchOptions options_;
 };
 TORCH_MODULE(TttLinearBranch);
 
-// SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x)), no biases.
+// SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x)), no biases; x the block's normalised input.
 class SwiGluMlpImpl : public torch::nn::Module {
 public:
     SwiGluMlpImpl(int64_t dim, int64_t hidden, ops::Impl impl = ops::Impl::Auto);
-    torch::Tensor forward(const torch::Tensor& x);
+    torch::Tensor forward(const NormedInput& x);
     torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 
 private:
@@ -109,9 +121,12 @@ public:
 private:
     torch::Tensor drop_path(const torch::Tensor& x) const;
     torch::Tensor mixer(const torch::Tensor& y);  // o_proj(gate * Z) from y (see above)
-    // mixer_branches with back's output left in scan order (tokens reversed), for a merge that reads it so.
-    std::pair<torch::Tensor, torch::Tensor> scan_directions(torch::Tensor x, torch::Tensor* norms_forth,
-                                                            torch::Tensor* norms_back);
+    // Both directions' scan inputs from x (taken by value: a caller that moves it in lets it go here).
+    std::vector<ops::TttLinearInputs> direction_inputs(torch::Tensor x);
+    // Both directions' scans in one call: forth's output, and back's left in scan order (tokens reversed), for a
+    // merge that reads it so.
+    std::pair<torch::Tensor, torch::Tensor> scan_directions(std::vector<ops::TttLinearInputs> inputs,
+                                                            torch::Tensor* norms_forth, torch::Tensor* norms_back);
     VitttBlockOptions options_;
 };
 TORCH_MODULE(VitttBlock);

@@ -101,6 +101,9 @@ std::vector<TttLinearResult> ttt_linear_many(const std::vector<TttLinearInputs>&
 // Not FLOP-counted (nh * T * C multiply-adds, neglected like the paper's Appendix B.2).
 torch::Tensor ttt_learning_rate(const torch::Tensor& x, const torch::Tensor& w_lr, const torch::Tensor& b_lr,
                                 double eta_base, int64_t head_dim);
+// The same from its logits x . w_lr^T + b_lr (B, T, nh), computed by the caller (a product of a LayerNorm's output
+// with others, ops::layer_norm_linear). Returns (B, nh, T).
+torch::Tensor ttt_learning_rate_of_logits(const torch::Tensor& logits, double eta_base, int64_t head_dim);
 
 // tau_i = max(0, 1/(i+1) + learnable_token_idx[i]) for i < length (spec 2.5). Returns (length).
 torch::Tensor ttt_token_coefficient(const torch::Tensor& learnable_token_idx, int64_t length);

@@ -144,6 +144,12 @@ torch::Tensor ttt_learning_rate(const torch::Tensor& x, const torch::Tensor& w_l
         const flops::Uncounted uncounted;
         logits = flops::linear(x, w_lr.squeeze(1), b_lr.view({nh}));
     }
+    return ttt_learning_rate_of_logits(logits, eta_base, head_dim);
+}
+
+torch::Tensor ttt_learning_rate_of_logits(const torch::Tensor& logits, double eta_base, int64_t head_dim) {
+    LINVIS_CHECK(logits.dim() == 3, "ttt_learning_rate: logits: expected (B, T, nh), got ", shape_string(logits.sizes()));
+    LINVIS_CHECK(head_dim > 0, "ttt_learning_rate: head_dim must be positive, got ", head_dim);
     return eta_base * torch::sigmoid(logits).permute({0, 2, 1}) / static_cast<double>(head_dim);
 }
 
