@@ -2,7 +2,7 @@
 // tokens), the tiny models' widths, batch 1. One subcommand per op:
 //
 //   build/bench_ops ttt_linear [--threads 2] [--tokens 4096] [--heads 3] [--head-dim 64]
-//                                    [--mini-batch 16] [--reps 5]
+//                                    [--mini-batch 16] [--checkpoint-every 4] [--reps 5]
 //   build/bench_ops vit3_t5 [--threads 2] [--iters 5] [--side 64]
 //   build/bench_ops mlstm [--threads 2] [--reps 5] [--model-reps 3] [--tokens 4096]
 //                               [--skip-model]
@@ -257,6 +257,7 @@ std::vector<std::string> split_case(const std::string& name) {
 
 struct TttLinearOptions {
     int64_t tokens = 4096, heads = 3, head_dim = 64, mini_batch = 16;
+    int64_t checkpoint_every = ops::TttLinearOptions{}.checkpoint_every;
     int reps = 5;
 };
 
@@ -269,10 +270,11 @@ std::vector<Tensor> ttt_linear_inputs(const TttLinearOptions& o) {
             0.02 * torch::randn({nh, d, d}), torch::zeros({nh, 1, d}), torch::ones({nh, d}), torch::zeros({nh, d})};
 }
 
-OpFn ttt_linear_op(Impl impl, int64_t mini_batch) {
-    return [impl, mini_batch](const std::vector<Tensor>& x) {
+OpFn ttt_linear_op(Impl impl, const TttLinearOptions& o) {
+    return [impl, o](const std::vector<Tensor>& x) {
         ops::TttLinearOptions options;
-        options.mini_batch_size = mini_batch;
+        options.mini_batch_size = o.mini_batch;
+        options.checkpoint_every = o.checkpoint_every;
         return ops::ttt_linear(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], options, impl).output;
     };
 }
@@ -283,16 +285,17 @@ int run_ttt_linear(const TttLinearOptions& o, Harness& h) {
     if (!h.child.empty()) {  // <reference|fused>_<fwd|train>
         const auto parts = split_case(h.child);
         if (parts.size() != 2) unknown_case(h.child);
-        const OpFn op = ttt_linear_op(ops::parse_impl(parts[0]), o.mini_batch);
+        const OpFn op = ttt_linear_op(ops::parse_impl(parts[0]), o);
         return print_answer(measure_passes(op_pass(op, inputs, probe, parts[1] == "train"), 1, o.reps));
     }
-    std::printf("TTT-Linear, B=1 T=%lld nh=%lld d=%lld b=%lld, %d thread(s), SIMD %s, OMP_WAIT_POLICY=%s\n",
+    std::printf("TTT-Linear, B=1 T=%lld nh=%lld d=%lld b=%lld, checkpoint every %lld, %d thread(s), SIMD %s, "
+                "OMP_WAIT_POLICY=%s\n",
                 static_cast<long long>(o.tokens), static_cast<long long>(o.heads), static_cast<long long>(o.head_dim),
-                static_cast<long long>(o.mini_batch), h.threads, runtime::simd_name(runtime::detect_simd()),
+                static_cast<long long>(o.mini_batch), static_cast<long long>(o.checkpoint_every), h.threads, runtime::simd_name(runtime::detect_simd()),
                 runtime::openmp_wait_policy().c_str());
-    const OpFn reference = ttt_linear_op(Impl::Reference, o.mini_batch);
+    const OpFn reference = ttt_linear_op(Impl::Reference, o);
     if (!passes({{"output", "dq", "dk", "dv", "dlr", "dtoken_idx", "dw0", "db0", "dln_weight", "dln_bias"}, inputs,
-                 probe, reference, reference, ttt_linear_op(Impl::Fused, o.mini_batch), 1e-4},
+                 probe, reference, reference, ttt_linear_op(Impl::Fused, o), 1e-4},
                 "TTT-Linear"))
         return 1;
 
@@ -838,6 +841,9 @@ int main(int argc, char** argv) {
     ttt_command->add_option("--heads", ttt.heads, "heads (vittt_tiny: 3)");
     ttt_command->add_option("--head-dim", ttt.head_dim, "head dim");
     ttt_command->add_option("--mini-batch", ttt.mini_batch, "mini-batch size");
+    ttt_command->add_option("--checkpoint-every", ttt.checkpoint_every,
+                            "fused backward: (W, b) checkpointed every this many mini-batches")
+        ->check(CLI::PositiveNumber);
     ttt_command->add_option("--reps", ttt.reps, "timed repetitions (median)")->check(CLI::PositiveNumber);
 
     Vit3T5Options vit3_t5;
