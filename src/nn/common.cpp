@@ -1,7 +1,6 @@
 #include "linvis/nn/common.h"
 
 #include <cmath>
-#include <optional>
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
@@ -53,11 +52,7 @@ std::vector<torch::Tensor> NormedInput::linear(const std::vector<ops::NormedProd
         return ops::layer_norm_linear(x_, weight_, bias_, eps_, products, impl);
     const torch::Tensor normed = value();
     std::vector<torch::Tensor> out;
-    for (const ops::NormedProduct& product : products) {
-        std::optional<flops::Uncounted> uncounted;
-        if (!product.counted) uncounted.emplace();
-        out.push_back(flops::linear(normed, product.weight, product.bias));
-    }
+    for (const ops::NormedProduct& product : products) out.push_back(ops::normed_product(normed, product));
     return out;
 }
 

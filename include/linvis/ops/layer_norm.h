@@ -27,6 +27,9 @@ struct NormedProduct {
     bool counted = true;
 };
 
+// One such product of a tensor: flops::linear(x, product.weight, product.bias), counted as product.counted says.
+torch::Tensor normed_product(const torch::Tensor& x, const NormedProduct& product);
+
 // The products of one LayerNorm's output over the last dim C of x: [flops::linear(layer_norm(x), p.weight,
 // p.bias) for p in products], a pre-norm block's first products (qkv; fc1; Vittt's projections). In a graph
 // (Auto on the vectorised targets, Fused) one autograd node keeps x, the per-row mean and rstd, the LayerNorm's

@@ -67,9 +67,7 @@ public:
         torch::autograd::variable_list saved{x, normed.mean, normed.rstd, weight, bias};
         for (size_t p = 0; p < counted.size(); ++p) {
             const size_t at = 3 + 2 * p;
-            std::optional<flops::Uncounted> uncounted;
-            if (counted[p] == 0) uncounted.emplace();
-            outputs.push_back(flops::linear(normed.y, tensors[at], real(at + 1)));
+            outputs.push_back(normed_product(normed.y, {tensors[at], real(at + 1), counted[p] != 0}));
             saved.push_back(tensors[at]);
         }
         ctx->save_for_backward(saved);
@@ -124,6 +122,12 @@ public:
 
 }  // namespace
 
+torch::Tensor normed_product(const torch::Tensor& x, const NormedProduct& product) {
+    std::optional<flops::Uncounted> uncounted;
+    if (!product.counted) uncounted.emplace();
+    return flops::linear(x, product.weight, product.bias);
+}
+
 std::vector<torch::Tensor> layer_norm_linear(const torch::Tensor& x, const torch::Tensor& weight,
                                              const torch::Tensor& bias, double eps,
                                              const std::vector<NormedProduct>& products, Impl impl) {
@@ -141,18 +145,13 @@ std::vector<torch::Tensor> layer_norm_linear(const torch::Tensor& x, const torch
                      shape_string(product.bias.sizes()));
         graph = graph || records_graph({product.weight, product.bias});
     }
-    const auto products_of = [&](const torch::Tensor& normed) {
-        std::vector<torch::Tensor> out;
-        for (const NormedProduct& product : products) {
-            std::optional<flops::Uncounted> uncounted;
-            if (!product.counted) uncounted.emplace();
-            out.push_back(flops::linear(normed, product.weight, product.bias));
-        }
-        return out;
-    };
     if (!graph || !use_fused(impl, "layer_norm_linear", cpu::layer_norm_unsupported(x, {C}, weight, bias),
-                             simd::vectorised()))
-        return products_of(layer_norm(x, {C}, weight, bias, eps, impl));
+                             simd::vectorised())) {
+        const torch::Tensor normed = layer_norm(x, {C}, weight, bias, eps, impl);
+        std::vector<torch::Tensor> out;
+        for (const NormedProduct& product : products) out.push_back(normed_product(normed, product));
+        return out;
+    }
     const torch::Tensor empty = torch::empty({0}, x.options());
     std::vector<torch::Tensor> tensors{x, weight.defined() ? weight : empty, bias.defined() ? bias : empty};
     std::vector<int64_t> present{1, weight.defined(), bias.defined()}, counted;
