@@ -179,8 +179,7 @@ VilBlockImpl::VilBlockImpl(int64_t dim, bool reversed, double drop_path_, ops::M
 }
 
 torch::Tensor VilBlockImpl::forward(const torch::Tensor& x, int64_t grid_h, int64_t grid_w) {
-    LINVIS_CHECK(x.size(-1) == norm->weight.size(0), "ViL LayerNorm: input: expected last dim ", norm->weight.size(0),
-                 ", got ", shape_string(x.sizes()));
+    // NormedInput checks x's last dim against the norm's.
     torch::Tensor branch = layer->forward(NormedInput(x, 1.0 + norm->weight, norm->bias, norm->eps), grid_h, grid_w);
     return add_into(nn::drop_path(branch, drop_path, is_training()), x);
 }

@@ -117,7 +117,7 @@ torch::Tensor MlpImpl::forward(const NormedInput& x, int64_t height, int64_t wid
                           ? ops::gelu_(x.linear(fc1, passes), passes, ops::GeluForm::Erf)
                           : nn::linear_gelu(x.value(), fc1->weight, fc1->bias, ops::GeluForm::Erf, passes);
     y = ops::depthwise_conv2d_tokens(y, height, width, dwc->weight, dwc->bias, ops::DwEpilogue::Residual, impl);
-    return ops::gelu_linear(std::move(y), fc2->weight, fc2->bias, ops::GeluForm::Erf, elementwise_impl(impl));
+    return ops::gelu_linear(std::move(y), fc2->weight, fc2->bias, ops::GeluForm::Erf, passes);
 }
 
 TransformerBlockImpl::TransformerBlockImpl(const TransformerBlockOptions& options, std::shared_ptr<Mixer> mixer)
