@@ -58,6 +58,34 @@ TEST(ActivationCheckpoint, NoGraphMeansAPlainCall) {
     EXPECT_EQ(calls, 1);
 }
 
+// A segment with several inputs and outputs (selective recomputation): an input passed twice, one that needs
+// no gradient, an output the loss does not use. Same gradients as the plain graph, none for the input without.
+TEST(ActivationCheckpoint, SegmentWithSeveralInputsAndOutputs) {
+    const auto run = [](bool checkpointed) {
+        torch::manual_seed(23);
+        torch::Tensor a = torch::randn({4, 6}, torch::requires_grad()), b = torch::randn({4, 6});
+        torch::Tensor w = torch::randn({6, 6}, torch::requires_grad());
+        int calls = 0;
+        const linvis::nn::SegmentFn segment = [&](const std::vector<torch::Tensor>& in) {
+            ++calls;
+            const torch::Tensor h = torch::tanh(torch::mm(in[0] + in[1], w));
+            return std::vector<torch::Tensor>{h * in[2], h.exp(), torch::sigmoid(h)};
+        };
+        const std::vector<torch::Tensor> in{a, a, b};
+        const std::vector<torch::Tensor> out = checkpointed ? linvis::nn::checkpoint(segment, in) : segment(in);
+        EXPECT_EQ(out.size(), 3u);
+        ((out[0] * out[0]).sum() + out[1].sum()).backward();  // out[2] unused: its gradient stays undefined
+        EXPECT_EQ(calls, checkpointed ? 2 : 1);
+        EXPECT_FALSE(b.grad().defined());
+        return std::vector<torch::Tensor>{out[0].detach(), a.grad(), w.grad()};
+    };
+    const std::vector<torch::Tensor> plain = run(false), ckpt = run(true);
+    for (size_t i = 0; i < plain.size(); ++i) {
+        ASSERT_TRUE(ckpt[i].defined()) << "tensor " << i;
+        EXPECT_TRUE(linvis::testing::all_close(ckpt[i], plain[i], 1e-6, 1e-6)) << "tensor " << i;
+    }
+}
+
 class ActivationCheckpointFamily : public ::testing::TestWithParam<std::string> {};
 
 // A training step of a small model with drop path: grad_checkpointing=true gives the plain step's loss and

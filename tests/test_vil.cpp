@@ -14,6 +14,7 @@
 #include "linvis/models/registry.h"
 #include "linvis/nn/vil.h"
 #include "linvis/ops/mlstm.h"
+#include "support/heap.h"
 #include "support/testing.h"
 
 using linvis::models::create_model;
@@ -427,4 +428,58 @@ TEST(Vil, FlopsAt224) {
         std::printf("%s @224: %.4f GMACs\n", name.c_str(), counter.gflops());
         RecordProperty(name + "_gmacs_224", std::to_string(counter.gflops()));
     }
+}
+
+namespace {
+
+// A pair of ViL sub-blocks with the mLSTM segments recomputed in the backward or kept.
+linvis::nn::VilBlockPair vil_pair(bool recompute, linvis::ops::MlstmMode mode, linvis::ops::Impl impl) {
+    linvis::nn::VilBlockPair pair(192, 0.0, mode, linvis::ops::kMlstmDefaultChunkSize, impl);
+    for (linvis::nn::VilBlock* sub : {&pair->rowwise_from_top_left, &pair->rowwise_from_bot_right})
+        (*sub)->layer->recompute_scans = recompute;
+    return pair;
+}
+
+}  // namespace
+
+// recompute_scans (the default in a training graph): the same gradients as keeping the cell's intermediates, in
+// the chunkwise (fused) and parallel (reference) forms, and the graph keeps far less: per sub-block x_mlstm
+// instead of the conv's output, q, k, v, the cell's states and its unnormed output.
+TEST(Vil, RecomputedScansGiveTheSameGradientsAndKeepLess) {
+    using linvis::ops::Impl;
+    using linvis::ops::MlstmMode;
+    const int64_t side = 8, T = side * side, D = 192;
+    for (const auto& [mode, impl] : {std::pair{MlstmMode::Chunkwise, Impl::Auto}, {MlstmMode::Parallel, Impl::Reference}}) {
+        const auto step = [&, mode = mode, impl = impl](bool recompute) {
+            torch::manual_seed(51);
+            linvis::nn::VilBlockPair pair = vil_pair(recompute, mode, impl);
+            torch::Tensor x = torch::randn({2, T, D}, torch::requires_grad());
+            const torch::Tensor r = torch::randn({2, T, D});
+            (pair->forward(x, side, side) * r).sum().backward();
+            std::vector<torch::Tensor> grads{x.grad()};
+            for (const auto& p : pair->named_parameters()) {
+                EXPECT_TRUE(p.value().grad().defined()) << p.key();
+                grads.push_back(p.value().grad());
+            }
+            return grads;
+        };
+        const std::vector<torch::Tensor> kept = step(false), recomputed = step(true);
+        ASSERT_EQ(kept.size(), recomputed.size());
+        for (size_t i = 0; i < kept.size(); ++i)
+            // float32 sums in another order (the recomputation's own kernels): within 1e-5 of the gradient's scale.
+            EXPECT_LE((recomputed[i] - kept[i]).abs().max().item<double>(), 1e-5 * kept[i].abs().max().item<double>())
+                << "gradient " << i << " impl " << static_cast<int>(impl);
+    }
+    // What one pair's graph keeps at 1024 tokens (768 KiB per (1, T, D) float32 tensor).
+    const int64_t big = 32, unit = big * big * D * 4;
+    const auto kept_bytes = [&](bool recompute) {
+        torch::manual_seed(52);
+        linvis::nn::VilBlockPair pair = vil_pair(recompute, MlstmMode::Chunkwise, Impl::Auto);
+        torch::Tensor x = torch::randn({1, big * big, D}, torch::requires_grad());
+        const int64_t before = linvis::testing::heap_bytes_in_use();
+        const torch::Tensor out = pair->forward(x, big, big);
+        return linvis::testing::heap_bytes_in_use() - before;
+    };
+    const int64_t without = kept_bytes(false), with = kept_bytes(true);
+    EXPECT_GE(without - with, 20 * unit) << "kept " << without << " bytes without, " << with << " with";
 }

@@ -9,6 +9,7 @@
 #include "linvis/core/flops.h"
 #include "linvis/models/registry.h"
 #include "linvis/nn/vittt_block.h"
+#include "support/heap.h"
 #include "support/testing.h"
 
 using linvis::models::count_parameters;
@@ -268,4 +269,52 @@ TEST(Vittt, Bfloat16ForwardCloseToFloat32) {
     const double err = linvis::testing::relative_error(bf16, f32);
     std::printf("[ bf16 ] vittt_tiny depth 2 features: relative L2 error %.3e\n", err);
     EXPECT_LT(err, 5e-2);
+}
+
+// recompute_scans (the default in a training graph): the same gradients as keeping every scan intermediate, for
+// both parameter layouts and both implementations, and the graph keeps six token-width tensors less per block.
+TEST(Vittt, RecomputedScansGiveTheSameGradientsAndKeepLess) {
+    const int64_t side = 8, T = side * side, D = 192;
+    for (const bool shared : {false, true}) {
+        for (const linvis::ops::Impl impl : {linvis::ops::Impl::Auto, linvis::ops::Impl::Reference}) {
+            const auto step = [&](bool recompute) {
+                torch::manual_seed(41);
+                linvis::nn::VitttBlockOptions o;
+                o.shared_directions = shared;
+                o.recompute_scans = recompute;
+                o.branch.impl = impl;
+                linvis::nn::VitttBlock block(o);
+                torch::Tensor y = torch::randn({2, T, D}, torch::requires_grad());
+                const torch::Tensor r = torch::randn({2, T, D});
+                (block->forward(y, side, side) * r).sum().backward();
+                std::vector<torch::Tensor> grads{y.grad()};
+                for (const auto& p : block->named_parameters()) {
+                    EXPECT_TRUE(p.value().grad().defined()) << p.key();
+                    grads.push_back(p.value().grad());
+                }
+                return grads;
+            };
+            const std::vector<torch::Tensor> kept = step(false), recomputed = step(true);
+            ASSERT_EQ(kept.size(), recomputed.size());
+            for (size_t i = 0; i < kept.size(); ++i)
+                // float32 sums in another order (the recomputation's own kernels): within 1e-5 of the gradient's scale.
+                EXPECT_LE((recomputed[i] - kept[i]).abs().max().item<double>(), 1e-5 * kept[i].abs().max().item<double>())
+                    << "gradient " << i << " impl " << static_cast<int>(impl) << (shared ? " shared" : " separate");
+        }
+    }
+    // What one block's graph keeps at 1024 tokens (768 KiB per (1, T, D) float32 tensor).
+    const int64_t big = 32, unit = big * big * D * 4;
+    const auto kept_bytes = [&](bool recompute) {
+        torch::manual_seed(42);
+        linvis::nn::VitttBlockOptions o;
+        o.recompute_scans = recompute;
+        linvis::nn::VitttBlock block(o);
+        torch::Tensor y = torch::randn({1, big * big, D}, torch::requires_grad());
+        const int64_t before = linvis::testing::heap_bytes_in_use();
+        const torch::Tensor out = block->forward(y, big, big);
+        return linvis::testing::heap_bytes_in_use() - before;
+    };
+    const int64_t without = kept_bytes(false), with = kept_bytes(true);
+    // Each direction's u, XQ, XK, XV, scan output and state checkpoints (about one tensor) against its u and v.
+    EXPECT_GE(without - with, 6 * unit) << "kept " << without << " bytes without, " << with << " with";
 }

@@ -64,10 +64,15 @@ ModelPtr create_vil(const ModelConfig& cfg, const std::string& name, int64_t emb
                  "vil: impl 'fused' needs mlstm_mode 'chunkwise', got mlstm_mode '", ops::mlstm_mode_name(mode), "'");
     const int64_t chunk_size = cfg.get_int("chunk_size", ops::kMlstmDefaultChunkSize);
     LINVIS_CHECK(chunk_size > 0, "vil: chunk_size: expected > 0, got ", chunk_size);
+    // Block-level checkpointing recomputes whole blocks already: the cells inside need not be recomputed twice.
+    const bool recompute_scans = cfg.get_bool("recompute_scans", !o.grad_checkpointing);
     auto model = std::make_shared<VisionLstm2>(
         o,
         [&](int64_t, double drop_path) {
-            return std::make_shared<nn::VilBlockPairImpl>(o.embed_dim, drop_path, mode, chunk_size, o.impl);
+            auto pair = std::make_shared<nn::VilBlockPairImpl>(o.embed_dim, drop_path, mode, chunk_size, o.impl);
+            for (nn::VilBlock* sub : {&pair->rowwise_from_top_left, &pair->rowwise_from_bot_right})
+                (*sub)->layer->recompute_scans = recompute_scans;
+            return pair;
         },
         torch::nn::AnyModule(nn::ResidualLayerNorm(o.embed_dim, 1e-6)));  // hub eps (1.13)
     // VitPatchEmbed: xavier_uniform on the flattened kernel, zero bias.

@@ -26,6 +26,8 @@ ModelPtr create_vittt(const ModelConfig& config, const std::string& name, int64_
     block.branch.impl = o.impl;
     block.mlp_hidden = 8 * o.embed_dim / 3;
     block.shared_directions = config.get_bool("shared_directions", block.shared_directions);
+    // Block-level checkpointing recomputes whole blocks already: the scans inside need not be recomputed twice.
+    block.recompute_scans = config.get_bool("recompute_scans", !o.grad_checkpointing);
     return std::make_shared<PlainVit>(o, [block](int64_t, double drop_path) mutable {
         block.drop_path = drop_path;
         return std::make_shared<nn::VitttBlockImpl>(block);

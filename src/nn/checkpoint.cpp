@@ -2,6 +2,8 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
+
 #include <mutex>
 #include <utility>
 
@@ -10,9 +12,9 @@
 namespace linvis::nn {
 namespace {
 
-// What the backward needs besides x: the block and the generator state its forward started from.
+// What the backward needs besides the inputs: the segment and the generator state its forward started from.
 struct Recompute : torch::CustomClassHolder {
-    BlockFn fn;
+    SegmentFn fn;
     torch::Tensor rng_state;
 };
 
@@ -30,41 +32,63 @@ void set_cpu_rng_state(const torch::Tensor& state) {
 
 class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
 public:
-    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
-                                 c10::intrusive_ptr<Recompute> recompute) {
+    static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::TensorList inputs,
+                                                  c10::intrusive_ptr<Recompute> recompute) {
         recompute->rng_state = cpu_rng_state();
-        ctx->save_for_backward({x});
+        ctx->save_for_backward(inputs.vec());
         ctx->saved_data["recompute"] = c10::IValue::make_capsule(recompute);
         torch::NoGradGuard no_grad;
-        return recompute->fn(x);
+        return recompute->fn(inputs.vec());
     }
 
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                    torch::autograd::variable_list grads) {
-        const torch::Tensor x = ctx->get_saved_variables()[0];
         auto recompute = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
+        std::vector<torch::Tensor> inputs;
+        for (const torch::Tensor& saved : ctx->get_saved_variables())
+            inputs.push_back(saved.detach().requires_grad_(saved.requires_grad()));
         const torch::Tensor rng_after = cpu_rng_state();
         set_cpu_rng_state(recompute->rng_state);
-        torch::Tensor input = x.detach().requires_grad_(true);
-        torch::Tensor output;
+        std::vector<torch::Tensor> outputs;
         {
             torch::AutoGradMode grad(true);
-            output = recompute->fn(input);
+            outputs = recompute->fn(inputs);
         }
         set_cpu_rng_state(rng_after);
-        LINVIS_CHECK(output.requires_grad(), "checkpoint: the recomputed block does not depend on its input");
-        torch::autograd::backward({output}, {grads[0]});
-        return {input.grad(), torch::Tensor()};
+        LINVIS_CHECK(outputs.size() == grads.size(), "checkpoint: the recomputed segment returned ", outputs.size(),
+                     " tensors, the first run ", grads.size());
+        std::vector<torch::Tensor> differentiable, their_grads;
+        for (size_t i = 0; i < outputs.size(); ++i) {
+            if (!grads[i].defined() || !outputs[i].requires_grad()) continue;
+            differentiable.push_back(outputs[i]);
+            their_grads.push_back(grads[i]);
+        }
+        LINVIS_CHECK(!differentiable.empty() || std::none_of(grads.begin(), grads.end(),
+                                                             [](const torch::Tensor& g) { return g.defined(); }),
+                     "checkpoint: the recomputed segment does not depend on its inputs");
+        if (!differentiable.empty()) torch::autograd::backward(differentiable, their_grads);
+        torch::autograd::variable_list input_grads;
+        for (const torch::Tensor& input : inputs)
+            input_grads.push_back(input.requires_grad() ? input.grad() : torch::Tensor());
+        input_grads.emplace_back();  // the recompute capsule
+        return input_grads;
     }
 };
 
 }  // namespace
 
-torch::Tensor checkpoint(BlockFn fn, const torch::Tensor& x) {
-    if (!torch::GradMode::is_enabled() || !x.requires_grad()) return fn(x);
+std::vector<torch::Tensor> checkpoint(SegmentFn fn, const std::vector<torch::Tensor>& inputs) {
+    const bool any_grad = std::any_of(inputs.begin(), inputs.end(),
+                                      [](const torch::Tensor& t) { return t.defined() && t.requires_grad(); });
+    if (!torch::GradMode::is_enabled() || !any_grad) return fn(inputs);
     auto recompute = c10::make_intrusive<Recompute>();
     recompute->fn = std::move(fn);
-    return CheckpointFunction::apply(x, recompute);
+    return CheckpointFunction::apply(torch::TensorList(inputs), recompute);
+}
+
+torch::Tensor checkpoint(BlockFn fn, const torch::Tensor& x) {
+    return checkpoint([fn = std::move(fn)](const std::vector<torch::Tensor>& in) { return std::vector{fn(in[0])}; },
+                      std::vector<torch::Tensor>{x})[0];
 }
 
 torch::Tensor checkpoint_if(bool enabled, BlockFn fn, const torch::Tensor& x) {

@@ -1,4 +1,5 @@
 // ViL layers; see linvis/nn/vil.h and spec vil_official.md section 1.
+#include "linvis/nn/checkpoint.h"
 #include "linvis/nn/common.h"
 #include "linvis/nn/vil.h"
 
@@ -129,6 +130,18 @@ VilLayerImpl::VilLayerImpl(int64_t dim, bool reversed_, ops::MlstmMode mode, int
     proj_down->bias.zero_();
 }
 
+torch::Tensor VilLayerImpl::cell_and_skip(torch::Tensor x_mlstm, int64_t grid_h, int64_t grid_w) {
+    // silu(conv(x_mlstm)) on the token grid
+    torch::Tensor x_act = ops::depthwise_conv2d_tokens(x_mlstm, grid_h, grid_w, conv->weight, conv->bias,
+                                                       ops::DwEpilogue::Silu, impl);
+    torch::Tensor v = v_proj->forward(x_mlstm);
+    x_mlstm = torch::Tensor();
+    torch::Tensor h_tilde = mlstm_cell->forward(q_proj->forward(x_act), k_proj->forward(x_act), v);
+    // h_tilde is fresh: outside a graph the sum goes into it.
+    return can_overwrite({h_tilde, learnable_skip, x_act}) ? h_tilde.addcmul_(learnable_skip, x_act)
+                                                            : h_tilde + learnable_skip * x_act;
+}
+
 torch::Tensor VilLayerImpl::forward(const NormedInput& in, int64_t grid_h, int64_t grid_w) {
     const int64_t S = in.input().size(1), I = inner_dim;
     LINVIS_CHECK(S == grid_h * grid_w, "ViLLayer: input: expected ", grid_h, "x", grid_w, " = ", grid_h * grid_w,
@@ -149,21 +162,22 @@ torch::Tensor VilLayerImpl::forward(const NormedInput& in, int64_t grid_h, int64
         normed = order(in.value());
         x_mlstm = flops::linear(normed, halves[0].weight, halves[0].bias);
     }
-    torch::Tensor x_act, h_tilde;
-    {
-        x_act = ops::depthwise_conv2d_tokens(x_mlstm, grid_h, grid_w, conv->weight, conv->bias,
-                                             ops::DwEpilogue::Silu, impl);  // silu(conv(x_mlstm)) on the token grid
-        torch::Tensor v = v_proj->forward(x_mlstm);
+    torch::Tensor skipped;
+    if (recompute_scans && !can_overwrite({x_mlstm})) {
+        // The graph keeps x_mlstm only; the conv, q, k, v, the cell and the skip run again in the backward.
+        // Holds this layer by value: the backward runs the segment after this frame is gone.
+        auto self = std::static_pointer_cast<VilLayerImpl>(shared_from_this());
+        skipped = checkpoint(
+            [self, grid_h, grid_w](const std::vector<torch::Tensor>& in) {
+                return std::vector<torch::Tensor>{self->cell_and_skip(in[0], grid_h, grid_w)};
+            },
+            std::vector<torch::Tensor>{x_mlstm})[0];
         x_mlstm = torch::Tensor();
-        h_tilde = mlstm_cell->forward(q_proj->forward(x_act), k_proj->forward(x_act), v);
+    } else {
+        skipped = cell_and_skip(std::move(x_mlstm), grid_h, grid_w);
     }
     if (!z.defined()) z = flops::linear(normed, halves[1].weight, halves[1].bias);
     normed = torch::Tensor();
-    // (h_tilde + skip * x_act) * silu(z): h_tilde and z are fresh, the sum goes into h_tilde, the gated product
-    // into z outside a graph.
-    torch::Tensor skipped = can_overwrite({h_tilde, learnable_skip, x_act}) ? h_tilde.addcmul_(learnable_skip, x_act)
-                                                                             : h_tilde + learnable_skip * x_act;
-    x_act = h_tilde = torch::Tensor();
     // In a graph the gated product is not kept for backward (ops::gated_linear).
     torch::Tensor y = ops::gated_linear(std::move(z), skipped, proj_down->weight, proj_down->bias,
                                         ops::GateActivation::Silu, elementwise_impl(impl));

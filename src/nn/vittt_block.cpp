@@ -2,6 +2,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "linvis/nn/checkpoint.h"
 #include "linvis/nn/common.h"
 #include "linvis/nn/probe.h"
 
@@ -224,32 +225,36 @@ torch::Tensor VitttBlockImpl::drop_path(const torch::Tensor& x) const {
     return nn::drop_path(x, options_.drop_path, is_training());
 }
 
+namespace {
+
+// Both directions' scans in one call (their heads share the cores, ops::ttt_linear_many): forth's post-normed
+// output, and back's left in scan order (tokens reversed), for a merge that reads it so.
+std::pair<torch::Tensor, torch::Tensor> scan_both(TttLinearBranchImpl& forth, TttLinearBranchImpl& back,
+                                                  std::vector<ops::TttLinearInputs> inputs, torch::Tensor* norms_forth,
+                                                  torch::Tensor* norms_back) {
+    std::vector<ops::TttLinearResult> scanned = ops::ttt_linear_many(
+        inputs, forth.scan_options(norms_forth != nullptr || norms_back != nullptr), forth.options().impl);
+    inputs.clear();
+    if (norms_forth != nullptr) *norms_forth = scanned[0].grad_norms;
+    if (norms_back != nullptr) *norms_back = torch::flip(scanned[1].grad_norms, {2});
+    torch::Tensor z_forth = forth.output(scanned[0]);
+    scanned[0] = {};
+    return {z_forth, back.output(scanned[1])};
+}
+
+}  // namespace
+
 std::pair<torch::Tensor, torch::Tensor> VitttBlockImpl::mixer_branches(torch::Tensor x,
                                                                        torch::Tensor* norms_forth,
                                                                        torch::Tensor* norms_back) {
-    auto [z_forth, z_back_reversed] = scan_directions(direction_inputs(std::move(x)), norms_forth, norms_back);
+    auto [z_forth, z_back_reversed] =
+        scan_both(*forth_branch(), *back_branch(), direction_inputs(std::move(x)), norms_forth, norms_back);
     return {z_forth, torch::flip(z_back_reversed, {1})};
 }
 
 std::vector<ops::TttLinearInputs> VitttBlockImpl::direction_inputs(torch::Tensor x) {
     // x dies on return: the scans need only their inputs (autograd keeps what backward needs).
     return {forth_branch()->scan_inputs(x), back_branch()->scan_inputs(x, /*reversed=*/true)};
-}
-
-std::pair<torch::Tensor, torch::Tensor> VitttBlockImpl::scan_directions(std::vector<ops::TttLinearInputs> inputs,
-                                                                        torch::Tensor* norms_forth,
-                                                                        torch::Tensor* norms_back) {
-    // Both directions' scans in one call: their heads share the cores (ops::ttt_linear_many).
-    TttLinearBranchImpl& forth_ = *forth_branch();
-    TttLinearBranchImpl& back_ = *back_branch();
-    std::vector<ops::TttLinearResult> scanned = ops::ttt_linear_many(
-        inputs, forth_.scan_options(norms_forth != nullptr || norms_back != nullptr), forth_.options().impl);
-    inputs.clear();
-    if (norms_forth != nullptr) *norms_forth = scanned[0].grad_norms;
-    if (norms_back != nullptr) *norms_back = torch::flip(scanned[1].grad_norms, {2});
-    torch::Tensor z_forth = forth_.output(scanned[0]);
-    scanned[0] = {};
-    return {z_forth, back_.output(scanned[1])};
 }
 
 torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int64_t w) {
@@ -268,36 +273,53 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
 torch::Tensor VitttBlockImpl::mixer(const torch::Tensor& y) {
     // The mixer's temporaries (x, gate, both directions) live in this frame only: none is alive in the MLP.
     const ops::Impl impl = elementwise_impl(options_.branch.impl);
+    nn::Probe* probe_forth = probing("ttt.grad_norms.forth");
+    nn::Probe* probe_back = probing("ttt.grad_norms.back");
+    torch::Tensor norms_forth, norms_back;
+    torch::Tensor* want_forth = probe_forth ? &norms_forth : nullptr;
+    torch::Tensor* want_back = probe_back ? &norms_back : nullptr;
     // In a graph the gate stays a pre-activation: ops::gated_linear recomputes its GELU and the gated product in
     // the backward instead of the graph keeping both (two (B, T, D) tensors per block). Every product of norm1's
     // output is one NormedInput::linear, so the graph keeps y and not the normalised copy either.
     const bool graph = !can_overwrite({y, g_proj->weight, o_proj->weight});
-    torch::Tensor gate;
-    std::vector<ops::TttLinearInputs> inputs;
+    torch::Tensor gate, z_forth, z_back_reversed;
     if (graph) {
-        TttLinearBranchImpl &forth_ = *forth_branch(), &back_ = *back_branch();
         std::vector<ops::NormedProduct> products{{g_proj->weight, g_proj->bias}};
-        for (const ops::NormedProduct& p : forth_.products()) products.push_back(p);
+        for (const ops::NormedProduct& p : forth_branch()->products()) products.push_back(p);
         // One branch for both directions (v1): its products serve both.
         if (!options_.shared_directions)
-            for (const ops::NormedProduct& p : back_.products()) products.push_back(p);
+            for (const ops::NormedProduct& p : back_branch()->products()) products.push_back(p);
         std::vector<torch::Tensor> out = NormedInput(norm1, y).linear(products, impl);
         gate = out[0];
-        const std::vector<torch::Tensor> of_forth(out.begin() + 1, out.begin() + 4);
-        const std::vector<torch::Tensor> of_back = options_.shared_directions
-                                                       ? of_forth
-                                                       : std::vector<torch::Tensor>(out.begin() + 4, out.end());
-        inputs = {forth_.scan_inputs(of_forth), back_.scan_inputs(of_back, /*reversed=*/true)};
+        const std::vector<torch::Tensor> of_scans(out.begin() + 1, out.end());
+        out.clear();
+        // From the products (u, v, lr logits of each direction) to both post-normed outputs. Holds the branches
+        // by value: a recomputing backward runs it after this frame is gone.
+        const auto scans = [forth_ = forth_branch().ptr(), back_ = back_branch().ptr(), shared = options_.shared_directions](
+                               torch::Tensor* norms_f, torch::Tensor* norms_b) -> SegmentFn {
+            return [=](const std::vector<torch::Tensor>& p) {
+                const std::vector<torch::Tensor> of_forth(p.begin(), p.begin() + 3);
+                const std::vector<torch::Tensor> of_back =
+                    shared ? of_forth : std::vector<torch::Tensor>(p.begin() + 3, p.end());
+                auto [z_f, z_b] = scan_both(*forth_, *back_,
+                                            {forth_->scan_inputs(of_forth), back_->scan_inputs(of_back, true)},
+                                            norms_f, norms_b);
+                return std::vector<torch::Tensor>{z_f, z_b};
+            };
+        };
+        // Recomputed in the backward (not under a probe, which reads the norms of this run): the graph keeps the
+        // six products instead of each direction's flipped u, XQ, XK, XV, state checkpoints and scan output.
+        const bool recompute = options_.recompute_scans && probe_forth == nullptr && probe_back == nullptr;
+        const std::vector<torch::Tensor> z =
+            recompute ? checkpoint(scans(nullptr, nullptr), of_scans) : scans(want_forth, want_back)(of_scans);
+        z_forth = z[0];
+        z_back_reversed = z[1];
     } else {
         torch::Tensor x = nn::layer_norm(norm1, y);
         gate = nn::linear_gelu(x, g_proj->weight, g_proj->bias, ops::GeluForm::Tanh, impl);
-        inputs = direction_inputs(std::move(x));
+        std::tie(z_forth, z_back_reversed) =
+            scan_both(*forth_branch(), *back_branch(), direction_inputs(std::move(x)), want_forth, want_back);
     }
-    nn::Probe* probe_forth = probing("ttt.grad_norms.forth");
-    nn::Probe* probe_back = probing("ttt.grad_norms.back");
-    torch::Tensor norms_forth, norms_back;
-    auto [z_forth, z_back_reversed] = scan_directions(std::move(inputs), probe_forth ? &norms_forth : nullptr,
-                                                      probe_back ? &norms_back : nullptr);
     if (probe_forth) probe_forth->record("ttt.grad_norms.forth", norms_forth);
     if (probe_back) probe_back->record("ttt.grad_norms.back", norms_back);
     if (graph)

@@ -86,6 +86,13 @@ public:
     bool reversed;
     int64_t inner_dim;
     ops::Impl impl;  // of the conv (ops::depthwise_conv2d_tokens)
+    // In a training graph the conv, q, k, v, the mLSTM cell and the skip run again in the backward from x_mlstm,
+    // which the graph keeps instead of their intermediates (nn::checkpoint; the model option recompute_scans).
+    bool recompute_scans = false;
+
+private:
+    // h_tilde + learnable_skip * silu(conv(x_mlstm)), h_tilde the cell's normed output.
+    torch::Tensor cell_and_skip(torch::Tensor x_mlstm, int64_t grid_h, int64_t grid_w);
 };
 TORCH_MODULE(VilLayer);
 

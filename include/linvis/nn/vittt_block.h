@@ -87,6 +87,10 @@ struct VitttBlockOptions {
     double norm_eps = 1e-6;
     double drop_path = 0.0;           // stochastic depth on both residual branches (training only)
     bool shared_directions = false;   // v1 ("W0^1"): one branch used for both directions
+    // In a training graph both directions' scans (causal convs, TTT-Linear, post_norm) run again in the
+    // backward from the products of norm1's output, which the graph keeps instead of each direction's
+    // intermediates: six (B, T, D) tensors less per block for one more scan forward (docs/performance.md).
+    bool recompute_scans = true;
 };
 
 // Vittt block on (B, T, D) tokens of an h x w grid (row-major):
@@ -123,10 +127,6 @@ private:
     torch::Tensor mixer(const torch::Tensor& y);  // o_proj(gate * Z) from y (see above)
     // Both directions' scan inputs from x (taken by value: a caller that moves it in lets it go here).
     std::vector<ops::TttLinearInputs> direction_inputs(torch::Tensor x);
-    // Both directions' scans in one call: forth's output, and back's left in scan order (tokens reversed), for a
-    // merge that reads it so.
-    std::pair<torch::Tensor, torch::Tensor> scan_directions(std::vector<ops::TttLinearInputs> inputs,
-                                                            torch::Tensor* norms_forth, torch::Tensor* norms_back);
     VitttBlockOptions options_;
 };
 TORCH_MODULE(VitttBlock);
