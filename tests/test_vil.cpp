@@ -448,38 +448,29 @@ linvis::nn::VilBlockPair vil_pair(bool recompute, linvis::ops::MlstmMode mode, l
 TEST(Vil, RecomputedScansGiveTheSameGradientsAndKeepLess) {
     using linvis::ops::Impl;
     using linvis::ops::MlstmMode;
-    const int64_t side = 8, T = side * side, D = 192;
+    const int64_t D = 192;
     for (const auto& [mode, impl] : {std::pair{MlstmMode::Chunkwise, Impl::Auto}, {MlstmMode::Parallel, Impl::Reference}}) {
-        const auto step = [&, mode = mode, impl = impl](bool recompute) {
+        std::vector<torch::Tensor> grads[2];
+        for (const bool recompute : {false, true}) {
             torch::manual_seed(51);
             linvis::nn::VilBlockPair pair = vil_pair(recompute, mode, impl);
-            torch::Tensor x = torch::randn({2, T, D}, torch::requires_grad());
-            const torch::Tensor r = torch::randn({2, T, D});
-            (pair->forward(x, side, side) * r).sum().backward();
-            std::vector<torch::Tensor> grads{x.grad()};
-            for (const auto& p : pair->named_parameters()) {
-                EXPECT_TRUE(p.value().grad().defined()) << p.key();
-                grads.push_back(p.value().grad());
-            }
-            return grads;
-        };
-        const std::vector<torch::Tensor> kept = step(false), recomputed = step(true);
-        ASSERT_EQ(kept.size(), recomputed.size());
-        for (size_t i = 0; i < kept.size(); ++i)
+            torch::manual_seed(52);
+            grads[recompute] = linvis::testing::input_and_parameter_grads(
+                *pair, torch::randn({2, 64, D}), [&](const torch::Tensor& x) { return pair->forward(x, 8, 8); });
+        }
+        ASSERT_EQ(grads[0].size(), grads[1].size());
+        for (size_t i = 0; i < grads[0].size(); ++i)
             // float32 sums in another order (the recomputation's own kernels): within 1e-5 of the gradient's scale.
-            EXPECT_LE((recomputed[i] - kept[i]).abs().max().item<double>(), 1e-5 * kept[i].abs().max().item<double>())
+            EXPECT_LE((grads[1][i] - grads[0][i]).abs().max().item<double>(), 1e-5 * grads[0][i].abs().max().item<double>())
                 << "gradient " << i << " impl " << static_cast<int>(impl);
     }
     // What one pair's graph keeps at 1024 tokens (768 KiB per (1, T, D) float32 tensor).
-    const int64_t big = 32, unit = big * big * D * 4;
-    const auto kept_bytes = [&](bool recompute) {
-        torch::manual_seed(52);
+    const int64_t side = 32, unit = side * side * D * 4;
+    const torch::Tensor x = torch::randn({1, side * side, D}, torch::requires_grad());
+    int64_t kept[2];
+    for (const bool recompute : {false, true}) {
         linvis::nn::VilBlockPair pair = vil_pair(recompute, MlstmMode::Chunkwise, Impl::Auto);
-        torch::Tensor x = torch::randn({1, big * big, D}, torch::requires_grad());
-        const int64_t before = linvis::testing::heap_bytes_in_use();
-        const torch::Tensor out = pair->forward(x, big, big);
-        return linvis::testing::heap_bytes_in_use() - before;
-    };
-    const int64_t without = kept_bytes(false), with = kept_bytes(true);
-    EXPECT_GE(without - with, 20 * unit) << "kept " << without << " bytes without, " << with << " with";
+        kept[recompute] = linvis::testing::bytes_kept_by([&] { return pair->forward(x, side, side); });
+    }
+    EXPECT_GE(kept[0] - kept[1], 20 * unit) << "kept " << kept[0] << " bytes without, " << kept[1] << " with";
 }

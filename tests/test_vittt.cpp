@@ -274,47 +274,40 @@ TEST(Vittt, Bfloat16ForwardCloseToFloat32) {
 // recompute_scans (the default in a training graph): the same gradients as keeping every scan intermediate, for
 // both parameter layouts and both implementations, and the graph keeps six token-width tensors less per block.
 TEST(Vittt, RecomputedScansGiveTheSameGradientsAndKeepLess) {
-    const int64_t side = 8, T = side * side, D = 192;
+    const int64_t D = 192;
+    const auto block_of = [](bool recompute, bool shared, linvis::ops::Impl impl) {
+        torch::manual_seed(41);
+        linvis::nn::VitttBlockOptions o;
+        o.shared_directions = shared;
+        o.recompute_scans = recompute;
+        o.branch.impl = impl;
+        return linvis::nn::VitttBlock(o);
+    };
     for (const bool shared : {false, true}) {
         for (const linvis::ops::Impl impl : {linvis::ops::Impl::Auto, linvis::ops::Impl::Reference}) {
-            const auto step = [&](bool recompute) {
-                torch::manual_seed(41);
-                linvis::nn::VitttBlockOptions o;
-                o.shared_directions = shared;
-                o.recompute_scans = recompute;
-                o.branch.impl = impl;
-                linvis::nn::VitttBlock block(o);
-                torch::Tensor y = torch::randn({2, T, D}, torch::requires_grad());
-                const torch::Tensor r = torch::randn({2, T, D});
-                (block->forward(y, side, side) * r).sum().backward();
-                std::vector<torch::Tensor> grads{y.grad()};
-                for (const auto& p : block->named_parameters()) {
-                    EXPECT_TRUE(p.value().grad().defined()) << p.key();
-                    grads.push_back(p.value().grad());
-                }
-                return grads;
-            };
-            const std::vector<torch::Tensor> kept = step(false), recomputed = step(true);
-            ASSERT_EQ(kept.size(), recomputed.size());
-            for (size_t i = 0; i < kept.size(); ++i)
+            std::vector<torch::Tensor> grads[2];
+            for (const bool recompute : {false, true}) {
+                linvis::nn::VitttBlock block = block_of(recompute, shared, impl);
+                torch::manual_seed(42);
+                grads[recompute] = linvis::testing::input_and_parameter_grads(
+                    *block, torch::randn({2, 64, D}), [&](const torch::Tensor& y) { return block->forward(y, 8, 8); });
+            }
+            ASSERT_EQ(grads[0].size(), grads[1].size());
+            for (size_t i = 0; i < grads[0].size(); ++i)
                 // float32 sums in another order (the recomputation's own kernels): within 1e-5 of the gradient's scale.
-                EXPECT_LE((recomputed[i] - kept[i]).abs().max().item<double>(), 1e-5 * kept[i].abs().max().item<double>())
+                EXPECT_LE((grads[1][i] - grads[0][i]).abs().max().item<double>(),
+                          1e-5 * grads[0][i].abs().max().item<double>())
                     << "gradient " << i << " impl " << static_cast<int>(impl) << (shared ? " shared" : " separate");
         }
     }
     // What one block's graph keeps at 1024 tokens (768 KiB per (1, T, D) float32 tensor).
-    const int64_t big = 32, unit = big * big * D * 4;
-    const auto kept_bytes = [&](bool recompute) {
-        torch::manual_seed(42);
-        linvis::nn::VitttBlockOptions o;
-        o.recompute_scans = recompute;
-        linvis::nn::VitttBlock block(o);
-        torch::Tensor y = torch::randn({1, big * big, D}, torch::requires_grad());
-        const int64_t before = linvis::testing::heap_bytes_in_use();
-        const torch::Tensor out = block->forward(y, big, big);
-        return linvis::testing::heap_bytes_in_use() - before;
-    };
-    const int64_t without = kept_bytes(false), with = kept_bytes(true);
+    const int64_t side = 32, unit = side * side * D * 4;
+    const torch::Tensor y = torch::randn({1, side * side, D}, torch::requires_grad());
+    int64_t kept[2];
+    for (const bool recompute : {false, true}) {
+        linvis::nn::VitttBlock block = block_of(recompute, false, linvis::ops::Impl::Auto);
+        kept[recompute] = linvis::testing::bytes_kept_by([&] { return block->forward(y, side, side); });
+    }
     // Each direction's u, XQ, XK, XV, scan output and state checkpoints (about one tensor) against its u and v.
-    EXPECT_GE(without - with, 6 * unit) << "kept " << without << " bytes without, " << with << " with";
+    EXPECT_GE(kept[0] - kept[1], 6 * unit) << "kept " << kept[0] << " bytes without, " << kept[1] << " with";
 }

@@ -15,4 +15,12 @@ inline int64_t heap_bytes_in_use() {
     return static_cast<int64_t>(m.uordblks + m.hblkhd);
 }
 
+// What fn's result keeps alive (with an autograd graph: the graph's saved tensors and the result itself).
+template <typename Fn>
+int64_t bytes_kept_by(Fn&& fn) {
+    const int64_t before = heap_bytes_in_use();
+    const auto kept = fn();
+    return heap_bytes_in_use() - before;
+}
+
 }  // namespace linvis::testing

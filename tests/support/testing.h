@@ -35,6 +35,21 @@ inline ::testing::AssertionResult all_close(const torch::Tensor& actual, const t
     return ::testing::AssertionSuccess();
 }
 
+// The gradients of sum(forward(x) * r), r random, of x and then of every parameter of `module` in order: a
+// backward with no special structure, for comparing two ways of computing a block. Every parameter must get one.
+inline std::vector<torch::Tensor> input_and_parameter_grads(torch::nn::Module& module, torch::Tensor x,
+                                                            const std::function<torch::Tensor(const torch::Tensor&)>& forward) {
+    x = x.detach().requires_grad_(true);
+    const torch::Tensor y = forward(x);
+    (y * torch::randn_like(y)).sum().backward();
+    std::vector<torch::Tensor> grads{x.grad()};
+    for (const auto& p : module.named_parameters()) {
+        EXPECT_TRUE(p.value().grad().defined()) << p.key() << " got no gradient";
+        grads.push_back(p.value().grad());
+    }
+    return grads;
+}
+
 // Relative L2 error ||a - e|| / ||e||.
 inline double relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
     auto a = actual.detach().to(torch::kFloat64);
