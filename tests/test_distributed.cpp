@@ -289,6 +289,12 @@ TEST(DistributedTraining, TwoProcessesMatchOneOnTheSameGlobalBatchDeit) {
                                    2e-4);
 }
 
+// Vittt recomputes its scans in the backward (recompute_scans): the parameters inside the recomputed segment
+// get their gradients from a backward run within the backward, and the reducer must see each of them once.
+TEST(DistributedTraining, TwoProcessesMatchOneWithRecomputedScans) {
+    expect_two_processes_match_one("vittt_tiny", " --model-kwargs depth=2 embed_dim=32 num_heads=2", 4, 2e-4);
+}
+
 // H-ViT3 has BatchNorm: its statistics must be those of the global batch.
 TEST(DistributedTraining, TwoProcessesMatchOneWithSynchronisedBatchNorm) {
     expect_two_processes_match_one("hvit3_tiny",
