@@ -473,4 +473,8 @@ TEST(Vil, RecomputedScansGiveTheSameGradientsAndKeepLess) {
         kept[recompute] = linvis::testing::bytes_kept_by([&] { return pair->forward(x, side, side); });
     }
     EXPECT_GE(kept[0] - kept[1], 20 * unit) << "kept " << kept[0] << " bytes without, " << kept[1] << " with";
+    // Only a training step recomputes: an eval-mode graph (an explanation's input gradient) keeps everything.
+    linvis::nn::VilBlockPair pair = vil_pair(true, MlstmMode::Chunkwise, Impl::Auto);
+    pair->eval();
+    EXPECT_GE(linvis::testing::bytes_kept_by([&] { return pair->forward(x, side, side); }), kept[0] - unit);
 }

@@ -310,4 +310,8 @@ TEST(Vittt, RecomputedScansGiveTheSameGradientsAndKeepLess) {
     }
     // Each direction's u, XQ, XK, XV, scan output and state checkpoints (about one tensor) against its u and v.
     EXPECT_GE(kept[0] - kept[1], 6 * unit) << "kept " << kept[0] << " bytes without, " << kept[1] << " with";
+    // Only a training step recomputes: an eval-mode graph (an explanation's input gradient) keeps everything.
+    linvis::nn::VitttBlock block = block_of(true, false, linvis::ops::Impl::Auto);
+    block->eval();
+    EXPECT_GE(linvis::testing::bytes_kept_by([&] { return block->forward(y, side, side); }), kept[0] - unit);
 }

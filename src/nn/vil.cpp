@@ -163,8 +163,9 @@ torch::Tensor VilLayerImpl::forward(const NormedInput& in, int64_t grid_h, int64
         x_mlstm = flops::linear(normed, halves[0].weight, halves[0].bias);
     }
     torch::Tensor skipped;
-    if (recompute_scans && !can_overwrite({x_mlstm})) {
-        // The graph keeps x_mlstm only; the conv, q, k, v, the cell and the skip run again in the backward.
+    if (recompute_scans && is_training() && !can_overwrite({x_mlstm})) {
+        // The graph of a training step keeps x_mlstm only; the conv, q, k, v, the cell and the skip run again in
+        // the backward. An eval-mode graph (an input gradient for an explanation) keeps everything.
         // Holds this layer by value: the backward runs the segment after this frame is gone.
         auto self = std::static_pointer_cast<VilLayerImpl>(shared_from_this());
         skipped = checkpoint(

@@ -307,9 +307,11 @@ torch::Tensor VitttBlockImpl::mixer(const torch::Tensor& y) {
                 return std::vector<torch::Tensor>{z_f, z_b};
             };
         };
-        // Recomputed in the backward (not under a probe, which reads the norms of this run): the graph keeps the
-        // six products instead of each direction's flipped u, XQ, XK, XV, state checkpoints and scan output.
-        const bool recompute = options_.recompute_scans && probe_forth == nullptr && probe_back == nullptr;
+        // Recomputed in the backward of a training step (not under a probe, which reads the norms of this run):
+        // the graph keeps the six products instead of each direction's flipped u, XQ, XK, XV, state checkpoints
+        // and scan output. An eval-mode graph (an input gradient for an explanation) keeps everything.
+        const bool recompute =
+            options_.recompute_scans && is_training() && probe_forth == nullptr && probe_back == nullptr;
         const std::vector<torch::Tensor> z =
             recompute ? checkpoint(scans(nullptr, nullptr), of_scans) : scans(want_forth, want_back)(of_scans);
         z_forth = z[0];

@@ -22,7 +22,8 @@ using SegmentFn = std::function<std::vector<torch::Tensor>(const std::vector<tor
 // fn (drop path) draw the same values twice. Plain fn(inputs) when no graph is being recorded or no input
 // requires grad (the checkpoint could then not route gradients to fn's parameters). fn runs without a graph
 // the first time, so it must not write into its inputs (they are the recomputation's), nor change module state
-// that its second run would change again (BatchNorm running statistics do). Not twice differentiable.
+// that its second run would change again (BatchNorm running statistics do). Not twice differentiable, and the
+// parameters' gradients go into their .grad even when the caller asked torch::autograd::grad for others only.
 std::vector<torch::Tensor> checkpoint(SegmentFn fn, const std::vector<torch::Tensor>& inputs);
 
 // The one-input, one-output form: a block of a model.

@@ -86,8 +86,9 @@ public:
     bool reversed;
     int64_t inner_dim;
     ops::Impl impl;  // of the conv (ops::depthwise_conv2d_tokens)
-    // In a training graph the conv, q, k, v, the mLSTM cell and the skip run again in the backward from x_mlstm,
-    // which the graph keeps instead of their intermediates (nn::checkpoint; the model option recompute_scans).
+    // In a training step's graph (training mode) the conv, q, k, v, the mLSTM cell and the skip run again in the
+    // backward from x_mlstm, which the graph keeps instead of their intermediates (nn::checkpoint; the model
+    // option recompute_scans).
     bool recompute_scans = false;
 
 private:

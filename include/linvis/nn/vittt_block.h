@@ -87,9 +87,10 @@ struct VitttBlockOptions {
     double norm_eps = 1e-6;
     double drop_path = 0.0;           // stochastic depth on both residual branches (training only)
     bool shared_directions = false;   // v1 ("W0^1"): one branch used for both directions
-    // In a training graph both directions' scans (causal convs, TTT-Linear, post_norm) run again in the
-    // backward from the products of norm1's output, which the graph keeps instead of each direction's
-    // intermediates: six (B, T, D) tensors less per block for one more scan forward (docs/performance.md).
+    // In a training step's graph (training mode) both directions' scans (causal convs, TTT-Linear, post_norm)
+    // run again in the backward from the products of norm1's output, which the graph keeps instead of each
+    // direction's intermediates: eight (B, T, D) tensors less per block for one more scan forward
+    // (docs/performance.md).
     bool recompute_scans = true;
 };
 
