@@ -8,6 +8,8 @@
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/models/registry.h"
+#include "linvis/nn/batch_norm.h"
+#include "linvis/nn/vit3_layers.h"
 #include "support/testing.h"
 
 using namespace linvis::models;
@@ -259,4 +261,47 @@ TEST(HVit3, IntermediatesAreMultiScale) {
     EXPECT_TRUE(all_close(model->forward_features(x), outs[3] / std::sqrt(1.0 + 1e-5), 1e-5, 1e-6));
     EXPECT_EQ(model->forward_head(model->forward_features(x), true).sizes(), (Shape{2, 512}));
     EXPECT_EQ(model->num_features(), 512);
+}
+
+// H-ViT3's conv layers in inference write the eval-mode BatchNorm and the ReLU into the conv's output: the same values
+// as LibTorch's BatchNorm and ReLU; batch_norm_eval_into declines (x untouched) wherever it must not write.
+TEST(HVit3, ConvLayerNormAndReluInPlaceInInference) {
+    torch::manual_seed(61);
+    linvis::nn::Vit3ConvLayer layer(5, 6, 3, 1, 1, 1, false, true, true);
+    {
+        torch::NoGradGuard no_grad;
+        layer->norm->running_mean.normal_();
+        layer->norm->running_var.uniform_(0.5, 2.0);
+        layer->norm->weight.normal_();
+        layer->norm->bias.normal_();
+    }
+    layer->eval();
+    const torch::Tensor x = torch::randn({2, 5, 7, 9});
+    const torch::Tensor expected =
+        torch::relu(layer->norm->forward(torch::conv2d(x, layer->conv->weight, {}, 1, 1))).detach();
+    torch::Tensor got;
+    {
+        torch::NoGradGuard no_grad;
+        got = layer->forward(x);
+    }
+    EXPECT_TRUE(all_close(got, expected, 1e-6, 1e-6));
+    EXPECT_TRUE(all_close(layer->forward(x), expected, 1e-6, 1e-6));  // with a graph: LibTorch's ops
+
+    const torch::nn::BatchNorm2dImpl& bn = *layer->norm;
+    auto declines = [&](torch::Tensor t) {
+        const torch::Tensor before = t.clone();
+        const bool wrote = linvis::nn::batch_norm_eval_into(bn, t);
+        return !wrote && torch::equal(t, before);
+    };
+    EXPECT_TRUE(declines(torch::randn({1, 6, 3, 3})));  // the parameters require grad: a graph would record it
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(declines(torch::randn({1, 6, 3, 3}).to(torch::kBFloat16)));
+    EXPECT_TRUE(declines(torch::randn({1, 4, 3, 3})));  // not the norm's channels
+    layer->train();
+    EXPECT_TRUE(declines(torch::randn({1, 6, 3, 3})));
+    layer->eval();
+    torch::Tensor t = torch::randn({1, 6, 3, 3});
+    const torch::Tensor want = layer->norm->forward(t);
+    EXPECT_TRUE(linvis::nn::batch_norm_eval_into(bn, t));
+    EXPECT_TRUE(all_close(t, want, 1e-6, 1e-6));
 }

@@ -47,4 +47,23 @@ torch::Tensor synchronised_batch_norm(const torch::Tensor& x, const torch::Tenso
     return y.to(x.scalar_type());
 }
 
+bool batch_norm_eval_into(const torch::nn::BatchNorm2dImpl& bn, torch::Tensor& x) {
+    const torch::Tensor &mean = bn.running_mean, &var = bn.running_var, &weight = bn.weight, &bias = bn.bias;
+    if (bn.is_training() || !mean.defined() || !var.defined() || x.dim() < 2 || x.size(1) != mean.size(0)) return false;
+    if (x.scalar_type() != torch::kFloat32 && x.scalar_type() != torch::kFloat64) return false;
+    if (mean.scalar_type() != x.scalar_type() || (weight.defined() && weight.scalar_type() != x.scalar_type())) return false;
+    if (torch::GradMode::is_enabled() && (x.requires_grad() || (weight.defined() && weight.requires_grad()) ||
+                                          (bias.defined() && bias.requires_grad())))
+        return false;
+    torch::NoGradGuard no_grad;
+    std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);
+    shape[1] = x.size(1);
+    torch::Tensor alpha = torch::sqrt(var + bn.options.eps()).reciprocal_();
+    if (weight.defined()) alpha.mul_(weight);
+    torch::Tensor beta = -(mean * alpha);
+    if (bias.defined()) beta.add_(bias);
+    at::addcmul_out(x, beta.view(shape), x, alpha.view(shape));
+    return true;
+}
+
 }  // namespace linvis::nn

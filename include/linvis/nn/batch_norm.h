@@ -35,4 +35,11 @@ torch::Tensor batch_norm(BatchNormImpl& bn, const torch::Tensor& x) {
                                    bn.options.momentum().value_or(0.1), bn.options.eps());
 }
 
+// Eval-mode BatchNorm written into x, for inference on a fresh tensor that nothing else reads (a conv's output):
+// x * alpha + beta per channel with alpha = weight / sqrt(running_var + eps) and beta = bias - running_mean * alpha,
+// the terms LibTorch's CPU inference kernel computes, in one pass and without a second tensor of x's size. Returns
+// false, leaving x as it was, where that does not apply: training mode, no running statistics, a graph being
+// recorded through x or the parameters, or x not float32 / float64 of the parameters' dtype.
+bool batch_norm_eval_into(const torch::nn::BatchNorm2dImpl& bn, torch::Tensor& x);
+
 }  // namespace linvis::nn
