@@ -305,3 +305,29 @@ TEST(HVit3, ConvLayerNormAndReluInPlaceInInference) {
     EXPECT_TRUE(linvis::nn::batch_norm_eval_into(bn, t));
     EXPECT_TRUE(all_close(t, want, 1e-6, 1e-6));
 }
+
+// At high resolution H-ViT3's stem and patch mergings run in bands of output rows in inference (their widest maps
+// never exist whole): the same features as the layers run on whole maps.
+TEST(HVit3, ConvStacksInBandsGiveTheWholeMapsFeatures) {
+    torch::manual_seed(62);
+    ModelConfig config;
+    config.set("img_size", int64_t{1024}).set("depths", std::string("1,1,1,1")).set("num_classes", int64_t{0});
+    auto model = create_model("hvit3_tiny", config);
+    model->eval();
+    for (auto& p : model->parameters()) p.requires_grad_(false);
+    {   // BatchNorm statistics other than the init's 0 / 1, so that the norms act.
+        torch::NoGradGuard no_grad;
+        for (auto& b : model->named_buffers()) {
+            if (b.key().find("running_mean") != std::string::npos) b.value().normal_(0.0, 0.1);
+            if (b.key().find("running_var") != std::string::npos) b.value().uniform_(0.5, 1.5);
+        }
+    }
+    const Tensor images = torch::randn({1, 3, 1024, 1024});
+    const Tensor whole = model->forward_features(images);  // grad mode on (nothing to record): whole maps
+    Tensor banded;
+    {
+        torch::NoGradGuard no_grad;
+        banded = model->forward_features(images);
+    }
+    EXPECT_TRUE(all_close(banded, whole, 1e-4, 1e-5));
+}

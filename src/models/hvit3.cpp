@@ -1,6 +1,8 @@
 // Hierarchical H-ViT³: hvit3_tiny / hvit3_small / hvit3_base (spec vit3_t5_official.md A4,
 // official vittt/models/h_vittt.py). Conv stem (/4), four stages of TTT blocks with 2-D RoPE
 // on q1/k1 and a conv MLP, conv patch merging between stages, BatchNorm1d + GAP head.
+#include <optional>
+#include <array>
 #include <map>
 #include <string>
 
@@ -42,9 +44,11 @@ public:
     }
     Tensor forward(Tensor x, int64_t H, int64_t W) {
         x = ops::depthwise_conv2d_tokens(x, H, W, cpe->weight, cpe->bias, ops::DwEpilogue::Residual, impl);
-        x = x + lnn::drop_path(attn->forward_with_rope(lnn::NormedInput(norm1, x), H, W, rope->table(H, W)), drop_path_rate,
-                               is_training());
-        x = x + lnn::drop_path(mlp->forward(lnn::NormedInput(norm2, x), H, W), drop_path_rate, is_training());
+        // Residual sums into the branch's fresh output in inference (nn::add_into), not a third tensor.
+        x = lnn::add_into(lnn::drop_path(attn->forward_with_rope(lnn::NormedInput(norm1, x), H, W, rope->table(H, W)),
+                                         drop_path_rate, is_training()),
+                          x);
+        x = lnn::add_into(lnn::drop_path(mlp->forward(lnn::NormedInput(norm2, x), H, W), drop_path_rate, is_training()), x);
         return x;
     }
 
@@ -63,10 +67,69 @@ class ConvStackImpl : public torch::nn::Module {
 public:
     ConvStackImpl() { conv = register_module("conv", torch::nn::ModuleList()); }
     Tensor forward(Tensor x) {
+        if (!is_training() && !x.requires_grad() && !torch::GradMode::is_enabled()) {
+            if (auto banded = forward_in_bands(x)) return *banded;
+        }
         for (const auto& layer : *conv) x = layer->as<lnn::Vit3ConvLayerImpl>()->forward(x);
         return x;
     }
     torch::nn::ModuleList conv{nullptr};
+
+private:
+    // Inference at high resolution: the stack's widest maps (the stem's (4 C0)-channel map at a quarter of the
+    // image, a patch merging's 4x-wide hidden map before its stride) exist a band of output rows at a time, and
+    // LibTorch's convolution (oneDNN's blocked output, then a dense copy) holds two of them. Each layer is a conv
+    // then per-pixel BatchNorm / ReLU, so a band of output rows needs only the rows its receptive field covers;
+    // those outside the map are the convs' zero padding. Nothing when the widest full map is small.
+    std::optional<Tensor> forward_in_bands(const Tensor& x) {
+        constexpr int64_t kBandBytes = int64_t{16} << 20;  // the widest layer's band, about
+        struct Geometry {
+            int64_t kernel, stride, pad, height;  // height: of the layer's input
+        };
+        std::vector<Geometry> g;
+        int64_t height = x.size(2), widest_row = 0;
+        for (const auto& layer : *conv) {
+            const auto& o = layer->as<lnn::Vit3ConvLayerImpl>()->conv->options;
+            const int64_t k = (*o.kernel_size())[0], s = (*o.stride())[0];
+            const auto* padding = c10::get_if<torch::ExpandingArray<2>>(&o.padding());
+            if (padding == nullptr || (**padding)[0] != (**padding)[1]) return std::nullopt;
+            const int64_t p = (**padding)[0];
+            if ((*o.dilation())[0] != 1) return std::nullopt;
+            g.push_back({k, s, p, height});
+            height = (height + 2 * p - k) / s + 1;
+            const int64_t width = (x.size(3) + 2 * p - k) / s + 1;  // an upper bound of each layer's width
+            widest_row = std::max(widest_row, o.out_channels() * width * x.size(0) * x.element_size());
+        }
+        const int64_t out_height = height;
+        // Rows of the widest layer per band, mapped to output rows (the product of the strides after the stem's
+        // first layers at most 4): at least 8 output rows, so halo rows stay a small share.
+        const int64_t band = std::max<int64_t>(8, kBandBytes / std::max<int64_t>(widest_row, 1) / 4);
+        if (band >= out_height) return std::nullopt;
+        Tensor out;
+        for (int64_t o0 = 0; o0 < out_height; o0 += band) {
+            const int64_t o1 = std::min(out_height, o0 + band);
+            // Rows each layer's input must hold for output rows [o0, o1), clipped to the map, and the zero rows
+            // (padding) above and below.
+            std::vector<std::array<int64_t, 4>> rows(g.size());  // begin, end, zeros above, zeros below
+            int64_t a = o0, b = o1;
+            for (size_t l = g.size(); l-- > 0;) {
+                const int64_t need_a = a * g[l].stride - g[l].pad, need_b = (b - 1) * g[l].stride - g[l].pad + g[l].kernel;
+                const int64_t ca = std::max<int64_t>(need_a, 0), cb = std::min(need_b, g[l].height);
+                rows[l] = {ca, cb, ca - need_a, need_b - cb};
+                a = ca;
+                b = cb;
+            }
+            Tensor t = x.narrow(2, rows[0][0], rows[0][1] - rows[0][0]);
+            for (size_t l = 0; l < g.size(); ++l) {
+                if (rows[l][2] > 0 || rows[l][3] > 0)
+                    t = torch::constant_pad_nd(t, {0, 0, rows[l][2], rows[l][3]});
+                t = (*conv)[l]->as<lnn::Vit3ConvLayerImpl>()->forward(t, /*pad_rows=*/false);
+            }
+            if (!out.defined()) out = torch::empty({t.size(0), t.size(1), out_height, t.size(3)}, t.options());
+            out.narrow(2, o0, o1 - o0).copy_(t);
+        }
+        return out;
+    }
 };
 TORCH_MODULE(ConvStack);
 

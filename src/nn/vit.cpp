@@ -49,13 +49,13 @@ struct ConvPadding : torch::nn::Conv2dImpl {
 };
 }  // namespace
 
-torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& x) {
+torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& x, bool pad_rows) {
     const auto& o = layer->options;
     const std::vector<int64_t>& pad = ConvPadding::of(*layer);
     LINVIS_CHECK(pad.size() == 4 && pad[0] == pad[1] && pad[2] == pad[3] &&
                      torch::enumtype::get_enum_name(o.padding_mode()) == "kZeros",
                  "conv_forward: only symmetric zero padding is supported");
-    return flops::conv2d(x, layer->weight, layer->bias, {(*o.stride())[0], (*o.stride())[1]}, {pad[2], pad[0]},
+    return flops::conv2d(x, layer->weight, layer->bias, {(*o.stride())[0], (*o.stride())[1]}, {pad_rows ? pad[2] : 0, pad[0]},
                          {(*o.dilation())[0], (*o.dilation())[1]}, o.groups());
 }
 

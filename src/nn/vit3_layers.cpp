@@ -59,8 +59,8 @@ Vit3ConvLayerImpl::Vit3ConvLayerImpl(int64_t in, int64_t out, int64_t kernel, in
     if (with_norm) norm = register_module("norm", torch::nn::BatchNorm2d(torch::nn::BatchNorm2dOptions(out).eps(1e-5)));
 }
 
-torch::Tensor Vit3ConvLayerImpl::forward(const torch::Tensor& x) {
-    torch::Tensor y = conv_forward(conv, x);
+torch::Tensor Vit3ConvLayerImpl::forward(const torch::Tensor& x, bool pad_rows) {
+    torch::Tensor y = conv_forward(conv, x, pad_rows);
     // Inference: the norm and the ReLU go into the conv's fresh output instead of two more tensors of its size.
     if (norm && !batch_norm_eval_into(*norm, y)) y = batch_norm(*norm, y);
     if (relu) y = can_overwrite({y}) ? y.relu_() : torch::relu(y);

@@ -27,8 +27,9 @@ torch::nn::Linear vit_linear(int64_t in, int64_t out, bool bias = true);
 torch::Tensor tokens_to_map(const torch::Tensor& x, int64_t height, int64_t width);
 torch::Tensor map_to_tokens(const torch::Tensor& x);
 
-// FLOP-counted forward of a Conv2d module with its own stride, padding, dilation and groups.
-torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& x);
+// FLOP-counted forward of a Conv2d module with its own stride, padding, dilation and groups. pad_rows false: no
+// padding above and below (a caller running the conv on a band of rows supplies those rows itself).
+torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& x, bool pad_rows = true);
 
 // Stochastic-depth rate of each of `depth` blocks: torch.linspace(0, rate, depth) in float32 as timm
 // (decay), or `rate` for every block (ViL's drop_path_decay=False).

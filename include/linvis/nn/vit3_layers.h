@@ -48,7 +48,8 @@ class Vit3ConvLayerImpl : public torch::nn::Module {
 public:
     Vit3ConvLayerImpl(int64_t in, int64_t out, int64_t kernel, int64_t stride, int64_t padding, int64_t groups,
                       bool bias, bool norm, bool relu);
-    torch::Tensor forward(const torch::Tensor& x);
+    // pad_rows false: the conv without its padding above and below (nn::conv_forward), for a band of rows.
+    torch::Tensor forward(const torch::Tensor& x, bool pad_rows = true);
 
     torch::nn::Conv2d conv{nullptr};
     torch::nn::BatchNorm2d norm{nullptr};
