@@ -449,7 +449,8 @@ TEST(Vil, RecomputedScansGiveTheSameGradientsAndKeepLess) {
     using linvis::ops::Impl;
     using linvis::ops::MlstmMode;
     const int64_t D = 192;
-    for (const auto& [mode, impl] : {std::pair{MlstmMode::Chunkwise, Impl::Auto}, {MlstmMode::Parallel, Impl::Reference}}) {
+    for (const auto& [mode, impl] :
+         {std::pair{MlstmMode::Chunkwise, Impl::Auto}, {MlstmMode::Parallel, Impl::Reference}}) {
         std::vector<torch::Tensor> grads[2];
         for (const bool recompute : {false, true}) {
             torch::manual_seed(51);
@@ -461,7 +462,8 @@ TEST(Vil, RecomputedScansGiveTheSameGradientsAndKeepLess) {
         ASSERT_EQ(grads[0].size(), grads[1].size());
         for (size_t i = 0; i < grads[0].size(); ++i)
             // float32 sums in another order (the recomputation's own kernels): within 1e-5 of the gradient's scale.
-            EXPECT_LE((grads[1][i] - grads[0][i]).abs().max().item<double>(), 1e-5 * grads[0][i].abs().max().item<double>())
+            EXPECT_LE((grads[1][i] - grads[0][i]).abs().max().item<double>(),
+                      1e-5 * grads[0][i].abs().max().item<double>())
                 << "gradient " << i << " impl " << static_cast<int>(impl);
     }
     // What one pair's graph keeps at 1024 tokens (768 KiB per (1, T, D) float32 tensor).

@@ -1,9 +1,9 @@
 // Hierarchical H-ViT³: hvit3_tiny / hvit3_small / hvit3_base (spec vit3_t5_official.md A4,
 // official vittt/models/h_vittt.py). Conv stem (/4), four stages of TTT blocks with 2-D RoPE
 // on q1/k1 and a conv MLP, conv patch merging between stages, BatchNorm1d + GAP head.
-#include <optional>
 #include <array>
 #include <map>
+#include <optional>
 #include <string>
 
 #include "linvis/nn/batch_norm.h"
@@ -48,7 +48,8 @@ public:
         x = lnn::add_into(lnn::drop_path(attn->forward_with_rope(lnn::NormedInput(norm1, x), H, W, rope->table(H, W)),
                                          drop_path_rate, is_training()),
                           x);
-        x = lnn::add_into(lnn::drop_path(mlp->forward(lnn::NormedInput(norm2, x), H, W), drop_path_rate, is_training()), x);
+        x = lnn::add_into(
+            lnn::drop_path(mlp->forward(lnn::NormedInput(norm2, x), H, W), drop_path_rate, is_training()), x);
         return x;
     }
 
@@ -101,8 +102,8 @@ private:
             widest_row = std::max(widest_row, o.out_channels() * width * x.size(0) * x.element_size());
         }
         const int64_t out_height = height;
-        // Rows of the widest layer per band, mapped to output rows (the product of the strides after the stem's
-        // first layers at most 4): at least 8 output rows, so halo rows stay a small share.
+        // Output rows per band: about kBandBytes of the widest layer's map, whose rows are up to 4 times the
+        // output's (the stem's two strides), and at least 8, so that the halo rows stay a small share.
         const int64_t band = std::max<int64_t>(8, kBandBytes / std::max<int64_t>(widest_row, 1) / 4);
         if (band >= out_height) return std::nullopt;
         Tensor out;
@@ -113,7 +114,8 @@ private:
             std::vector<std::array<int64_t, 4>> rows(g.size());  // begin, end, zeros above, zeros below
             int64_t a = o0, b = o1;
             for (size_t l = g.size(); l-- > 0;) {
-                const int64_t need_a = a * g[l].stride - g[l].pad, need_b = (b - 1) * g[l].stride - g[l].pad + g[l].kernel;
+                const int64_t need_a = a * g[l].stride - g[l].pad;
+                const int64_t need_b = (b - 1) * g[l].stride - g[l].pad + g[l].kernel;
                 const int64_t ca = std::max<int64_t>(need_a, 0), cb = std::min(need_b, g[l].height);
                 rows[l] = {ca, cb, ca - need_a, need_b - cb};
                 a = ca;

@@ -51,7 +51,8 @@ bool batch_norm_eval_into(const torch::nn::BatchNorm2dImpl& bn, torch::Tensor& x
     const torch::Tensor &mean = bn.running_mean, &var = bn.running_var, &weight = bn.weight, &bias = bn.bias;
     if (bn.is_training() || !mean.defined() || !var.defined() || x.dim() < 2 || x.size(1) != mean.size(0)) return false;
     if (x.scalar_type() != torch::kFloat32 && x.scalar_type() != torch::kFloat64) return false;
-    if (mean.scalar_type() != x.scalar_type() || (weight.defined() && weight.scalar_type() != x.scalar_type())) return false;
+    if (mean.scalar_type() != x.scalar_type() || (weight.defined() && weight.scalar_type() != x.scalar_type()))
+        return false;
     if (torch::GradMode::is_enabled() && (x.requires_grad() || (weight.defined() && weight.requires_grad()) ||
                                           (bias.defined() && bias.requires_grad())))
         return false;

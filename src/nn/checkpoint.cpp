@@ -3,7 +3,6 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
-
 #include <mutex>
 #include <utility>
 

@@ -55,7 +55,8 @@ torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& 
     LINVIS_CHECK(pad.size() == 4 && pad[0] == pad[1] && pad[2] == pad[3] &&
                      torch::enumtype::get_enum_name(o.padding_mode()) == "kZeros",
                  "conv_forward: only symmetric zero padding is supported");
-    return flops::conv2d(x, layer->weight, layer->bias, {(*o.stride())[0], (*o.stride())[1]}, {pad_rows ? pad[2] : 0, pad[0]},
+    return flops::conv2d(x, layer->weight, layer->bias, {(*o.stride())[0], (*o.stride())[1]},
+                         {pad_rows ? pad[2] : 0, pad[0]},
                          {(*o.dilation())[0], (*o.dilation())[1]}, o.groups());
 }
 

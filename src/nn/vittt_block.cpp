@@ -295,8 +295,9 @@ torch::Tensor VitttBlockImpl::mixer(const torch::Tensor& y) {
         out.clear();
         // From the products (u, v, lr logits of each direction) to both post-normed outputs. Holds the branches
         // by value: a recomputing backward runs it after this frame is gone.
-        const auto scans = [forth_ = forth_branch().ptr(), back_ = back_branch().ptr(), shared = options_.shared_directions](
-                               torch::Tensor* norms_f, torch::Tensor* norms_b) -> SegmentFn {
+        const auto scans = [forth_ = forth_branch().ptr(), back_ = back_branch().ptr(),
+                            shared = options_.shared_directions](torch::Tensor* norms_f,
+                                                                 torch::Tensor* norms_b) -> SegmentFn {
             return [=](const std::vector<torch::Tensor>& p) {
                 const std::vector<torch::Tensor> of_forth(p.begin(), p.begin() + 3);
                 const std::vector<torch::Tensor> of_back =

@@ -37,8 +37,8 @@ inline ::testing::AssertionResult all_close(const torch::Tensor& actual, const t
 
 // The gradients of sum(forward(x) * r), r random, of x and then of every parameter of `module` in order: a
 // backward with no special structure, for comparing two ways of computing a block. Every parameter must get one.
-inline std::vector<torch::Tensor> input_and_parameter_grads(torch::nn::Module& module, torch::Tensor x,
-                                                            const std::function<torch::Tensor(const torch::Tensor&)>& forward) {
+inline std::vector<torch::Tensor> input_and_parameter_grads(
+    torch::nn::Module& module, torch::Tensor x, const std::function<torch::Tensor(const torch::Tensor&)>& forward) {
     x = x.detach().requires_grad_(true);
     const torch::Tensor y = forward(x);
     (y * torch::randn_like(y)).sum().backward();
