@@ -50,6 +50,16 @@ inline std::vector<torch::Tensor> input_and_parameter_grads(
     return grads;
 }
 
+// Two lists of gradients of one computation done two ways, float32 sums in another order: each within `rel` of its
+// scale (the largest |expected|).
+inline void expect_same_gradients(const std::vector<torch::Tensor>& actual, const std::vector<torch::Tensor>& expected,
+                                  double rel, const std::string& what) {
+    ASSERT_EQ(actual.size(), expected.size()) << what;
+    for (size_t i = 0; i < expected.size(); ++i)
+        EXPECT_LE((actual[i] - expected[i]).abs().max().item<double>(), rel * expected[i].abs().max().item<double>())
+            << "gradient " << i << " " << what;
+}
+
 // Relative L2 error ||a - e|| / ||e||.
 inline double relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
     auto a = actual.detach().to(torch::kFloat64);
