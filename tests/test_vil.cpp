@@ -460,7 +460,8 @@ TEST(Vil, RecomputedScansGiveTheSameGradientsAndKeepLess) {
                 *pair, torch::randn({2, 64, D}), [&](const torch::Tensor& x) { return pair->forward(x, 8, 8); });
         }
         // The recomputation's own kernels sum in another order: within 1e-5 of each gradient's scale.
-        linvis::testing::expect_same_gradients(grads[1], grads[0], 1e-5, "impl " + std::to_string(static_cast<int>(impl)));
+        linvis::testing::expect_same_gradients(grads[1], grads[0], 1e-5,
+                                               "impl " + std::to_string(static_cast<int>(impl)));
     }
     // What one pair's graph keeps at 1024 tokens (768 KiB per (1, T, D) float32 tensor).
     const int64_t side = 32, unit = side * side * D * 4;
