@@ -187,3 +187,37 @@ TEST(StateDict, LoadWeightsStrictErrorNamesTheFile) {
     const std::string msg = expect_error([&] { load_weights(*deeper, path, true); });
     EXPECT_EQ(msg.rfind(path + ": cannot load weights: 4 missing keys: 'blocks.1.fc.bias'", 0), 0u) << msg;
 }
+
+TEST(StateDict, KeysOfOneSharedBufferMustBringOneValue) {
+    // Two parents hold one child module (as H-ViT³'s blocks of a stage hold their RoPE table): its buffer has a
+    // key under each parent.
+    struct Table : torch::nn::Module {
+        torch::Tensor values = register_buffer("values", torch::zeros({3}));
+    };
+    struct Parent : torch::nn::Module {
+        explicit Parent(std::shared_ptr<Table> table) { register_module("table", std::move(table)); }
+    };
+    struct Root : torch::nn::Module {
+        std::shared_ptr<Table> table = std::make_shared<Table>();
+        Root() {
+            register_module("a", std::make_shared<Parent>(table));
+            register_module("b", std::make_shared<Parent>(table));
+        }
+    } root;
+    ASSERT_EQ(state_dict(root).size(), 2u);
+
+    const torch::Tensor same = torch::tensor({1.0f, 2.0f, 3.0f});
+    const LoadReport report =
+        load_state_dict(root, {{"a.table.values", same}, {"b.table.values", same.clone()}}, true, "same.safetensors");
+    EXPECT_EQ(report.loaded.size(), 2u);
+    EXPECT_TRUE(torch::equal(root.table->values, same));
+
+    const std::string msg = expect_error([&] {
+        load_state_dict(root, {{"a.table.values", torch::ones({3})}, {"b.table.values", same}}, true,
+                        "differ.safetensors");
+    });
+    EXPECT_EQ(msg.rfind("differ.safetensors: tensors 'a.table.values' and 'b.table.values' load into one tensor", 0),
+              0u)
+        << msg;
+    EXPECT_TRUE(torch::equal(root.table->values, same));  // nothing changed
+}

@@ -4,12 +4,15 @@
 
 #include <cmath>
 #include <map>
+#include <set>
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "linvis/io/state_dict.h"
 #include "linvis/models/registry.h"
 #include "linvis/nn/batch_norm.h"
 #include "linvis/nn/vit3_layers.h"
+#include "linvis/ops/vit3_ttt.h"
 #include "support/testing.h"
 
 using namespace linvis::models;
@@ -330,4 +333,34 @@ TEST(HVit3, ConvStacksInBandsGiveTheWholeMapsFeatures) {
         banded = model->forward_features(images);
     }
     EXPECT_TRUE(all_close(banded, whole, 1e-4, 1e-5));
+}
+
+TEST(HVit3, BlocksOfAStageShareOneRopeTable) {
+    for (const bool backbone : {false, true}) {
+        SCOPED_TRACE(backbone ? "features_only" : "classifier");
+        auto model = make("hvit3_tiny", {{"features_only", backbone ? "true" : "false"}});
+        std::map<std::string, const void*> tables;  // key -> storage
+        for (const auto& item : model->named_buffers(true))
+            if (item.key().find("rope.rotations") != std::string::npos) tables[item.key()] = item.value().data_ptr();
+        ASSERT_EQ(tables.size(), 17u);  // every block of depths 1-3-9-4 lists its table, as the official model does
+        const std::string prefix = backbone ? "attn.rope.rotations" : "rope.rotations";
+        std::set<const void*> distinct;
+        for (const auto& [key, storage] : tables) {
+            EXPECT_NE(key.find(prefix), std::string::npos) << key;
+            distinct.insert(storage);
+        }
+        EXPECT_EQ(distinct.size(), 4u);  // one table per stage
+        EXPECT_EQ(tables.at("layers.2.blocks.0." + prefix), tables.at("layers.2.blocks.8." + prefix));
+
+        // The model's own state dict (17 keys, 4 tables) loads back strictly.
+        EXPECT_TRUE(linvis::io::load_state_dict(*model, linvis::io::state_dict(*model), true, "own").ok());
+    }
+    // Another grid's table is computed once per stage and is the formula's.
+    auto model = make("hvit3_tiny");
+    auto* rope = model->named_modules()["layers.0.blocks.0.rope"]->as<linvis::nn::Vit3RopeImpl>();
+    ASSERT_NE(rope, nullptr);
+    const Tensor other = rope->table(40, 24);
+    EXPECT_EQ(rope->table(40, 24).data_ptr(), other.data_ptr());
+    EXPECT_TRUE(torch::equal(other, linvis::ops::vit3_rope_rotations(40, 24, 64)));
+    EXPECT_EQ(rope->table(56, 56).data_ptr(), rope->rotations.data_ptr());
 }

@@ -58,6 +58,7 @@ LoadReport load_state_dict(torch::nn::Module& module, const std::map<std::string
 
     LoadReport report;
     std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;  // (target, source)
+    std::map<const void*, std::pair<std::string, torch::Tensor>> first_into;  // shared targets: first key, value
     for (const auto& [key, target] : targets) {
         auto it = tensors.find(key);
         if (it == tensors.end()) {
@@ -67,6 +68,17 @@ LoadReport load_state_dict(torch::nn::Module& module, const std::map<std::string
         LINVIS_CHECK(it->second.defined(), source, ": tensor '", key, "' is undefined");
         if (it->second.sizes() != target.sizes()) {
             report.mismatched.push_back({key, target.sizes().vec(), it->second.sizes().vec()});
+            continue;
+        }
+        // Keys that name one tensor of the model (a buffer its modules share) must bring one value.
+        const auto [first, inserted] = first_into.try_emplace(target.numel() > 0 ? target.data_ptr() : nullptr,
+                                                              key, it->second);
+        if (!inserted && target.numel() > 0) {
+            const torch::Tensor& earlier = first->second.second;
+            LINVIS_CHECK(torch::equal(earlier.to(it->second.dtype()), it->second), source, ": tensors '",
+                         first->second.first, "' and '", key,
+                         "' load into one tensor of the model (a buffer shared by its modules) but differ");
+            report.loaded.push_back(key);
             continue;
         }
         copies.emplace_back(target, it->second);

@@ -24,9 +24,10 @@ namespace lnn = linvis::nn;
 
 class HVit3BlockImpl : public torch::nn::Module {
 public:
-    // `rope_in_attn`: the det/seg backbone's layout, whose TTTAttention owns the RoPE buffer
-    // (attn.rope.rotations); the classification block holds it itself (rope.rotations).
-    HVit3BlockImpl(int64_t dim, int64_t heads, int64_t grid_h, int64_t grid_w, double mlp_ratio, double dpr,
+    // `rope`: the stage's RoPE holder, shared by its blocks. `rope_in_attn`: the det/seg backbone's layout, whose
+    // TTTAttention owns the RoPE buffer (attn.rope.rotations); the classification block holds it itself
+    // (rope.rotations).
+    HVit3BlockImpl(int64_t dim, int64_t heads, lnn::Vit3Rope stage_rope, double mlp_ratio, double dpr,
                    ops::Impl impl, bool rope_in_attn)
         : drop_path_rate(dpr), impl(impl) {
         // Registration order of the official TTTBlock: cpe, norm1, rope, attn, norm2, mlp.
@@ -34,9 +35,9 @@ public:
         norm1 = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim}).eps(1e-5)));
         if (rope_in_attn) {
             attn = register_module("attn", lnn::Vit3Ttt(dim, heads, true, impl));
-            rope = attn->register_module("rope", lnn::Vit3Rope(grid_h, grid_w, dim));
+            rope = attn->register_module("rope", stage_rope);
         } else {
-            rope = register_module("rope", lnn::Vit3Rope(grid_h, grid_w, dim));
+            rope = register_module("rope", stage_rope);
             attn = register_module("attn", lnn::Vit3Ttt(dim, heads, true, impl));
         }
         norm2 = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim}).eps(1e-5)));
@@ -264,8 +265,9 @@ public:
         int64_t grid = half_up(half_up(img_size_)), block_index = 0;
         for (int s = 0; s < 4; ++s) {
             BasicLayer layer;
+            const lnn::Vit3Rope stage_rope(grid, grid, dims_[s]);
             for (int64_t j = 0; j < depths[s]; ++j)
-                layer->blocks->push_back(HVit3Block(dims_[s], heads[s], grid, grid, mlp_ratio,
+                layer->blocks->push_back(HVit3Block(dims_[s], heads[s], stage_rope, mlp_ratio,
                                                     rates[static_cast<size_t>(block_index++)], impl, backbone_));
             if (s < 3) layer->downsample = layer->register_module("downsample", make_patch_merging(dims_[s], dims_[s + 1]));
             layers->push_back(layer);

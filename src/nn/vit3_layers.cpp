@@ -43,7 +43,11 @@ Vit3RopeImpl::Vit3RopeImpl(int64_t height, int64_t width, int64_t channels_) : c
 
 torch::Tensor Vit3RopeImpl::table(int64_t height, int64_t width) const {
     if (rotations.size(0) == height && rotations.size(1) == width) return rotations;
-    return ops::vit3_rope_rotations(height, width, channels).to(rotations.device());
+    std::lock_guard<std::mutex> lock(other_grid_mutex_);
+    if (!other_grid_.defined() || other_grid_.size(0) != height || other_grid_.size(1) != width ||
+        other_grid_.device() != rotations.device())
+        other_grid_ = ops::vit3_rope_rotations(height, width, channels).to(rotations.device());
+    return other_grid_;
 }
 
 // ---------------------------------------------------------------- ConvLayer

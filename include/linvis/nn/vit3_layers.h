@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 
 #include <torch/torch.h>
 
@@ -31,15 +32,23 @@ public:
 };
 TORCH_MODULE(Vit3Ttt);
 
-// H-ViT³ RoPE holder: persistent buffer `rotations` (H, W, C/2, 2) (A4).
+// H-ViT³ RoPE holder: persistent buffer `rotations` (H, W, C/2, 2) (A4). The table depends on the grid and the
+// width only, so the blocks of a stage share one holder: the model keeps one table per stage, and every block
+// still lists it under its own state_dict key, as the official model does (io::load_state_dict checks that keys
+// sharing a buffer get equal values).
 class Vit3RopeImpl : public torch::nn::Module {
 public:
     Vit3RopeImpl(int64_t height, int64_t width, int64_t channels);
-    // The table for an (H, W) grid: the buffer when it matches, else recomputed.
+    // The table for an (H, W) grid: the buffer when it matches, else computed for that grid and kept for the next
+    // call (the other blocks of the stage, the next image of that size).
     torch::Tensor table(int64_t height, int64_t width) const;
 
     int64_t channels;
     torch::Tensor rotations;
+
+private:
+    mutable std::mutex other_grid_mutex_;  // forward may run on several threads
+    mutable torch::Tensor other_grid_;      // the last table computed for a grid other than the buffer's
 };
 TORCH_MODULE(Vit3Rope);
 
