@@ -1,4 +1,4 @@
-// ops::gelu_, ops::bias_gelu_, ops::silu_mul_, ops::gelu_linear and ops::gated_linear
+// ops::gelu_, ops::silu_mul_, ops::gelu_linear and ops::gated_linear
 // (include/linvis/ops/activation.h): the fused passes on every SIMD target this CPU runs against the exact
 // function computed in float64, in place and with tails of every length; in a graph, LibTorch's gradients under
 // every Impl; the dispatch (dtype, layout); the linear ops' gradients against the reference and what their graph
@@ -56,63 +56,6 @@ TEST(Activation, FusedMatchesExactGeluOnEveryTargetInPlace) {
     });
 }
 
-// bias_gelu_: GELU(x + bias) with the bias row added in the pass. Against the exact GELU of the float32 sum (the
-// sum is the pass's one extra rounding, which the reference makes too), on every target, both forms, rows of
-// lengths around the vector widths and more rows than one parallel block holds.
-TEST(Activation, BiasGeluMatchesExactGeluOfTheSumOnEveryTarget) {
-    for_each_simd_target([](const SimdTarget&) {
-        torch::manual_seed(9);
-        for (int64_t cols : {int64_t{1}, int64_t{7}, int64_t{16}, int64_t{33}, int64_t{771}}) {
-            for (int64_t rows : {int64_t{1}, int64_t{3}, int64_t{16384 / cols + 5}}) {
-                const torch::Tensor x = torch::randn({rows, cols}) * 4, bias = torch::randn({cols}) * 2;
-                const torch::Tensor sum = x + bias;
-                for (GeluForm form : {GeluForm::Erf, GeluForm::Tanh}) {
-                    const bool tanh = form == GeluForm::Tanh;
-                    const torch::Tensor expected = torch::gelu(sum.to(torch::kFloat64), tanh ? "tanh" : "none");
-                    torch::Tensor y = x.clone();
-                    const torch::Tensor out = linvis::ops::bias_gelu_(y, bias, Impl::Fused, form);
-                    EXPECT_TRUE(out.is_same(y)) << cols << " columns: not in place";
-                    const torch::Tensor err = (out.to(torch::kFloat64) - expected).abs();
-                    const torch::Tensor limit =
-                        tanh ? sum.to(torch::kFloat64).abs() * 6e-7 + 1e-30 : bound(sum, expected);
-                    EXPECT_TRUE(torch::all(err <= limit).item<bool>())
-                        << rows << " x " << cols << (tanh ? " tanh" : " erf") << ": max error "
-                        << err.max().item<double>();
-                }
-            }
-        }
-    });
-}
-
-TEST(Activation, BiasGeluAutoMatchesReferenceKeepsTheGraphAndChecksTheBias) {
-    torch::manual_seed(10);
-    const torch::Tensor x = torch::randn({197, 768}) * 3, bias = torch::randn({768});
-    const torch::Tensor reference = linvis::ops::bias_gelu_(x.clone(), bias, Impl::Reference);
-    EXPECT_TRUE(torch::allclose(reference, torch::gelu(x + bias), 1e-6, 1e-6));
-    EXPECT_TRUE(torch::allclose(linvis::ops::bias_gelu_(x.clone(), bias, Impl::Auto), reference, 1e-6, 1e-6));
-    // Where autograd records x or the bias: a new tensor with the gradients of torch::gelu(x + bias).
-    for (Impl impl : {Impl::Auto, Impl::Reference, Impl::Fused}) {
-        torch::Tensor leaf = x.clone().requires_grad_(true), b = bias.clone().requires_grad_(true);
-        torch::Tensor y = linvis::ops::bias_gelu_(leaf * 1.0, b, impl, GeluForm::Tanh);
-        (y * y).sum().backward();
-        torch::Tensor leaf2 = x.clone().requires_grad_(true), b2 = bias.clone().requires_grad_(true);
-        torch::Tensor y2 = torch::gelu(leaf2 + b2, "tanh");
-        (y2 * y2).sum().backward();
-        EXPECT_TRUE(torch::allclose(y, y2, 1e-6, 1e-6)) << linvis::ops::impl_name(impl);
-        EXPECT_TRUE(torch::allclose(leaf.grad(), leaf2.grad(), 1e-5, 1e-6)) << linvis::ops::impl_name(impl);
-        EXPECT_TRUE(torch::allclose(b.grad(), b2.grad(), 1e-4, 1e-5)) << linvis::ops::impl_name(impl);
-    }
-    // A bias that is not one row of x's last dimension is an error; float64 runs the reference under Auto.
-    EXPECT_THROW(linvis::ops::bias_gelu_(x.clone(), torch::randn({767}), Impl::Auto), linvis::Error);
-    EXPECT_THROW(linvis::ops::bias_gelu_(x.clone(), torch::randn({1, 768}), Impl::Auto), linvis::Error);
-    const torch::Tensor x64 = x.to(torch::kFloat64), bias64 = bias.to(torch::kFloat64);
-    EXPECT_TRUE(torch::allclose(linvis::ops::bias_gelu_(x64.clone(), bias64, Impl::Auto), torch::gelu(x64 + bias64)));
-    EXPECT_THROW(linvis::ops::bias_gelu_(x64.clone(), bias64, Impl::Fused), linvis::Error);
-    // Empty: no rows, or rows of no columns.
-    EXPECT_EQ(linvis::ops::bias_gelu_(torch::empty({0, 768}), bias, Impl::Fused).numel(), 0);
-    EXPECT_EQ(linvis::ops::bias_gelu_(torch::empty({3, 0}), torch::empty({0}), Impl::Fused).numel(), 0);
-}
-
 TEST(Activation, AutoMatchesReferenceAndKeepsTheGraph) {
     torch::manual_seed(4);
     const torch::Tensor x = torch::randn({197, 768}) * 3;
@@ -145,7 +88,7 @@ TEST(Activation, InputsTheKernelDoesNotTakeRunTheReferenceUnderAuto) {
 }
 
 // bfloat16: the float32 pass on the widened values, rounded once, bit for bit, on every target; sizes across
-// the 512-value chunks of the widening (and the 16 Ki blocks of the threads); bias_gelu_ with a bias row.
+// the 512-value chunks of the widening (and the 16 Ki blocks of the threads).
 // Under Auto the vectorised targets take the pass; mixed dtypes run the reference under Auto and are an error
 // under Fused; in a graph the gradient reaches the bfloat16 leaves.
 TEST(Activation, Bfloat16IsTheFloat32PassRoundedOnceOnEveryTarget) {
@@ -168,12 +111,6 @@ TEST(Activation, Bfloat16IsTheFloat32PassRoundedOnceOnEveryTarget) {
             EXPECT_TRUE(torch::equal(linvis::ops::silu_mul_(x.clone(), u, Impl::Auto), vectorised ? s : torch::silu(x) * u))
                 << t.env << ", silu_mul under Auto, n = " << n;
         }
-        const torch::Tensor x = (torch::randn({37, 700}) * 3).to(torch::kBFloat16);
-        const torch::Tensor bias = torch::randn({700}).to(torch::kBFloat16);
-        EXPECT_TRUE(torch::equal(linvis::ops::bias_gelu_(x.clone(), bias, Impl::Fused),
-                                 linvis::ops::bias_gelu_(x.to(torch::kFloat32), bias.to(torch::kFloat32), Impl::Fused)
-                                     .to(torch::kBFloat16)))
-            << t.env << ", bias_gelu";
     });
     const torch::Tensor g = torch::randn({64, 48}).to(torch::kBFloat16), u = torch::randn({64, 48});
     EXPECT_THROW(linvis::ops::silu_mul_(g.clone(), u, Impl::Fused), linvis::Error);

@@ -61,7 +61,7 @@ bool bf16_matmul_measured_faster() {
         const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         return ran ? elapsed : std::numeric_limits<double>::infinity();
     };
-    const auto primitive = [&] { return onednn::bf16_matmul(a, b, torch::Tensor(), c, onednn::Activation::None); };
+    const auto primitive = [&] { return onednn::matmul(a, b, torch::Tensor(), c, onednn::Activation::None); };
     const auto widened = [&] {
         return bf16_on_widened_sgemm(a, b, torch::Tensor(), onednn::Activation::None).defined();
     };
@@ -142,18 +142,25 @@ torch::Tensor activate(torch::Tensor y, Activation activation) {
     return torch::gelu_(y, activation == Activation::GeluTanh ? "tanh" : "none");
 }
 
-// a (M x K) . b (K x N) [+ bias], then `activation`, for 2-D CPU tensors of one dtype through oneDNN: its sgemm
-// for float32; for bf16 its matmul primitive (activation on the float32 accumulator) where
-// bf16_on_matmul_primitive() and the primitive has a kernel for the case, else sgemm on float32 copies.
+// a (M x K) . b (K x N) [+ bias], then `activation`, for 2-D CPU tensors of one dtype through oneDNN. float32:
+// with a bias or an activation its matmul primitive, which applies them to each tile of the product while it is
+// in cache (2-20 % faster than sgemm and a pass over the output for ViT-T's products, docs/performance.md), a
+// plain product its sgemm (as fast, and faster on the backward's transposed operands); sgemm and a pass where
+// the primitive has no kernel. bf16: the matmul primitive where bf16_on_matmul_primitive() and the primitive has
+// a kernel for the case, else sgemm on float32 copies.
 torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias,
                         Activation activation) {
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
     if (a.scalar_type() == torch::kBFloat16) {
         if (bf16_on_matmul_primitive()) {
             torch::Tensor c = torch::empty({M, N}, a.options());
-            if (onednn::bf16_matmul(a, b, bias, c, activation)) return c;
+            if (onednn::matmul(a, b, bias, c, activation)) return c;
         }
         return bf16_on_widened_sgemm(a, b, bias, activation);
+    }
+    if (bias.defined() || activation != Activation::None) {
+        torch::Tensor c = torch::empty({M, N}, a.options());
+        if (onednn::matmul(a, b, bias, c, activation)) return c;
     }
     // Rows of unit column stride are 'N' with the row stride as ld, columns of unit row stride are 'T' with the
     // column stride as ld: a narrowed or transposed operand (a slice of a wider weight) is read in place.
@@ -265,7 +272,7 @@ torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, c
     LINVIS_CHECK(approximate == "none" || approximate == "tanh", "linear_gelu: approximate: expected none or tanh, got '",
                  approximate, "'");
     if (records_graph(x, weight, bias)) return torch::gelu(linear(x, weight, bias), approximate);
-    if (backend(x, weight, bias) != Backend::Bf16) {
+    if (backend(x, weight, bias) == Backend::Torch) {
         torch::Tensor y = linear(x, weight, bias);  // fresh and outside any graph: GELU in place
         return torch::gelu_(y, approximate);
     }

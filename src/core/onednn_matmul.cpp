@@ -154,24 +154,25 @@ std::string bf16_matmul_implementation() { return probe().supported ? probe().im
 
 size_t cached_primitives() { return cache().size(); }
 
-bool bf16_matmul(const torch::Tensor& a_in, const torch::Tensor& b_in, const torch::Tensor& bias, torch::Tensor& out,
-                 Activation activation) {
+bool matmul(const torch::Tensor& a_in, const torch::Tensor& b_in, const torch::Tensor& bias, torch::Tensor& out,
+            Activation activation) {
     LINVIS_CHECK(a_in.dim() == 2 && b_in.dim() == 2 && a_in.size(1) == b_in.size(0),
                  "oneDNN matmul: operands: expected (M x K) . (K x N), got ", a_in.sizes(), " . ", b_in.sizes());
-    LINVIS_CHECK(a_in.scalar_type() == torch::kBFloat16 && b_in.scalar_type() == torch::kBFloat16,
-                 "oneDNN matmul: operands: expected bf16, got ", c10::toString(a_in.scalar_type()), " and ",
+    const torch::ScalarType type = a_in.scalar_type();
+    LINVIS_CHECK((type == torch::kBFloat16 || type == torch::kFloat32) && b_in.scalar_type() == type,
+                 "oneDNN matmul: operands: expected both bf16 or both float32, got ", c10::toString(type), " and ",
                  c10::toString(b_in.scalar_type()));
     const int64_t M = a_in.size(0), K = a_in.size(1), N = b_in.size(1);
     LINVIS_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N,
                  "oneDNN matmul: out: expected contiguous ", M, " x ", N, ", got ", out.sizes());
-    if (!bf16_matmul_available() || M == 0 || N == 0 || K == 0) return false;
+    if ((type == torch::kBFloat16 && !bf16_matmul_available()) || M == 0 || N == 0 || K == 0) return false;
+    const dt src_dt = to_dnnl(type);
     const Operand a = operand(a_in), b = operand(b_in);
     const int bias_dt = bias.defined() ? static_cast<int>(to_dnnl(bias.scalar_type())) : -1;
     const dt dst_dt = to_dnnl(out.scalar_type());
     const Key key{M, N, K, a.s0, a.s1, b.s0, b.s1, bias_dt, static_cast<int>(dst_dt), static_cast<int>(activation),
-                  static_cast<int>(dt::bf16)};
-    const Entry entry =
-        cache().get(key, [&] { return create(M, N, K, a, b, bias_dt, dst_dt, activation, dt::bf16); });
+                  static_cast<int>(src_dt)};
+    const Entry entry = cache().get(key, [&] { return create(M, N, K, a, b, bias_dt, dst_dt, activation, src_dt); });
     if (!entry.supported) return false;
     const torch::Tensor bias_c = bias.defined() ? bias.contiguous() : bias;
     dnnl::engine& engine = cpu_engine();
@@ -179,8 +180,8 @@ bool bf16_matmul(const torch::Tensor& a_in, const torch::Tensor& b_in, const tor
         return dnnl::memory::desc({r, c}, type, {s0, s1});
     };
     std::unordered_map<int, dnnl::memory> args{
-        {DNNL_ARG_SRC, dnnl::memory(md(M, K, dt::bf16, a.s0, a.s1), engine, a.t.data_ptr())},
-        {DNNL_ARG_WEIGHTS, dnnl::memory(md(K, N, dt::bf16, b.s0, b.s1), engine, b.t.data_ptr())},
+        {DNNL_ARG_SRC, dnnl::memory(md(M, K, src_dt, a.s0, a.s1), engine, a.t.data_ptr())},
+        {DNNL_ARG_WEIGHTS, dnnl::memory(md(K, N, src_dt, b.s0, b.s1), engine, b.t.data_ptr())},
         {DNNL_ARG_DST, dnnl::memory(md(M, N, dst_dt, N, 1), engine, out.data_ptr())}};
     if (bias.defined())
         args.emplace(DNNL_ARG_BIAS, dnnl::memory(md(1, N, static_cast<dt>(bias_dt), N, 1), engine, bias_c.data_ptr()));

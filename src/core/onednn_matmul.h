@@ -1,10 +1,10 @@
-// bf16 matrix products through oneDNN's matmul primitive (private to core; flops::linear uses it).
+// Matrix products through oneDNN's matmul primitive (private to core; flops::linear uses it).
 //
-// oneDNN 2.6's C API has a float32 gemm (dnnl_sgemm) but no bf16 one; its matmul primitive takes bf16
-// operands, accumulates in float32 and rounds the result once (to bf16 or float32), optionally with a bias
-// and a GELU applied to the float32 accumulator. A primitive is created once per shape and layout and kept
-// in a process-wide cache (thread-safe, least recently used entries dropped past a bound); the engine is
-// created once per process, a stream once per thread.
+// oneDNN 2.6's C API has a float32 gemm (dnnl_sgemm) without epilogue and no bf16 gemm; its matmul primitive takes
+// bf16 or float32 operands, accumulates in float32 and rounds the result once (to bf16 or float32), optionally with
+// a bias and a GELU applied to the float32 accumulator while each tile of the result is in cache. A primitive is
+// created once per shape and layout and kept in a process-wide cache (thread-safe, least recently used entries
+// dropped past a bound); the engine is created once per process, a stream once per thread.
 #pragma once
 
 #include <string>
@@ -21,10 +21,11 @@ enum class Activation { None, GeluErf, GeluTanh };
 bool bf16_matmul_available();
 
 // out (M x N, contiguous, bf16 or float32) = a (M x K) . b (K x N) [+ bias (N)], then `activation`; a and b
-// are bf16, bias bf16 or float32, any of them row- or column-major (other layouts are copied). Returns false
-// without touching `out` when oneDNN has no non-reference implementation for this case.
-bool bf16_matmul(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias, torch::Tensor& out,
-                 Activation activation = Activation::None);
+// both bf16 or both float32, bias bf16 or float32, any of them row- or column-major (other layouts are copied).
+// Returns false without touching `out` when oneDNN has no non-reference implementation for this case (bf16
+// operands: when bf16_matmul_available() is false).
+bool matmul(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias, torch::Tensor& out,
+            Activation activation = Activation::None);
 
 // The implementation oneDNN picked for the small probe product ("brg:avx512_core_bf16", ...), or "none".
 std::string bf16_matmul_implementation();

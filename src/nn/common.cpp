@@ -93,11 +93,11 @@ ops::Impl elementwise_impl(ops::Impl model_impl) {
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
                           ops::GeluForm form, ops::Impl impl) {
     if (x.scalar_type() == torch::kFloat32) {
-        // The bias joins the GELU pass: the product does not first copy it into every row of its output. Not in a
-        // graph, where the sum would be one more tensor and pass than the product's own bias.
-        if (bias.defined() && impl != ops::Impl::Reference && can_overwrite({x, weight, bias}) &&
+        // Outside a graph on oneDNN the bias and the GELU go into the product (its matmul primitive's epilogue
+        // acts on each tile while it is in cache), instead of a pass over the whole hidden layer afterwards.
+        if (impl != ops::Impl::Reference && can_overwrite({x, weight, bias}) &&
             flops::linear_takes_onednn(x, weight, bias))
-            return ops::bias_gelu_(flops::linear(x, weight, {}), bias, impl, form);
+            return flops::linear_gelu(x, weight, bias, form == ops::GeluForm::Tanh ? "tanh" : "none");
         return ops::gelu_(flops::linear(x, weight, bias), impl, form);
     }
     return flops::linear_gelu(x, weight, bias, form == ops::GeluForm::Tanh ? "tanh" : "none");

@@ -51,9 +51,10 @@ private:
 void add(int64_t macs);
 bool counting();
 
-// y = x W^T + b over the last dimension of x. Float32 CPU products run through oneDNN's sgemm, faster
-// than LibTorch 1.13's OpenBLAS call at every size once idle OpenMP workers spin briefly
-// (runtime::restart_with_runtime_environment; docs/performance.md). bf16 CPU products run through oneDNN's matmul primitive
+// y = x W^T + b over the last dimension of x. Float32 CPU products run through oneDNN, faster than LibTorch
+// 1.13's OpenBLAS call at every size once idle OpenMP workers spin briefly
+// (runtime::restart_with_runtime_environment; docs/performance.md): with a bias its matmul primitive, which adds
+// the bias to each tile of the product in cache, without one its sgemm. bf16 CPU products run through oneDNN's matmul primitive
 // where oneDNN has a bf16 kernel for this CPU (AVX-512; native dot products with AVX512-BF16): float32
 // accumulation, bias added to the accumulator, one rounding to bf16; elsewhere LibTorch (widened to float32
 // where it would accumulate in bf16, linvis/core/precision.h). In training the backward products go through
@@ -73,9 +74,10 @@ struct LinearGradients {
 LinearGradients linear_backward(const torch::Tensor& dy, const torch::Tensor& x, const torch::Tensor& weight,
                                 std::array<bool, 3> needs);
 
-// torch::gelu(linear(x, weight, bias), approximate) ("none" or "tanh"). A bf16 product without a graph on
-// oneDNN applies the GELU to the float32 accumulator inside the product and rounds once (LibTorch 1.13's
-// bf16 GELU is a scalar erff per element); every other case is linear() then torch::gelu.
+// torch::gelu(linear(x, weight, bias), approximate) ("none" or "tanh"). A float32 or bf16 product without a
+// graph on oneDNN applies the bias and the GELU to the float32 accumulator inside the product (oneDNN's matmul
+// primitive, a tile at a time while it is in cache) and rounds once; every other case is linear() then
+// torch::gelu.
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias = {},
                           const std::string& approximate = "none");
 

@@ -70,9 +70,9 @@ torch::Tensor add_into(torch::Tensor fresh, const torch::Tensor& other);
 // mixers' kernels take) still run: the passes take float32 only.
 ops::Impl elementwise_impl(ops::Impl model_impl);
 
-// GELU(x w^T + b), the erf or tanh form (ops::GeluForm): float32 as the product then ops::gelu_ (the fused pass
-// under `impl`; outside a graph on oneDNN, unless impl is Reference, the product without b then ops::bias_gelu_);
-// bf16 / f16 as flops::linear_gelu (GELU on the product's float32 accumulator, rounded once).
+// GELU(x w^T + b), the erf or tanh form (ops::GeluForm): outside a graph on oneDNN, unless impl is Reference,
+// flops::linear_gelu (bias and GELU applied inside the product, on its float32 accumulator); otherwise float32 as
+// the product then ops::gelu_ (the fused pass under `impl`), bf16 / f16 as flops::linear_gelu.
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
                           ops::GeluForm form, ops::Impl impl = ops::Impl::Auto);
 

@@ -1,6 +1,5 @@
 // Elementwise activations on tensors the caller owns (an MLP's hidden layer, fresh from its product):
 //   gelu_      GELU, the exact (erf) form or the tanh form;
-//   bias_gelu_ GELU(x + bias), the bias added in the same pass;
 //   silu_mul_  silu(gate) * up, SwiGLU's hidden layer.
 // Reference: LibTorch (torch::gelu_ / torch::silu and mul; out of place where autograd records an operand).
 // Fused: one vectorised pass of the SIMD layer (AVX-512, AVX2 or portable; ops/simd) over contiguous float32
@@ -24,13 +23,6 @@ enum class GeluForm { Erf, Tanh };
 
 // GELU(x): in place when autograd does not record x (the result is x), else a new tensor with a graph.
 torch::Tensor gelu_(torch::Tensor x, Impl impl = Impl::Auto, GeluForm form = GeluForm::Erf);
-
-// GELU(x + bias), bias one row of x's last dimension added to every row (an MLP's hidden layer whose product
-// left the bias out): in place when autograd records neither (the result is x), else a new tensor with a graph.
-// The fused pass adds the bias on the way, so the hidden layer is read and written once; Auto takes it at every
-// size on the vectorised targets (the reference makes two passes).
-torch::Tensor bias_gelu_(torch::Tensor x, const torch::Tensor& bias, Impl impl = Impl::Auto,
-                         GeluForm form = GeluForm::Erf);
 
 // silu(gate) * up (same shape): into gate when autograd records neither operand, else a new tensor with a
 // graph.

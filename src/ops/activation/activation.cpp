@@ -70,20 +70,12 @@ void elementwise(const simd::Kernels& k, const torch::Tensor& x, const void* z, 
          y.data_ptr<float>() + offset, n);
 }
 
-// out = GELU(x [+ bias]) over contiguous float32 or bfloat16 (out may be x); bias, when defined, is one row of
-// x's last dimension (in x's dtype), added to every row.
-void gelu_pass(const torch::Tensor& x, const torch::Tensor& out, GeluForm form, const torch::Tensor& bias = {}) {
+// out = GELU(x) over contiguous float32 or bfloat16 (out may be x).
+void gelu_pass(const torch::Tensor& x, const torch::Tensor& out, GeluForm form) {
     const simd::Kernels& k = simd::kernels();
     const auto pass = form == GeluForm::Tanh ? k.gelu_tanh : k.gelu_erf;
-    if (!bias.defined()) {
-        at::parallel_for(0, x.numel(), kGrain,
-                         [&](int64_t b, int64_t e) { elementwise(k, x, nullptr, out, b, 0, e - b, pass); });
-        return;
-    }
-    const int64_t cols = bias.numel(), rows = x.numel() / cols;
-    at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / cols), [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r) elementwise(k, x, bias.data_ptr(), out, r * cols, 0, cols, pass);
-    });
+    at::parallel_for(0, x.numel(), kGrain,
+                     [&](int64_t b, int64_t e) { elementwise(k, x, nullptr, out, b, 0, e - b, pass); });
 }
 
 // out = silu(gate) * up over contiguous float32 or bfloat16 (out may be gate or up).
@@ -259,21 +251,6 @@ torch::Tensor gelu_(torch::Tensor x, Impl impl, GeluForm form) {
         return records_graph({x}) ? torch::gelu(x, gelu_approximate(form)) : torch::gelu_(x, gelu_approximate(form));
     if (records_graph({x})) return FusedGelu::apply(x, form == GeluForm::Tanh);
     gelu_pass(x, x, form);
-    return x;
-}
-
-torch::Tensor bias_gelu_(torch::Tensor x, const torch::Tensor& bias, Impl impl, GeluForm form) {
-    LINVIS_CHECK(bias.dim() == 1 && x.dim() >= 1 && bias.size(0) == x.size(-1),
-                 "bias_gelu_: bias: expected one row of x's last dimension (", x.dim() >= 1 ? x.size(-1) : 0,
-                 "), got shape ", shape_string(bias.sizes()));
-    if (x.numel() == 0) return records_graph({x, bias}) ? x + bias : x;
-    const std::string why = unsupported_pair("x", x, "bias", bias);
-    // In a graph: the sum, then gelu_ (whose fused pass keeps LibTorch's derivative).
-    if (records_graph({x, bias})) return gelu_(x + bias, impl, form);
-    // One pass instead of two: fused wherever the SIMD layer is vectorised (docs/ops.md).
-    if (!use_fused(impl, "bias_gelu_", why, simd::vectorised()))
-        return torch::gelu_(x.add_(bias), gelu_approximate(form));
-    gelu_pass(x, x, form, bias);
     return x;
 }
 
