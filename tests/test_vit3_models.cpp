@@ -326,13 +326,21 @@ TEST(HVit3, ConvStacksInBandsGiveTheWholeMapsFeatures) {
         }
     }
     const Tensor images = torch::randn({1, 3, 1024, 1024});
-    const Tensor whole = model->forward_features(images);  // grad mode on (nothing to record): whole maps
-    Tensor banded;
+    Tensor whole, banded;
+    int64_t whole_macs = 0, banded_macs = 0;
+    {
+        linvis::flops::Counter counter;
+        whole = model->forward_features(images);  // grad mode on (nothing to record): whole maps
+        whole_macs = counter.macs();
+    }
     {
         torch::NoGradGuard no_grad;
+        linvis::flops::Counter counter;
         banded = model->forward_features(images);
+        banded_macs = counter.macs();
     }
     EXPECT_TRUE(all_close(banded, whole, 1e-4, 1e-5));
+    EXPECT_EQ(banded_macs, whole_macs);  // the halo rows' repeats are not counted
 }
 
 TEST(HVit3, BlocksOfAStageShareOneRopeTable) {

@@ -89,7 +89,7 @@ private:
             int64_t kernel, stride, pad, height;  // height: of the layer's input
         };
         std::vector<Geometry> g;
-        int64_t height = x.size(2), widest_row = 0;
+        int64_t height = x.size(2), width = x.size(3), widest_row = 0, macs = 0;
         for (const auto& layer : *conv) {
             const auto& o = layer->as<lnn::Vit3ConvLayerImpl>()->conv->options;
             const int64_t k = (*o.kernel_size())[0], s = (*o.stride())[0];
@@ -99,14 +99,20 @@ private:
             if ((*o.dilation())[0] != 1) return std::nullopt;
             g.push_back({k, s, p, height});
             height = (height + 2 * p - k) / s + 1;
-            const int64_t width = (x.size(3) + 2 * p - k) / s + 1;  // an upper bound of each layer's width
-            widest_row = std::max(widest_row, o.out_channels() * width * x.size(0) * x.element_size());
+            width = (width + 2 * p - (*o.kernel_size())[1]) / (*o.stride())[1] + 1;
+            macs += x.size(0) * o.out_channels() * height * width * (o.in_channels() / o.groups()) * k *
+                    (*o.kernel_size())[1];
+            const int64_t wide = (x.size(3) + 2 * p - k) / s + 1;  // an upper bound of each layer's width
+            widest_row = std::max(widest_row, o.out_channels() * wide * x.size(0) * x.element_size());
         }
         const int64_t out_height = height;
         // Output rows per band: about kBandBytes of the widest layer's map, whose rows are up to 4 times the
         // output's (the stem's two strides), and at least 8, so that the halo rows stay a small share.
         const int64_t band = std::max<int64_t>(8, kBandBytes / std::max<int64_t>(widest_row, 1) / 4);
         if (band >= out_height) return std::nullopt;
+        // FLOPs count each conv once over its whole map (as the whole maps' calls would), not the halo rows' repeats.
+        if (flops::counting()) flops::add(macs);
+        const flops::Uncounted halo_rows_repeated;
         Tensor out;
         for (int64_t o0 = 0; o0 < out_height; o0 += band) {
             const int64_t o1 = std::min(out_height, o0 + band);
