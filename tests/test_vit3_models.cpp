@@ -372,3 +372,30 @@ TEST(HVit3, BlocksOfAStageShareOneRopeTable) {
     EXPECT_TRUE(torch::equal(other, linvis::ops::vit3_rope_rotations(40, 24, 64)));
     EXPECT_EQ(rope->table(56, 56).data_ptr(), rope->rotations.data_ptr());
 }
+
+// The H-ViT³ mixer in inference rotates q1/k1 inside its qkv product and runs the one fused mix kernel; in a graph
+// (and under Reference) it composes the rotated copies and the two branches. Same values.
+TEST(HVit3, MixerWithRopeInPlaceMatchesTheComposedForm) {
+    torch::manual_seed(64);
+    const int64_t H = 12, W = 9, C = 64;
+    linvis::nn::Vit3Ttt fused(C, 2, true, linvis::ops::Impl::Auto);
+    linvis::nn::Vit3Ttt reference(C, 2, true, linvis::ops::Impl::Reference);
+    {
+        torch::NoGradGuard no_grad;
+        auto src = fused->named_parameters();
+        for (auto& p : reference->named_parameters()) p.value().copy_(src[p.key()]);
+    }
+    const Tensor rope = linvis::ops::vit3_rope_rotations(H, W, C);
+    const Tensor x = torch::randn({2, H * W, C});
+    const Tensor composed = reference->forward_with_rope(linvis::nn::NormedInput(x), H, W, rope);
+    const Tensor in_graph = fused->forward_with_rope(linvis::nn::NormedInput(x), H, W, rope);  // weights need grad
+    Tensor in_place;
+    {
+        torch::NoGradGuard no_grad;
+        in_place = fused->forward_with_rope(linvis::nn::NormedInput(x), H, W, rope);
+    }
+    EXPECT_TRUE(in_graph.requires_grad());
+    EXPECT_TRUE(all_close(in_graph, composed, 1e-5, 1e-6));
+    EXPECT_TRUE(all_close(in_place, composed, 1e-5, 1e-6));
+    EXPECT_TRUE(torch::equal(rope, linvis::ops::vit3_rope_rotations(H, W, C)));  // the table itself is untouched
+}

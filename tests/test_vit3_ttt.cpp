@@ -163,6 +163,30 @@ TEST(Vit3Ttt, RopeIsAppliedBeforeHeadSplit) {
     EXPECT_THROW(apply_rope_2d(torch::randn({2, 4, 3, 16}), rot), linvis::Error);
 }
 
+// apply_rope_2d_: the same values written into x, on q1's and k1's slices of a wider qkv tensor (the H-ViT³
+// layer's use), float32 through the in-place pass and float64 through the reference copied back; the columns
+// around the slice stay untouched; shape mismatches and a tensor autograd records are errors.
+TEST(Vit3Ttt, RopeInPlaceOnASliceMatchesApplyRope2d) {
+    torch::manual_seed(21);
+    const int64_t B = 2, H = 5, W = 7, C = 32, width = 3 * C + 12;
+    const Tensor rot = vit3_rope_rotations(H, W, C);
+    for (torch::ScalarType type : {torch::kFloat32, torch::kFloat64}) {
+        const Tensor qkv = torch::randn({B, H * W, width}).to(type);
+        Tensor rotated = qkv.clone();
+        for (int64_t part = 0; part < 2; ++part) {
+            const Tensor slice = rotated.narrow(-1, part * C, C).view({B, H, W, C});
+            ASSERT_FALSE(slice.is_contiguous());
+            linvis::ops::apply_rope_2d_(slice, rot);
+            const Tensor expected = apply_rope_2d(qkv.narrow(-1, part * C, C).reshape({B, H, W, C}), rot);
+            EXPECT_TRUE(all_close(slice, expected, 1e-6, 1e-6)) << c10::toString(type) << " part " << part;
+        }
+        EXPECT_TRUE(torch::equal(rotated.narrow(-1, 2 * C, width - 2 * C), qkv.narrow(-1, 2 * C, width - 2 * C)));
+    }
+    EXPECT_THROW(linvis::ops::apply_rope_2d_(torch::randn({B, W, H, C}), rot), linvis::Error);
+    const Tensor leaf = torch::randn({B, H, W, C}, torch::requires_grad());
+    EXPECT_THROW(linvis::ops::apply_rope_2d_(leaf, rot), linvis::Error);
+}
+
 TEST(Ops, GradcheckVit3Official) {
     torch::manual_seed(2);
     const int64_t B = 2, heads = 2, d = 2, C = heads * d, H = 2, W = 3, N = H * W;

@@ -30,8 +30,17 @@ torch::Tensor Vit3TttImpl::forward_with_rope(const NormedInput& in, int64_t heig
     const torch::Tensor& x = in.input();
     LINVIS_CHECK(x.dim() == 3 && x.size(2) == dim && x.size(1) == height * width, "Vit3Ttt: expected x (B, ",
                  height * width, ", ", dim, "), got ", shape_string(x.sizes()));
-    torch::Tensor mixed = ops::vit3_ttt_mix(in.linear(qkv, elementwise_impl(impl)), w1, w2, w3, num_heads, height,
-                                            width, rope_rotations, impl);
+    torch::Tensor products = in.linear(qkv, elementwise_impl(impl));
+    torch::Tensor rope = rope_rotations;
+    // Inference: RoPE rotates q1 and k1 inside the fresh product, so there are no rotated copies, and the mix runs
+    // as its one fused kernel (which has no RoPE of its own). The reference keeps the composed form.
+    if (rope.defined() && impl != ops::Impl::Reference && can_overwrite({products}) && products.is_contiguous() &&
+        products.scalar_type() == torch::kFloat32 && rope.scalar_type() == torch::kFloat32) {
+        for (int64_t part = 0; part < 2; ++part)
+            ops::apply_rope_2d_(products.narrow(-1, part * dim, dim).view({x.size(0), height, width, dim}), rope);
+        rope = torch::Tensor();
+    }
+    torch::Tensor mixed = ops::vit3_ttt_mix(products, w1, w2, w3, num_heads, height, width, rope, impl);
     return flops::linear(mixed, proj->weight, proj->bias);
 }
 

@@ -3,7 +3,8 @@
 // impl (official op only; linvis/ops/impl.h): the fused CPU kernels (src/ops/vit3_ttt/cpu.cpp,
 // docs/perf_vit3_t5.md) take float32 / bfloat16 CPU inputs, with a custom autograd function that
 // saves only the inputs and the d x d inner gradients; the mix runs as one kernel without RoPE and as
-// its two branch kernels with RoPE. Impl::Auto runs them on AVX-512 CPUs; Impl::Fused on another input
+// its two branch kernels with RoPE (H-ViT³'s layer rotates q1/k1 in place in inference, apply_rope_2d_,
+// and then runs the one kernel). Impl::Auto runs them on AVX-512 CPUs; Impl::Fused on another input
 // (float64, CUDA) is an error.
 //
 // Two entry points:
@@ -64,6 +65,13 @@ torch::Tensor vit3_rope_rotations(int64_t height, int64_t width, int64_t channel
 // The official op upcasts to float32 and returns float32; here float32 and lower precisions are
 // computed in float32 and cast back to x's dtype, float64 is computed in float64.
 torch::Tensor apply_rope_2d(const torch::Tensor& x, const torch::Tensor& rotations);
+
+// apply_rope_2d written into x itself, for a layer that owns x (H-ViT³'s q1 and k1 inside its fresh qkv product,
+// which then needs no rotated copies and goes to vit3_ttt_mix's one fused kernel without RoPE). x (B, H, W, C) may
+// be a strided view whose channels are contiguous (a slice of a wider tensor). float32 CPU x with float32
+// rotations: one pass per token (the fused form); other dtypes: apply_rope_2d copied back. Not for a tensor
+// autograd records.
+void apply_rope_2d_(const torch::Tensor& x, const torch::Tensor& rotations);
 
 // ---------------------------------------------------------------- design space (paper Sec. 4)
 

@@ -23,6 +23,8 @@ torch::Tensor vit3_dwconv_branch_fused(const torch::Tensor& q, const torch::Tens
 // dqkv buffer in backward). Shapes as ops::vit3_ttt_mix.
 torch::Tensor vit3_ttt_mix_fused(const torch::Tensor& qkv, const torch::Tensor& w1, const torch::Tensor& w2,
                                  const torch::Tensor& w3, int64_t num_heads, int64_t height, int64_t width);
+// apply_rope_2d in place on float32 x (B, H, W, C) with unit channel stride; rotations float32 contiguous.
+void rope_2d_in_place(const torch::Tensor& x, const torch::Tensor& rotations);
 torch::Tensor t5_ttt_attention_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                      const T5TttParams& params, int64_t num_heads, int64_t height, int64_t width);
 

@@ -558,6 +558,26 @@ public:
 
 }  // namespace
 
+void rope_2d_in_place(const Tensor& x, const Tensor& rotations) {
+    const int64_t B = x.size(0), H = x.size(1), W = x.size(2), C = x.size(3);
+    float* base = x.data_ptr<float>();
+    const float* table = rotations.data_ptr<float>();  // (H, W, C/2, 2): cos, sin per channel pair
+    const int64_t sb = x.stride(0), sh = x.stride(1), sw = x.stride(2);
+    at::parallel_for(0, B * H * W, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+            const int64_t b = t / (H * W), yx = t % (H * W);
+            float* p = base + b * sb + (yx / W) * sh + (yx % W) * sw;
+            const float* cs = table + yx * C;
+            // (a + ib)(c + is), as apply_rope_2d's complex product.
+            for (int64_t i = 0; i < C; i += 2) {
+                const float a = p[i], ib = p[i + 1], c = cs[i], sn = cs[i + 1];
+                p[i] = a * c - ib * sn;
+                p[i + 1] = a * sn + ib * c;
+            }
+        }
+    });
+}
+
 Tensor vit3_swiglu_branch_fused(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w1, const Tensor& w2,
                                 double scale) {
     if (records_graph({q, k, v, w1, w2})) return Vit3SwigluFunction::apply(q, k, v, w1, w2, scale);

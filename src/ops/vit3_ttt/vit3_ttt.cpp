@@ -1,6 +1,7 @@
 // linvis::ops::vit3_ttt_* (official op): input checks and the choice between the reference and the
-// fused CPU kernels (include/linvis/ops/vit3_ttt.h). RoPE has no fused form, so a mix with RoPE runs
-// the two branches separately, each of which may still be fused.
+// fused CPU kernels (include/linvis/ops/vit3_ttt.h). The whole-mix kernel has no RoPE, so a mix given a RoPE table
+// runs the two branches separately, each of which may still be fused; H-ViT³'s layer rotates q1 and k1 in place
+// first in inference (apply_rope_2d_) and passes no table.
 #include "linvis/ops/vit3_ttt.h"
 
 #include <string>
@@ -41,6 +42,21 @@ torch::Tensor vit3_ttt_dwconv_branch(const Tensor& q, const Tensor& k, const Ten
     if (use_fused(impl, "vit3_ttt_dwconv_branch", fused_detail::fused_unsupported(q), simd::vectorised()))
         return fused_detail::vit3_dwconv_branch_fused(q, k, v, w3, scale);
     return reference::vit3_ttt_dwconv_branch(q, k, v, w3, scale);
+}
+
+void apply_rope_2d_(const Tensor& x, const Tensor& rotations) {
+    LINVIS_CHECK(x.dim() == 4 && rotations.dim() == 4 && rotations.size(0) == x.size(1) &&
+                     rotations.size(1) == x.size(2) && rotations.size(2) * 2 == x.size(3) && rotations.size(3) == 2,
+                 "apply_rope_2d_: x ", shape_string(x.sizes()), " (B, H, W, C) does not match rotations ",
+                 shape_string(rotations.sizes()), " (H, W, C/2, 2)");
+    LINVIS_CHECK(!(torch::GradMode::is_enabled() && (x.requires_grad() || rotations.requires_grad())),
+                 "apply_rope_2d_: x or rotations requires grad; use apply_rope_2d in a graph");
+    if (x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && rotations.scalar_type() == torch::kFloat32 &&
+        rotations.device().is_cpu() && x.stride(3) == 1) {
+        fused_detail::rope_2d_in_place(x, rotations.contiguous());
+        return;
+    }
+    x.copy_(apply_rope_2d(x, rotations));
 }
 
 torch::Tensor vit3_ttt_mix(const Tensor& qkv, const Tensor& w1, const Tensor& w2, const Tensor& w3,
