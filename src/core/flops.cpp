@@ -144,7 +144,7 @@ torch::Tensor activate(torch::Tensor y, Activation activation) {
 
 // a (M x K) . b (K x N) [+ bias], then `activation`, for 2-D CPU tensors of one dtype through oneDNN. float32:
 // with a bias or an activation its matmul primitive, which applies them to each tile of the product while it is
-// in cache (2-20 % faster than sgemm and a pass over the output for ViT-T's products, docs/performance.md), a
+// in cache (1-32 % faster than sgemm and a pass over the output for ViT-T's products, docs/performance.md), a
 // plain product its sgemm (as fast, and faster on the backward's transposed operands); sgemm and a pass where
 // the primitive has no kernel. bf16: the matmul primitive where bf16_on_matmul_primitive() and the primitive has
 // a kernel for the case, else sgemm on float32 copies.

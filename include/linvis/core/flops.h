@@ -54,8 +54,8 @@ bool counting();
 // y = x W^T + b over the last dimension of x. Float32 CPU products run through oneDNN, faster than LibTorch
 // 1.13's OpenBLAS call at every size once idle OpenMP workers spin briefly
 // (runtime::restart_with_runtime_environment; docs/performance.md): with a bias its matmul primitive, which adds
-// the bias to each tile of the product in cache, without one its sgemm. bf16 CPU products run through oneDNN's matmul primitive
-// where oneDNN has a bf16 kernel for this CPU (AVX-512; native dot products with AVX512-BF16): float32
+// the bias to each tile of the product in cache, without one its sgemm. bf16 CPU products run through oneDNN's
+// matmul primitive where oneDNN has a bf16 kernel for this CPU (AVX-512; native dot products with AVX512-BF16): float32
 // accumulation, bias added to the accumulator, one rounding to bf16; elsewhere LibTorch (widened to float32
 // where it would accumulate in bf16, linvis/core/precision.h). In training the backward products go through
 // oneDNN too (a backward that builds a graph, for double backward, uses LibTorch's ops). Empty products,
