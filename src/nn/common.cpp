@@ -92,15 +92,13 @@ ops::Impl elementwise_impl(ops::Impl model_impl) {
 
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
                           ops::GeluForm form, ops::Impl impl) {
-    if (x.scalar_type() == torch::kFloat32) {
-        // Outside a graph on oneDNN the bias and the GELU go into the product (its matmul primitive's epilogue
-        // acts on each tile while it is in cache), instead of a pass over the whole hidden layer afterwards.
-        if (impl != ops::Impl::Reference && can_overwrite({x, weight, bias}) &&
-            flops::linear_takes_onednn(x, weight, bias))
-            return flops::linear_gelu(x, weight, bias, form == ops::GeluForm::Tanh ? "tanh" : "none");
-        return ops::gelu_(flops::linear(x, weight, bias), impl, form);
-    }
-    return flops::linear_gelu(x, weight, bias, form == ops::GeluForm::Tanh ? "tanh" : "none");
+    // float32 outside a graph on oneDNN: the bias and the GELU go into the product (its matmul primitive's epilogue
+    // acts on each tile while it is in cache), instead of a pass over the whole hidden layer afterwards.
+    const bool in_product = x.scalar_type() != torch::kFloat32 ||
+                            (impl != ops::Impl::Reference && can_overwrite({x, weight, bias}) &&
+                             flops::linear_takes_onednn(x, weight, bias));
+    if (in_product) return flops::linear_gelu(x, weight, bias, form == ops::GeluForm::Tanh ? "tanh" : "none");
+    return ops::gelu_(flops::linear(x, weight, bias), impl, form);
 }
 
 torch::Tensor gelu_mlp(const NormedInput& x, const torch::nn::Linear& fc1, const torch::nn::Linear& fc2,
