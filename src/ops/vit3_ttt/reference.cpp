@@ -221,11 +221,15 @@ torch::Tensor vit3_rope_rotations(int64_t height, int64_t width, int64_t channel
     return torch::stack({torch::cos(angles), torch::sin(angles)}, -1).contiguous();
 }
 
-torch::Tensor apply_rope_2d(const Tensor& x, const Tensor& rotations) {
+void check_rope_shapes(const Tensor& x, const Tensor& rotations, const char* op) {
     LINVIS_CHECK(x.dim() == 4 && rotations.dim() == 4 && rotations.size(0) == x.size(1) &&
                      rotations.size(1) == x.size(2) && rotations.size(2) * 2 == x.size(3) && rotations.size(3) == 2,
-                 "apply_rope_2d: x ", shape_string(x.sizes()), " (B, H, W, C) does not match rotations ",
+                 op, ": x ", shape_string(x.sizes()), " (B, H, W, C) does not match rotations ",
                  shape_string(rotations.sizes()), " (H, W, C/2, 2)");
+}
+
+torch::Tensor apply_rope_2d(const Tensor& x, const Tensor& rotations) {
+    check_rope_shapes(x, rotations, "apply_rope_2d");
     const auto compute = x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
     Tensor xc = x.to(compute).contiguous();
     auto sizes = xc.sizes().vec();

@@ -4,6 +4,14 @@
 
 #include <torch/torch.h>
 
+namespace linvis::ops {
+
+// The shapes apply_rope_2d and apply_rope_2d_ take: x (B, H, W, C), rotations (H, W, C/2, 2); `op` names the caller
+// in the error.
+void check_rope_shapes(const torch::Tensor& x, const torch::Tensor& rotations, const char* op);
+
+}  // namespace linvis::ops
+
 namespace linvis::ops::reference {
 
 torch::Tensor vit3_ttt_swiglu_branch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

@@ -45,10 +45,7 @@ torch::Tensor vit3_ttt_dwconv_branch(const Tensor& q, const Tensor& k, const Ten
 }
 
 void apply_rope_2d_(const Tensor& x, const Tensor& rotations) {
-    LINVIS_CHECK(x.dim() == 4 && rotations.dim() == 4 && rotations.size(0) == x.size(1) &&
-                     rotations.size(1) == x.size(2) && rotations.size(2) * 2 == x.size(3) && rotations.size(3) == 2,
-                 "apply_rope_2d_: x ", shape_string(x.sizes()), " (B, H, W, C) does not match rotations ",
-                 shape_string(rotations.sizes()), " (H, W, C/2, 2)");
+    check_rope_shapes(x, rotations, "apply_rope_2d_");
     LINVIS_CHECK(!(torch::GradMode::is_enabled() && (x.requires_grad() || rotations.requires_grad())),
                  "apply_rope_2d_: x or rotations requires grad; use apply_rope_2d in a graph");
     if (x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && rotations.scalar_type() == torch::kFloat32 &&
