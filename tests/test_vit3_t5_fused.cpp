@@ -159,6 +159,81 @@ TEST(Vit3TttFused, MixMatchesReferenceWithAndWithoutRope) {
     });
 }
 
+// ops::Vit3TttInBands over bands of `rows` rows of x's map (x: qkv, w1, w2, w3 as mix's), the bands' outputs joined.
+Tensor mix_in_bands(const std::vector<Tensor>& x, int64_t h, int64_t H, int64_t W, int64_t rows, Impl impl) {
+    const int64_t B = x[0].size(0), d = x[3].size(0), C = h * d;
+    const Tensor map = x[0].view({B, H, W, 3 * C + 3 * d});
+    const Tensor kv = torch::cat({map.narrow(3, C, 2 * C), map.narrow(3, 3 * C + d, 2 * d)}, 3);
+    const Tensor q = torch::cat({map.narrow(3, 0, C), map.narrow(3, 3 * C, d)}, 3);
+    linvis::ops::Vit3TttInBands bands(x[1], x[2], x[3], h, B, H, W, impl);
+    auto with_halo = [&](const Tensor& t, int64_t begin, int64_t end) {
+        const int64_t first = bands.first_row(begin);
+        return t.narrow(1, first, bands.last_row(end) - first);
+    };
+    for (int64_t r = 0; r < H; r += rows) {
+        const int64_t end = std::min(H, r + rows);
+        bands.accumulate(with_halo(kv, r, end), r, end);
+    }
+    std::vector<Tensor> out;
+    for (int64_t r = 0; r < H; r += rows) {
+        const int64_t end = std::min(H, r + rows);
+        out.push_back(bands.apply(with_halo(q, r, end), r, end));
+    }
+    return torch::cat(out, 1);
+}
+
+// The mix in bands of rows (H-ViT³'s first stages in inference) gives the whole mix's output, fused and reference,
+// for every band height, on every SIMD target.
+TEST(Vit3TttFused, MixInBandsMatchesTheWholeMix) {
+    torch::manual_seed(13);
+    const int64_t B = 2, h = 2, d = 8, C = h * d, H = 7, W = 9;
+    std::vector<Tensor> x{torch::randn({B, H * W, 3 * C + 3 * d}), 0.3 * torch::randn({1, h, d, d}),
+                          0.3 * torch::randn({1, h, d, d}), 0.3 * torch::randn({d, 1, 3, 3})};
+    torch::NoGradGuard no_grad;
+    const Tensor whole = mix(x, h, H, W, Tensor(), Impl::Reference);
+    for_each_simd_target([&](const SimdTarget&) {
+        for (const Impl impl : {Impl::Reference, Impl::Fused})
+            for (const int64_t rows : {int64_t{1}, int64_t{2}, int64_t{3}, H}) {
+                const Tensor banded = mix_in_bands(x, h, H, W, rows, impl);
+                ASSERT_EQ(banded.sizes(), whole.sizes());
+                EXPECT_LT(relative_error(banded, whole), kF32RelTol)
+                    << (impl == Impl::Fused ? "fused" : "reference") << ", bands of " << rows << " rows";
+            }
+    });
+    // float64: the same values to the order of the sums.
+    std::vector<Tensor> x64;
+    for (const Tensor& t : x) x64.push_back(t.to(torch::kFloat64));
+    EXPECT_LT(relative_error(mix_in_bands(x64, h, H, W, 3, Impl::Reference),
+                             mix(x64, h, H, W, Tensor(), Impl::Reference)),
+              1e-12);
+    // bf16 inputs: computed in float32 (fused) or with float32 sums (reference), one rounding of the output more.
+    std::vector<Tensor> x16;
+    for (const Tensor& t : x) x16.push_back(t.to(torch::kBFloat16));
+    for (const Impl impl : {Impl::Reference, Impl::Auto}) {
+        const Tensor banded = mix_in_bands(x16, h, H, W, 2, impl);
+        EXPECT_EQ(banded.scalar_type(), torch::kBFloat16);
+        EXPECT_LT(relative_error(banded.to(torch::kFloat32), mix(x16, h, H, W, Tensor(), impl).to(torch::kFloat32)),
+                  2e-2);
+    }
+}
+
+// Bands come in order, every band's keys before any queries, each with its halo rows.
+TEST(Vit3TttFused, MixInBandsRejectsMisuse) {
+    const int64_t B = 1, h = 2, d = 8, C = h * d, H = 6, W = 4;
+    const Tensor w = 0.3 * torch::randn({1, h, d, d}), w3 = 0.3 * torch::randn({d, 1, 3, 3});
+    const Tensor kv = torch::randn({B, 4, W, 2 * C + 2 * d}), q = torch::randn({B, 4, W, C + d});
+    torch::NoGradGuard no_grad;
+    linvis::ops::Vit3TttInBands bands(w, w, w3, h, B, H, W);
+    EXPECT_THROW(bands.accumulate(kv, 3, 5), linvis::Error);            // not the band from row 0
+    EXPECT_THROW(bands.accumulate(kv.narrow(1, 0, 3), 0, 3), linvis::Error);  // without its halo row below
+    bands.accumulate(kv, 0, 3);                                          // rows 0-3: the band and one halo row
+    EXPECT_THROW(bands.apply(q, 1, 3), linvis::Error);                   // rows 3-6 not accumulated yet
+    bands.accumulate(kv.narrow(1, 0, 4), 3, 6);
+    EXPECT_EQ(bands.apply(q, 1, 3).sizes(), (std::vector<int64_t>{B, 2 * W, C + d}));
+    EXPECT_THROW(bands.accumulate(kv, 0, 3), linvis::Error);            // keys after queries
+    EXPECT_THROW(bands.apply(q.narrow(3, 0, C), 1, 3), linvis::Error);  // not [q1 | q2]
+}
+
 // Every vector target gives the scalar target's result to rounding (LINVIS_FORCE_SCALAR=1 is scalar too).
 TEST(Vit3TttFused, AllSimdTargetsAgreeWithScalar) {
     torch::manual_seed(5);

@@ -73,6 +73,43 @@ torch::Tensor apply_rope_2d(const torch::Tensor& x, const torch::Tensor& rotatio
 // autograd records.
 void apply_rope_2d_(const torch::Tensor& x, const torch::Tensor& rotations);
 
+// vit3_ttt_mix in inference a band of grid rows at a time, for maps whose qkv product (3C + 3d channels per token)
+// would be a model's largest tensor (H-ViT³'s first stages at high resolution). The inner step's gradients are sums
+// over the tokens, so the caller hands in every band's keys and values first (accumulate, bands in order), then
+// each band's queries (apply), and the whole qkv never exists. Results equal vit3_ttt_mix's up to the order of the
+// sums. The depthwise branch's 3x3 stencil reads one row above and one below a band: a band [begin, end) comes with
+// the rows [first_row(begin), last_row(end)), which include those halo rows where the grid has them. RoPE, if
+// any, is the caller's (apply_rope_2d_ on q1 / k1 of the band's rows). Not for tensors autograd records.
+// impl: as vit3_ttt_mix's (fused float32 kernels on AVX-512 CPUs, the LibTorch reference elsewhere).
+class Vit3TttInBands {
+public:
+    // w1, w2 (1, h, d, d), w3 (d, 1, 3, 3) as vit3_ttt_mix's; a batch of `batch` maps of height x width tokens.
+    Vit3TttInBands(torch::Tensor w1, torch::Tensor w2, torch::Tensor w3, int64_t num_heads, int64_t batch,
+                   int64_t height, int64_t width, Impl impl = Impl::Auto);
+
+    static int64_t first_row(int64_t begin) { return begin > 0 ? begin - 1 : 0; }
+    int64_t last_row(int64_t end) const { return end < height_ ? end + 1 : height_; }
+
+    // kv (B, last_row(end) - first_row(begin), W, 2C + 2d) laid out [k1 | v1 | k2 | v2]: the band's share of the
+    // inner step's sums. Bands come in order, from row 0 to row H.
+    void accumulate(const torch::Tensor& kv, int64_t begin, int64_t end);
+    // q (B, last_row(end) - first_row(begin), W, C + d) laid out [q1 | q2], after the last band's accumulate ->
+    // cat([x1, x2], -1) of the band's tokens: (B, (end - begin) * W, C + d), as vit3_ttt_mix's rows of the band.
+    torch::Tensor apply(const torch::Tensor& q, int64_t begin, int64_t end);
+
+private:
+    void check_band(const torch::Tensor& t, int64_t channels, int64_t begin, int64_t end, const char* what) const;
+    void take_step();
+
+    torch::Tensor w1_, w2_, w3_;
+    int64_t num_heads_, head_dim_, batch_, height_, width_;
+    Impl impl_;
+    bool fused_ = false, stepped_ = false;
+    int64_t rows_accumulated_ = 0;
+    torch::Tensor g1_, g2_, g3_;  // the inner gradients' raw sums: (B, h, d, d) twice, (B, 9, d)
+    std::vector<torch::Tensor> updated_;  // after the step: W1', W2' (B, h, d, d) and the depthwise kernels
+};
+
 // ---------------------------------------------------------------- design space (paper Sec. 4)
 
 enum class Vit3InnerModel {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -23,6 +24,16 @@ torch::Tensor vit3_dwconv_branch_fused(const torch::Tensor& q, const torch::Tens
 // dqkv buffer in backward). Shapes as ops::vit3_ttt_mix.
 torch::Tensor vit3_ttt_mix_fused(const torch::Tensor& qkv, const torch::Tensor& w1, const torch::Tensor& w2,
                                  const torch::Tensor& w3, int64_t num_heads, int64_t height, int64_t width);
+// ops::Vit3TttInBands' passes on float32 sums (B, h, d, d) / (B, 9, d); shapes and meaning as the reference's
+// (src/ops/vit3_ttt/reference.h). The step returns W1', W2' and the taps (B, 9, d) apply takes.
+void vit3_bands_accumulate_fused(const torch::Tensor& kv, int64_t offset, int64_t rows, int64_t num_heads,
+                                 int64_t tokens, const torch::Tensor& w1, const torch::Tensor& w2, torch::Tensor& g1,
+                                 torch::Tensor& g2, torch::Tensor& g3);
+std::vector<torch::Tensor> vit3_bands_step_fused(const torch::Tensor& w1, const torch::Tensor& w2,
+                                                 const torch::Tensor& w3, const torch::Tensor& g1,
+                                                 const torch::Tensor& g2, const torch::Tensor& g3);
+torch::Tensor vit3_bands_apply_fused(const torch::Tensor& q, int64_t offset, int64_t rows, int64_t num_heads,
+                                     const std::vector<torch::Tensor>& updated);
 // apply_rope_2d in place on float32 x (B, H, W, C) with unit channel stride; rotations float32 contiguous.
 void rope_2d_in_place(const torch::Tensor& x, const torch::Tensor& rotations);
 torch::Tensor t5_ttt_attention_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

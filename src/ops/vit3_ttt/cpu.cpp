@@ -69,6 +69,7 @@ const float* weight_of(const Tensor& w, int64_t b, int64_t hh, int64_t h, int64_
 struct SwigluDims {
     int64_t B, h, N, d, blocks;
     double scale;
+    int64_t loss_tokens = 0;  // the loss's N when the call sees a band of the map's tokens (0: N)
 };
 
 // ---- elementwise bodies (compiled for every SIMD target, see LINVIS_SIMD_CLONES)
@@ -157,8 +158,8 @@ void swiglu_inner_block(const Kernels& kr, const Heads& K, const Heads& V, int64
     kr.gemm(T, d, d, kb, K.sn, 1, w1, d, z1, d, false);
     kr.gemm(T, d, d, kb, K.sn, 1, w2, d, z2, d, false);
     kr.sigmoid(z2, sg, T * d);
-    inner_elementwise(T, d, V.row(b, hh, n0), V.sn, static_cast<float>(s.N), static_cast<float>(s.scale), z1, z2, sg,
-                      e, p1, p2);
+    inner_elementwise(T, d, V.row(b, hh, n0), V.sn, static_cast<float>(s.loss_tokens > 0 ? s.loss_tokens : s.N),
+                      static_cast<float>(s.scale), z1, z2, sg, e, p1, p2);
 }
 
 // Raw inner gradients G1, G2: (B, h, d, d).
@@ -197,6 +198,25 @@ void swiglu_updated_weights(const Tensor& w, const float* g, const SwigluDims& s
         }
 }
 
+// Pass 2: O = (Q W1') * silu(Q W2') from the updated weights (B, h, d, d).
+void swiglu_readout(const Heads& Q, const float* w1n, const float* w2n, const SwigluDims& s, const Heads& O) {
+    const Kernels& kr = kernels();
+    const int64_t d = s.d;
+    at::parallel_for(0, s.B * s.h * s.blocks, 1, [&](int64_t begin, int64_t end) {
+        const BlockScratch buf(3, std::min(kTokenBlock, s.N), d);
+        float *y1 = buf[0], *y2 = buf[1], *sg = buf[2];
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bh = task / s.blocks, blk = task % s.blocks, b = bh / s.h, hh = bh % s.h;
+            const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0);
+            const float* qb = Q.row(b, hh, n0);
+            kr.gemm(T, d, d, qb, Q.sn, 1, w1n + bh * d * d, d, y1, d, false);
+            kr.gemm(T, d, d, qb, Q.sn, 1, w2n + bh * d * d, d, y2, d, false);
+            kr.sigmoid(y2, sg, T * d);
+            readout(T, d, y1, y2, sg, O.row(b, hh, n0), O.sn);
+        }
+    });
+}
+
 struct SwigluForwardResult {
     Tensor out, g1, g2;
 };
@@ -215,21 +235,7 @@ SwigluForwardResult swiglu_forward(const Tensor& q, const Tensor& k, const Tenso
     swiglu_updated_weights(w2, g2.data_ptr<float>(), s, w2n.data(), norms.data());
 
     Tensor out = out_heads.defined() ? out_heads : new_heads_buffer(B, h, N, d);
-    const Heads O = heads_of(out);
-    const Kernels& kr = kernels();
-    at::parallel_for(0, B * h * s.blocks, 1, [&](int64_t begin, int64_t end) {
-        const BlockScratch buf(3, std::min(kTokenBlock, N), d);
-        float *y1 = buf[0], *y2 = buf[1], *sg = buf[2];
-        for (int64_t task = begin; task < end; ++task) {
-            const int64_t bh = task / s.blocks, blk = task % s.blocks, b = bh / h, hh = bh % h;
-            const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, N - n0);
-            const float* qb = Q.row(b, hh, n0);
-            kr.gemm(T, d, d, qb, Q.sn, 1, w1n.data() + bh * d * d, d, y1, d, false);
-            kr.gemm(T, d, d, qb, Q.sn, 1, w2n.data() + bh * d * d, d, y2, d, false);
-            kr.sigmoid(y2, sg, T * d);
-            readout(T, d, y1, y2, sg, O.row(b, hh, n0), O.sn);
-        }
-    });
+    swiglu_readout(Q, w1n.data(), w2n.data(), s, heads_of(out));
     // Inner products (4 of N x d x d per head) and the two read-out products.
     flops::add(6 * B * h * N * d * d);
     return {out, g1, g2};
@@ -375,13 +381,14 @@ MutImage mut_image_of(const Tensor& cl, int64_t b) {
     return {cl.data_ptr<float>() + b * cl.stride(0), cl.stride(1), cl.stride(2), cl.size(1), cl.size(2), cl.size(3)};
 }
 
-// acc (B, 9, d) = Σ over the grid of stencil_reduce(a, b), chunk partials summed in fixed order.
-void grid_reduce(const Tensor& a, const Tensor& b, const GridTasks& g, int64_t d, float* acc) {
+// acc (B, 9, d) = Σ over the grid of stencil_reduce(a, b), chunk partials summed in fixed order. The grid's rows
+// start at row `first` of the images (a band of a map with its halo rows).
+void grid_reduce(const Tensor& a, const Tensor& b, const GridTasks& g, int64_t d, float* acc, int64_t first = 0) {
     std::vector<float> parts(g.count() * 9 * d, 0.0f);
     at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task)
             stencil_reduce(image_of(a, g.sample(task)), image_of(b, g.sample(task)), parts.data() + task * 9 * d,
-                           g.y0(task), g.y1(task));
+                           first + g.y0(task), first + g.y1(task));
     });
     for (int64_t bb = 0; bb < g.B; ++bb) {
         float* o = acc + bb * 9 * d;
@@ -393,14 +400,14 @@ void grid_reduce(const Tensor& a, const Tensor& b, const GridTasks& g, int64_t d
     }
 }
 
-// dst (B, H, W, d) = stencil of src with per-sample taps (B, 9, d).
+// dst (B, H, W, d) = stencil of src with per-sample taps (B, 9, d); the grid's rows start at row `first`.
 void grid_apply(const Tensor& src, const float* taps, bool transpose_taps, const Tensor& dst, const GridTasks& g,
-                int64_t d) {
+                int64_t d, int64_t first = 0) {
     at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {
             const int64_t bb = g.sample(task);
-            stencil_apply(image_of(src, bb), taps + bb * 9 * d, transpose_taps, mut_image_of(dst, bb), g.y0(task),
-                          g.y1(task), false);
+            stencil_apply(image_of(src, bb), taps + bb * 9 * d, transpose_taps, mut_image_of(dst, bb),
+                          first + g.y0(task), first + g.y1(task), false);
         }
     });
 }
@@ -576,6 +583,58 @@ void rope_2d_in_place(const Tensor& x, const Tensor& rotations) {
             }
         }
     });
+}
+
+// ---------------------------------------------------------------- Vit3TttInBands
+
+void vit3_bands_accumulate_fused(const Tensor& kv, int64_t offset, int64_t rows, int64_t h, int64_t tokens,
+                                 const Tensor& w1, const Tensor& w2, Tensor& g1, Tensor& g2, Tensor& g3) {
+    const Tensor x = f32_rows(kv).contiguous();
+    const int64_t B = x.size(0), W = x.size(2), ld = x.size(3), d = ld / (2 * (h + 1)), C = h * d, n = rows * W;
+    float* band = x.data_ptr<float>() + offset * W * ld;
+    const Heads K{band, x.stride(0), d, ld}, V{band + C, x.stride(0), d, ld};
+    const SwigluDims s{B, h, n, d, (n + kTokenBlock - 1) / kTokenBlock, kVit3InnerScale, tokens};
+    Tensor p1 = torch::empty_like(g1), p2 = torch::empty_like(g2), p3 = torch::empty_like(g3);
+    swiglu_gradients(K, V, w1.to(torch::kFloat32).contiguous(), w2.to(torch::kFloat32).contiguous(), s,
+                     p1.data_ptr<float>(), p2.data_ptr<float>());
+    grid_reduce(x.narrow(3, 2 * C, d), x.narrow(3, 2 * C + d, d), GridTasks(B, rows, W, kTokenBlock), d,
+                p3.data_ptr<float>(), offset);
+    g1 += p1;
+    g2 += p2;
+    g3 += p3.mul_(-kVit3InnerScale / static_cast<double>(tokens));
+    flops::add(4 * B * h * n * d * d + 9 * B * d * n);
+}
+
+std::vector<Tensor> vit3_bands_step_fused(const Tensor& w1, const Tensor& w2, const Tensor& w3, const Tensor& g1,
+                                          const Tensor& g2, const Tensor& g3) {
+    const int64_t B = g1.size(0), h = g1.size(1), d = g1.size(2);
+    const SwigluDims s{B, h, 0, d, 0, kVit3InnerScale};
+    Tensor w1n = torch::empty_like(g1), w2n = torch::empty_like(g2), taps = torch::empty_like(g3);
+    std::vector<float> norms(B * h * d);
+    swiglu_updated_weights(w1.to(torch::kFloat32).contiguous(), g1.data_ptr<float>(), s, w1n.data_ptr<float>(),
+                           norms.data());
+    swiglu_updated_weights(w2.to(torch::kFloat32).contiguous(), g2.data_ptr<float>(), s, w2n.data_ptr<float>(),
+                           norms.data());
+    dwconv_updated_taps(w3.to(torch::kFloat32).contiguous(), g3.data_ptr<float>(), B, d, taps.data_ptr<float>(),
+                        norms.data());
+    return {w1n, w2n, taps};
+}
+
+Tensor vit3_bands_apply_fused(const Tensor& q, int64_t offset, int64_t rows, int64_t h,
+                              const std::vector<Tensor>& updated) {
+    const Tensor x = f32_rows(q).contiguous();
+    const int64_t B = x.size(0), R = x.size(1), W = x.size(2), ld = x.size(3), d = ld / (h + 1), C = h * d;
+    const int64_t n = rows * W;
+    // Output rows as q's, halo rows included (left unwritten), so that the stencil's rows line up with q's.
+    Tensor out = torch::empty({B, R, W, ld}, torch::kFloat32);
+    const Heads Q{x.data_ptr<float>() + offset * W * ld, x.stride(0), d, ld};
+    const Heads O{out.data_ptr<float>() + offset * W * ld, out.stride(0), d, ld};
+    const SwigluDims s{B, h, n, d, (n + kTokenBlock - 1) / kTokenBlock, kVit3InnerScale};
+    swiglu_readout(Q, updated[0].data_ptr<float>(), updated[1].data_ptr<float>(), s, O);
+    grid_apply(x.narrow(3, C, d), updated[2].data_ptr<float>(), false, out.narrow(3, C, d),
+               GridTasks(B, rows, W, kTokenBlock), d, offset);
+    flops::add(2 * B * h * n * d * d + 9 * B * d * n);
+    return out.narrow(1, offset, rows).reshape({B, n, ld}).to(q.scalar_type());
 }
 
 Tensor vit3_swiglu_branch_fused(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w1, const Tensor& w2,

@@ -280,6 +280,59 @@ torch::Tensor vit3_ttt_dwconv_branch(const Tensor& q, const Tensor& k, const Ten
     return out.reshape({B, d, H, W});
 }
 
+namespace {
+// The band's k2 or q2 (channels [at, at + d) of t (B, R, W, .)) as (B, d, rows + 2, W + 2): the band's rows with one
+// row above and below, each a halo row of t or a zero row where the grid ends, and zero columns on both sides.
+Tensor padded_band_map(const Tensor& t, int64_t at, int64_t d, int64_t offset, int64_t rows) {
+    const int64_t top = offset == 0 ? 1 : 0, bottom = t.size(1) == offset + rows ? 1 : 0;
+    return F::pad(t.narrow(3, at, d).permute({0, 3, 1, 2}), F::PadFuncOptions({1, 1, top, bottom}));
+}
+}  // namespace
+
+void vit3_bands_accumulate(const Tensor& kv, int64_t offset, int64_t rows, int64_t h, int64_t tokens,
+                           const Tensor& w1, const Tensor& w2, Tensor& g1, Tensor& g2, Tensor& g3) {
+    const int64_t B = kv.size(0), W = kv.size(2), d = kv.size(3) / (2 * (h + 1)), C = h * d, n = rows * W;
+    const Tensor band = kv.narrow(1, offset, rows).reshape({B, n, 2 * C + 2 * d});
+    auto heads = [&](int64_t at) { return band.narrow(2, at, C).reshape({B, n, h, d}).transpose(1, 2); };
+    // The official op order of vit3_ttt_swiglu_branch, over the band's tokens, with the whole map's N.
+    const Tensor k = heads(0), v = heads(C);
+    const Tensor z1 = flops::matmul(k, w1), z2 = flops::matmul(k, w2), sig = torch::sigmoid(z2), a = z2 * sig;
+    const Tensor e = (-v / static_cast<double>(tokens)) * kVit3InnerScale;
+    const Tensor kt = transpose_last(k);
+    g1 += flops::matmul(kt, e * a).to(g1.scalar_type());
+    g2 += flops::matmul(kt, e * z1 * silu_grad_from(z2, sig)).to(g2.scalar_type());
+    // Depthwise branch: the band's share of vit3_ttt_dwconv_branch's 9 shifted products.
+    const Tensor kpad = padded_band_map(kv, 2 * C, d, offset, rows);
+    const Tensor e2 = (-band.narrow(2, 2 * C + d, d).reshape({B, rows, W, d}).permute({0, 3, 1, 2}) /
+                       static_cast<double>(tokens)) *
+                      kVit3InnerScale;
+    std::vector<Tensor> dots;
+    for (int64_t dy = -1; dy <= 1; ++dy)
+        for (int64_t dx = -1; dx <= 1; ++dx)
+            dots.push_back((kpad.narrow(2, 1 + dy, rows).narrow(3, 1 + dx, W) * e2).sum({-2, -1}));
+    flops::add(B * d * 9 * n);
+    g3 += torch::stack(dots, 1).to(g3.scalar_type());
+}
+
+std::vector<Tensor> vit3_bands_step(const Tensor& w1, const Tensor& w2, const Tensor& w3, const Tensor& g1,
+                                    const Tensor& g2, const Tensor& g3) {
+    const int64_t B = g3.size(0), d = g3.size(2);
+    auto as_w = [](const Tensor& g, const Tensor& w) { return g.to(w.scalar_type()); };
+    Tensor g = normalize(as_w(g3, w3).permute({0, 2, 1}).reshape({B * d, 1, 3, 3}), {-2, -1});
+    return {w1 - 1.0 * normalize(as_w(g1, w1), {-2}), w2 - 1.0 * normalize(as_w(g2, w2), {-2}),
+            w3.repeat({B, 1, 1, 1}) - 1.0 * g};
+}
+
+Tensor vit3_bands_apply(const Tensor& q, int64_t offset, int64_t rows, int64_t h, const std::vector<Tensor>& updated) {
+    const int64_t B = q.size(0), W = q.size(2), d = q.size(3) / (h + 1), C = h * d, n = rows * W;
+    const Tensor q1 = q.narrow(1, offset, rows).reshape({B, n, C + d}).narrow(2, 0, C).reshape({B, n, h, d})
+                          .transpose(1, 2);
+    const Tensor x1 = flops::matmul(q1, updated[0]) * torch::silu(flops::matmul(q1, updated[1]));
+    const Tensor q2 = padded_band_map(q, C, d, offset, rows).reshape({1, B * d, rows + 2, W + 2});
+    const Tensor x2 = flops::conv2d(q2, updated[2], {}, {1, 1}, {0, 0}, {1, 1}, B * d);
+    return torch::cat({x1.transpose(1, 2).reshape({B, n, C}), x2.reshape({B, d, n}).transpose(1, 2)}, -1);
+}
+
 
 }  // namespace reference
 

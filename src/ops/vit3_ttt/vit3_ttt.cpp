@@ -7,6 +7,7 @@
 #include <string>
 
 #include "linvis/core/error.h"
+#include "linvis/core/precision.h"
 #include "ops/simd/simd.h"
 #include "ops/ttt_swiglu_cpu/entry_points.h"
 #include "ops/vit3_ttt/reference.h"
@@ -90,6 +91,72 @@ torch::Tensor vit3_ttt_mix(const Tensor& qkv, const Tensor& w1, const Tensor& w2
     x1 = x1.transpose(1, 2).reshape({B, N, C});
     x2 = x2.reshape({B, d, N}).transpose(1, 2);
     return torch::cat({x1, x2}, -1);
+}
+
+Vit3TttInBands::Vit3TttInBands(Tensor w1, Tensor w2, Tensor w3, int64_t num_heads, int64_t batch, int64_t height,
+                               int64_t width, Impl impl)
+    : w1_(std::move(w1)), w2_(std::move(w2)), w3_(std::move(w3)), num_heads_(num_heads), head_dim_(w3_.size(0)),
+      batch_(batch), height_(height), width_(width), impl_(impl) {
+    const int64_t h = num_heads, d = head_dim_;
+    LINVIS_CHECK(w1_.dim() == 4 && w1_.size(0) == 1 && w1_.size(1) == h && w1_.size(2) == d && w1_.size(3) == d &&
+                     w2_.sizes() == w1_.sizes(),
+                 "Vit3TttInBands: w1/w2: expected shape [1, ", h, ", ", d, ", ", d, "], got ",
+                 shape_string(w1_.sizes()), " and ", shape_string(w2_.sizes()));
+    LINVIS_CHECK(w3_.dim() == 4 && w3_.size(1) == 1 && w3_.size(2) == 3 && w3_.size(3) == 3,
+                 "Vit3TttInBands: w3: expected shape [d, 1, 3, 3], got ", shape_string(w3_.sizes()));
+    LINVIS_CHECK(batch > 0 && height > 0 && width > 0, "Vit3TttInBands: empty map ", batch, " x ", height, " x ",
+                 width);
+}
+
+void Vit3TttInBands::check_band(const Tensor& t, int64_t channels, int64_t begin, int64_t end,
+                                const char* what) const {
+    LINVIS_CHECK(0 <= begin && begin < end && end <= height_, "Vit3TttInBands: band of rows [", begin, ", ", end,
+                 ") is not within the map's ", height_, " rows");
+    const int64_t rows = last_row(end) - first_row(begin);
+    LINVIS_CHECK(t.dim() == 4 && t.size(0) == batch_ && t.size(1) == rows && t.size(2) == width_ &&
+                     t.size(3) == channels,
+                 "Vit3TttInBands: ", what, " of rows [", begin, ", ", end, "): expected shape [", batch_, ", ", rows,
+                 ", ", width_, ", ", channels, "] (the band with its halo rows), got ", shape_string(t.sizes()));
+    LINVIS_CHECK(!(torch::GradMode::is_enabled() && t.requires_grad()),
+                 "Vit3TttInBands: ", what, " requires grad; the banded mix is for inference (vit3_ttt_mix in a graph)");
+}
+
+void Vit3TttInBands::accumulate(const Tensor& kv, int64_t begin, int64_t end) {
+    const int64_t d = head_dim_, C = num_heads_ * d;
+    LINVIS_CHECK(!stepped_, "Vit3TttInBands: accumulate after apply: every band's keys come first");
+    check_band(kv, 2 * C + 2 * d, begin, end, "kv");
+    LINVIS_CHECK(begin == rows_accumulated_, "Vit3TttInBands: bands come in order: expected the band from row ",
+                 rows_accumulated_, ", got [", begin, ", ", end, ")");
+    if (begin == 0) {
+        fused_ = use_fused(impl_, "vit3_ttt_mix", fused_detail::fused_unsupported(kv), simd::vectorised());
+        const auto options = kv.options().dtype(fused_ ? torch::kFloat32 : precision::accumulation_dtype(kv));
+        g1_ = torch::zeros({batch_, num_heads_, d, d}, options);
+        g2_ = torch::zeros({batch_, num_heads_, d, d}, options);
+        g3_ = torch::zeros({batch_, 9, d}, options);
+    }
+    const int64_t offset = begin - first_row(begin), tokens = height_ * width_;
+    if (fused_)
+        fused_detail::vit3_bands_accumulate_fused(kv, offset, end - begin, num_heads_, tokens, w1_, w2_, g1_, g2_, g3_);
+    else
+        reference::vit3_bands_accumulate(kv, offset, end - begin, num_heads_, tokens, w1_, w2_, g1_, g2_, g3_);
+    rows_accumulated_ = end;
+}
+
+void Vit3TttInBands::take_step() {
+    LINVIS_CHECK(rows_accumulated_ == height_, "Vit3TttInBands: apply before every band's keys: rows [0, ",
+                 rows_accumulated_, ") of ", height_, " accumulated");
+    updated_ = fused_ ? fused_detail::vit3_bands_step_fused(w1_, w2_, w3_, g1_, g2_, g3_)
+                      : reference::vit3_bands_step(w1_, w2_, w3_, g1_, g2_, g3_);
+    g1_ = g2_ = g3_ = Tensor();
+    stepped_ = true;
+}
+
+Tensor Vit3TttInBands::apply(const Tensor& q, int64_t begin, int64_t end) {
+    if (!stepped_) take_step();
+    check_band(q, (num_heads_ + 1) * head_dim_, begin, end, "q");
+    const int64_t offset = begin - first_row(begin);
+    return fused_ ? fused_detail::vit3_bands_apply_fused(q, offset, end - begin, num_heads_, updated_)
+                  : reference::vit3_bands_apply(q, offset, end - begin, num_heads_, updated_);
 }
 
 }  // namespace linvis::ops
