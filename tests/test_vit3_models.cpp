@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -311,10 +312,11 @@ TEST(HVit3, ConvLayerNormAndReluInPlaceInInference) {
 
 // At high resolution H-ViT3's stem and patch mergings run in bands of output rows in inference (their widest maps
 // never exist whole): the same features as the layers run on whole maps.
-TEST(HVit3, ConvStacksInBandsGiveTheWholeMapsFeatures) {
+// Inference at 1024 px: the stem, the patch mergings and the first stages' blocks run in bands of rows.
+TEST(HVit3, InferenceInBandsGivesTheWholeMapsFeatures) {
     torch::manual_seed(62);
     ModelConfig config;
-    config.set("img_size", int64_t{1024}).set("depths", std::string("1,1,1,1")).set("num_classes", int64_t{0});
+    config.set("img_size", int64_t{1024}).set("depths", std::string("2,1,1,1")).set("num_classes", int64_t{0});
     auto model = create_model("hvit3_tiny", config);
     model->eval();
     for (auto& p : model->parameters()) p.requires_grad_(false);
@@ -341,6 +343,49 @@ TEST(HVit3, ConvStacksInBandsGiveTheWholeMapsFeatures) {
     }
     EXPECT_TRUE(all_close(banded, whole, 1e-4, 1e-5));
     EXPECT_EQ(banded_macs, whole_macs);  // the halo rows' repeats are not counted
+}
+
+// H-ViT³'s mixer and conv MLP a band of rows at a time (inference on large maps): the whole layers' values and
+// FLOP counts, fused and reference, with RoPE on q1 / k1.
+TEST(HVit3, MixerAndMlpInBandsMatchTheWholeLayers) {
+    torch::manual_seed(65);
+    const int64_t B = 2, H = 20, W = 9, C = 64;
+    torch::nn::LayerNorm norm(torch::nn::LayerNormOptions({C}).eps(1e-5));
+    torch::NoGradGuard no_grad;
+    norm->weight.normal_(1.0, 0.2);
+    norm->bias.normal_(0.0, 0.2);
+    const Tensor x = torch::randn({B, H * W, C});
+    const Tensor rope = linvis::ops::vit3_rope_rotations(H, W, C);
+    // Bands of at least 8 rows (row_bands' minimum): 3 bands of 6-7 rows here.
+    const int64_t small_budget = 1;
+    for (const auto impl : {linvis::ops::Impl::Auto, linvis::ops::Impl::Reference}) {
+        SCOPED_TRACE(impl == linvis::ops::Impl::Auto ? "auto" : "reference");
+        linvis::nn::Vit3Ttt mixer(C, 2, true, impl);
+        linvis::nn::Mlp mlp(C, 4 * C, true, impl);
+        for (auto& p : mixer->parameters()) p.normal_(0.0, 0.1);
+        for (auto& p : mlp->parameters()) p.normal_(0.0, 0.1);
+        auto counted = [](const std::function<Tensor()>& f) {
+            linvis::flops::Counter counter;
+            Tensor y = f();
+            return std::make_pair(y, counter.macs());
+        };
+        const auto whole = counted([&] { return x + mixer->forward_with_rope({norm, x}, H, W, rope); });
+        const auto banded =
+            counted([&] { return mixer->residual_in_bands_({norm, x.clone()}, H, W, rope, small_budget); });
+        // Products over fewer rows may block their sums differently: float32 rounding of 256-term sums.
+        EXPECT_TRUE(all_close(banded.first, whole.first, 1e-5, 1e-5));
+        EXPECT_EQ(banded.second, whole.second);
+        const auto whole_mlp = counted([&] { return x + mlp->forward({norm, x}, H, W); });
+        const auto banded_mlp =
+            counted([&] { return mlp->residual_in_bands_({norm, x.clone()}, H, W, small_budget); });
+        EXPECT_TRUE(all_close(banded_mlp.first, whole_mlp.first, 1e-5, 1e-5));
+        EXPECT_EQ(banded_mlp.second, whole_mlp.second);
+    }
+    const auto bands = linvis::nn::row_bands(H, 1, small_budget);
+    ASSERT_EQ(bands.size(), 3u);
+    EXPECT_EQ(bands[1].begin, 6);
+    EXPECT_EQ(bands[1].first, 5);
+    EXPECT_EQ(bands[2].last, H);
 }
 
 TEST(HVit3, BlocksOfAStageShareOneRopeTable) {

@@ -5,6 +5,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "linvis/nn/batch_norm.h"
 #include "linvis/nn/checkpoint.h"
@@ -24,6 +25,11 @@ namespace lnn = linvis::nn;
 
 class HVit3BlockImpl : public torch::nn::Module {
 public:
+    // Blocks whose qkv product or MLP hidden layer would exceed this run in bands of about this many bytes in
+    // inference: hvit3_tiny's activations at 1024 / 2048 px then stay below timm's SDPA DeiT's (docs/performance.md,
+    // "H-ViT³ in bands of rows"), at the price of recomputing the bands' halo rows (0-5 % of the time measured).
+    static constexpr int64_t kBandBytes = int64_t{8} << 20;
+
     // `rope`: the stage's RoPE holder, shared by its blocks. `rope_in_attn`: the det/seg backbone's layout, whose
     // TTTAttention owns the RoPE buffer (attn.rope.rotations); the classification block holds it itself
     // (rope.rotations).
@@ -44,11 +50,37 @@ public:
         mlp = register_module("mlp", lnn::Mlp(dim, static_cast<int64_t>(dim * mlp_ratio), true, impl));
     }
     Tensor forward(Tensor x, int64_t H, int64_t W) {
-        x = ops::depthwise_conv2d_tokens(x, H, W, cpe->weight, cpe->bias, ops::DwEpilogue::Residual, impl);
-        // Residual sums into the branch's fresh output in inference (nn::add_into), not a third tensor.
-        x = lnn::add_into(lnn::drop_path(attn->forward_with_rope(lnn::NormedInput(norm1, x), H, W, rope->table(H, W)),
-                                         drop_path_rate, is_training()),
-                          x);
+        // Inference on a large map (the first stages at high resolution): the CPE, the mixer and the MLP a band of
+        // rows at a time, so that the mixer's and the MLP's widest tensors (qkv, 3C + 3d channels; the hidden
+        // layer, 4C twice) never exist whole, each adding into x in place (nn::add_in_bands_): the block holds x
+        // (the stage's own map, moved in) and bands. Elsewhere the residual sums into the branch's fresh output in
+        // inference (nn::add_into), not a third tensor. Reference keeps the whole-map form.
+        const bool inference =
+            !is_training() && impl != ops::Impl::Reference && !torch::GradMode::is_enabled() && !x.requires_grad();
+        const int64_t bytes_per_channel = x.element_size() * x.size(0) * H * W;
+        const bool mixer_in_bands =
+            inference && bytes_per_channel * (3 * attn->dim + 3 * attn->head_dim) > kBandBytes;
+        if (mixer_in_bands && x.is_contiguous()) {
+            const auto bands = lnn::row_bands(H, bytes_per_channel / H * x.size(2), kBandBytes);
+            if (flops::counting()) flops::add(x.size(0) * H * W * x.size(2) * 9);  // the halo rows' repeats aside
+            const flops::Uncounted halo_rows_repeated;
+            lnn::add_in_bands_(x, W, bands, [&](const Tensor& rows, const lnn::RowBand& band) {
+                const Tensor conv = ops::depthwise_conv2d_tokens(rows, band.last - band.first, W, cpe->weight,
+                                                                 cpe->bias, ops::DwEpilogue::None, impl);
+                return conv.narrow(1, (band.begin - band.first) * W, (band.end - band.begin) * W);
+            });
+        } else {
+            x = ops::depthwise_conv2d_tokens(x, H, W, cpe->weight, cpe->bias, ops::DwEpilogue::Residual, impl);
+        }
+        if (mixer_in_bands)
+            x = attn->residual_in_bands_(lnn::NormedInput(norm1, x), H, W, rope->table(H, W), kBandBytes);
+        else
+            x = lnn::add_into(lnn::drop_path(attn->forward_with_rope(lnn::NormedInput(norm1, x), H, W,
+                                                                     rope->table(H, W)),
+                                             drop_path_rate, is_training()),
+                              x);
+        if (inference && bytes_per_channel * 2 * mlp->fc1->weight.size(0) > kBandBytes)
+            return mlp->residual_in_bands_(lnn::NormedInput(norm2, x), H, W, kBandBytes);
         x = lnn::add_into(
             lnn::drop_path(mlp->forward(lnn::NormedInput(norm2, x), H, W), drop_path_rate, is_training()), x);
         return x;
@@ -134,7 +166,9 @@ private:
                     t = torch::constant_pad_nd(t, {0, 0, rows[l][2], rows[l][3]});
                 t = (*conv)[l]->as<lnn::Vit3ConvLayerImpl>()->forward(t, /*pad_rows=*/false);
             }
-            if (!out.defined()) out = torch::empty({t.size(0), t.size(1), out_height, t.size(3)}, t.options());
+            // Channels last, so that the blocks' tokens (B, H*W, C) are this map without a copy.
+            if (!out.defined())
+                out = torch::empty({t.size(0), out_height, t.size(3), t.size(1)}, t.options()).permute({0, 3, 1, 2});
             out.narrow(2, o0, o1 - o0).copy_(t);
         }
         return out;
@@ -361,11 +395,15 @@ private:
         for (size_t s = 0; s < layers->size(); ++s) {
             auto* layer = layers[s]->as<BasicLayerImpl>();
             const int64_t H = map.size(2), W = map.size(3);
-            Tensor x = lnn::map_to_tokens(map);
-            for (const auto& block : *layer->blocks)
-                x = lnn::checkpoint_if(
-                    grad_checkpointing_,
-                    [block, H, W](const Tensor& t) { return block->as<HVit3BlockImpl>()->forward(t, H, W); }, x);
+            // The map's storage lives on in x alone, and each block gets x itself (moved), so that a block's input
+            // is freed once its first sum (the CPE) has been computed: two maps alive at a time, not four.
+            Tensor x = lnn::map_to_tokens(std::exchange(map, Tensor()));
+            for (const auto& block : *layer->blocks) {
+                auto* b = block->as<HVit3BlockImpl>();
+                x = grad_checkpointing_
+                        ? lnn::checkpoint_if(true, [b, H, W](const Tensor& t) { return b->forward(t, H, W); }, x)
+                        : b->forward(std::move(x), H, W);
+            }
             map = lnn::tokens_to_map(x, H, W);
             if (stages) stages->push_back(map);
             if (layer->downsample) map = layer->downsample->forward(backbone_ ? lnn::pad_to_multiple(map, 2) : map);

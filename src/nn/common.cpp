@@ -1,5 +1,6 @@
 #include "linvis/nn/common.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "linvis/core/error.h"
@@ -58,6 +59,38 @@ std::vector<torch::Tensor> NormedInput::linear(const std::vector<ops::NormedProd
 
 torch::Tensor NormedInput::linear(const torch::nn::Linear& layer, ops::Impl impl) const {
     return linear(std::vector<ops::NormedProduct>{{layer->weight, layer->bias}}, impl)[0];
+}
+
+NormedInput NormedInput::with_input(torch::Tensor x) const {
+    NormedInput other = *this;
+    other.x_ = std::move(x);
+    return other;
+}
+
+std::vector<RowBand> row_bands(int64_t height, int64_t bytes_per_row, int64_t budget, int64_t min_rows) {
+    const int64_t rows = std::max<int64_t>({min_rows, 1, budget / std::max<int64_t>(bytes_per_row, 1)});
+    const int64_t count = (height + rows - 1) / rows;
+    std::vector<RowBand> bands;
+    for (int64_t i = 0; i < count; ++i) {
+        const int64_t begin = height * i / count, end = height * (i + 1) / count;
+        bands.push_back({begin, end, std::max<int64_t>(begin - 1, 0), std::min(end + 1, height)});
+    }
+    return bands;
+}
+
+void add_in_bands_(const torch::Tensor& x, int64_t width, const std::vector<RowBand>& bands,
+                   const std::function<torch::Tensor(const torch::Tensor&, const RowBand&)>& branch) {
+    LINVIS_CHECK(can_overwrite({x}), "add_in_bands_: x records a graph; bands in place are for inference");
+    const int64_t W = width;
+    torch::Tensor above;  // the row above the next band as it was: its own band has been added into x by then
+    for (const RowBand& band : bands) {
+        torch::Tensor rows = x.narrow(1, band.first * W, (band.last - band.first) * W);
+        if (band.first < band.begin)
+            rows = torch::cat({above, x.narrow(1, band.begin * W, (band.last - band.begin) * W)}, 1);
+        const torch::Tensor y = branch(rows, band);
+        if (band.last > band.end) above = x.narrow(1, (band.end - 1) * W, W).clone();
+        x.narrow(1, band.begin * W, (band.end - band.begin) * W).add_(y);
+    }
 }
 
 torch::Tensor drop_path(const torch::Tensor& x, double rate, bool training) {

@@ -121,6 +121,32 @@ torch::Tensor MlpImpl::forward(const NormedInput& x, int64_t height, int64_t wid
     return ops::gelu_linear(std::move(y), fc2->weight, fc2->bias, ops::GeluForm::Erf, passes);
 }
 
+torch::Tensor MlpImpl::residual_in_bands_(const NormedInput& in, int64_t height, int64_t width, int64_t band_bytes) {
+    const torch::Tensor& x = in.input();
+    LINVIS_CHECK(dwc, "Mlp::residual_in_bands_: the MLP has no depthwise conv; its tokens need no bands");
+    LINVIS_CHECK(x.dim() == 3 && x.size(1) == height * width, "Mlp: expected x (B, ", height * width,
+                 ", C), got ", shape_string(x.sizes()));
+    const ops::Impl passes = elementwise_impl(impl);
+    const int64_t B = x.size(0), hidden = fc1->weight.size(0), W = width;
+    // fc1 and the conv counted once as over the whole map: a band's halo rows are repeats.
+    if (flops::counting()) flops::add(B * height * width * hidden * (x.size(2) + 9));
+    // At least 16 rows: fc1 and the conv redo each band's two halo rows, a share that 8-row bands made 25 %.
+    const auto bands = row_bands(height, 2 * B * W * hidden * x.element_size(), band_bytes, /*min_rows=*/16);
+    add_in_bands_(x, W, bands, [&](const torch::Tensor& rows, const RowBand& band) {
+        torch::Tensor y;
+        {
+            const flops::Uncounted halo_rows_repeated;
+            y = nn::linear_gelu(in.with_input(rows).value(), fc1->weight, fc1->bias, ops::GeluForm::Erf, passes);
+            // The conv's outputs on the halo rows lack their outer neighbours; the band's rows are exact.
+            y = ops::depthwise_conv2d_tokens(y, band.last - band.first, W, dwc->weight, dwc->bias,
+                                             ops::DwEpilogue::Residual, impl);
+        }
+        return ops::gelu_linear(y.narrow(1, (band.begin - band.first) * W, (band.end - band.begin) * W),
+                                fc2->weight, fc2->bias, ops::GeluForm::Erf, passes);
+    });
+    return x;
+}
+
 TransformerBlockImpl::TransformerBlockImpl(const TransformerBlockOptions& options, std::shared_ptr<Mixer> mixer)
     : options_(options) {
     const int64_t D = options.dim;

@@ -44,6 +44,43 @@ torch::Tensor Vit3TttImpl::forward_with_rope(const NormedInput& in, int64_t heig
     return flops::linear(mixed, proj->weight, proj->bias);
 }
 
+torch::Tensor Vit3TttImpl::residual_in_bands_(const NormedInput& in, int64_t height, int64_t width,
+                                              const torch::Tensor& rope, int64_t band_bytes) {
+    const torch::Tensor& x = in.input();
+    LINVIS_CHECK(x.dim() == 3 && x.size(2) == dim && x.size(1) == height * width, "Vit3Ttt: expected x (B, ",
+                 height * width, ", ", dim, "), got ", shape_string(x.sizes()));
+    const int64_t B = x.size(0), C = dim, d = head_dim, W = width;
+    // qkv's rows [q1 | k1 | v1 | q2 | k2 | v2] regrouped: the keys and values of pass 1, the queries of pass 2.
+    auto rows_of = [&](const torch::Tensor& t, int64_t a, int64_t a_len, int64_t b, int64_t b_len) {
+        return t.defined() ? torch::cat({t.narrow(0, a, a_len), t.narrow(0, b, b_len)}) : t;
+    };
+    // Products counted once below as the whole layer's: a band's halo rows are repeats.
+    const ops::NormedProduct kv_product{rows_of(qkv->weight, C, 2 * C, 3 * C + d, 2 * d),
+                                       rows_of(qkv->bias, C, 2 * C, 3 * C + d, 2 * d), false};
+    const ops::NormedProduct q_product{rows_of(qkv->weight, 0, C, 3 * C, d), rows_of(qkv->bias, 0, C, 3 * C, d),
+                                       false};
+    if (flops::counting()) flops::add(B * height * width * C * (3 * C + 3 * d));
+    const ops::Impl passes = elementwise_impl(impl);
+    // The band's products (of x's rows [first, last)) as (B, rows, W, channels), RoPE on the first C (q1 or k1).
+    auto band_products = [&](const torch::Tensor& rows, const RowBand& band, const ops::NormedProduct& product) {
+        torch::Tensor p = in.with_input(rows).linear({product}, passes)[0];
+        p = p.view({B, band.last - band.first, W, p.size(-1)});
+        if (rope.defined()) ops::apply_rope_2d_(p.narrow(-1, 0, C), rope.narrow(0, band.first, band.last - band.first));
+        return p;
+    };
+    const auto bands = row_bands(height, W * (2 * C + 2 * d) * x.element_size() * B, band_bytes);
+    ops::Vit3TttInBands mix(w1, w2, w3, num_heads, B, height, width, impl);
+    for (const RowBand& band : bands) {
+        const torch::Tensor rows = x.narrow(1, band.first * W, (band.last - band.first) * W);
+        mix.accumulate(band_products(rows, band, kv_product), band.begin, band.end);
+    }
+    add_in_bands_(x, W, bands, [&](const torch::Tensor& rows, const RowBand& band) {
+        return flops::linear(mix.apply(band_products(rows, band, q_product), band.begin, band.end), proj->weight,
+                             proj->bias);
+    });
+    return x;
+}
+
 // ---------------------------------------------------------------- RoPE
 
 Vit3RopeImpl::Vit3RopeImpl(int64_t height, int64_t width, int64_t channels_) : channels(channels_) {

@@ -3,7 +3,10 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
+
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -41,6 +44,8 @@ public:
     bool records_graph() const;
     std::vector<torch::Tensor> linear(const std::vector<ops::NormedProduct>& products, ops::Impl impl) const;
     torch::Tensor linear(const torch::nn::Linear& layer, ops::Impl impl) const;
+    // The same norm of another input (a band of a layer's tokens).
+    NormedInput with_input(torch::Tensor x) const;
 
 private:
     torch::Tensor x_, weight_, bias_;
@@ -64,6 +69,23 @@ bool can_overwrite(std::initializer_list<torch::Tensor> operands);
 // fresh + other, written into `fresh` when can_overwrite({fresh, other}), the shapes and dtypes match and the
 // two share no memory.
 torch::Tensor add_into(torch::Tensor fresh, const torch::Tensor& other);
+
+// A band of grid rows [begin, end), for layers that run a band at a time in inference (H-ViT³'s first stages at high
+// resolution), and the rows [first, last) that a 3x3 stencil over the band reads: one halo row above and one below
+// where the grid has them.
+struct RowBand {
+    int64_t begin, end, first, last;
+};
+// Bands of equal height (within one row) covering `height` rows, each of about `bytes_per_row` times its rows
+// at most `budget` bytes, and at least `min_rows` rows (so that the halo rows stay a small share).
+std::vector<RowBand> row_bands(int64_t height, int64_t bytes_per_row, int64_t budget, int64_t min_rows = 8);
+// x += branch(x) over tokens x (B, H * W, C) of a grid `width` tokens wide, a band at a time and in place, so that
+// the branch's output never exists whole and no second map is made. branch(rows, band) gets x's rows
+// [band.first, band.last) as they were before any band was added (the row above a band, already updated, comes from
+// a copy kept for it) and returns its output on the band's rows [begin, end): (B, (end - begin) * W, C).
+// Bands in order (row_bands). x: a tensor the caller owns, outside any graph.
+void add_in_bands_(const torch::Tensor& x, int64_t width, const std::vector<RowBand>& bands,
+                   const std::function<torch::Tensor(const torch::Tensor& rows, const RowBand& band)>& branch);
 
 // The Impl of a layer's elementwise passes (ops/activation.h) under its model's Impl: Reference stays the
 // reference; Fused, which asks for the fused mixers, leaves the passes to Auto, so float64 models (which the

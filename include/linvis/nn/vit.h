@@ -69,6 +69,12 @@ public:
     MlpImpl(int64_t dim, int64_t hidden, bool with_dwc = false, ops::Impl impl = ops::Impl::Auto);
     // x: the block's normalised input (NormedInput: fc1 takes it through layer_norm_linear in a graph).
     torch::Tensor forward(const NormedInput& x, int64_t height = 0, int64_t width = 0);
+    // Inference with the depthwise conv (H-ViT³'s conv MLP): x.input() += forward(x, ...), in place, a band of grid
+    // rows at a time (nn::add_in_bands_), so that the hidden layer (4x the tokens' width, twice around the conv)
+    // never exists whole. Each band's hidden rows include one halo row above and below for the 3x3 conv; bands hold
+    // about `band_bytes` of hidden layer. Same values as the whole layer's. Returns x.input(), which must be a tensor
+    // the caller owns, outside any graph.
+    torch::Tensor residual_in_bands_(const NormedInput& x, int64_t height, int64_t width, int64_t band_bytes);
 
     torch::nn::Linear fc1{nullptr}, fc2{nullptr};
     torch::nn::Conv2d dwc{nullptr};

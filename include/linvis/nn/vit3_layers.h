@@ -24,6 +24,13 @@ public:
     }
     torch::Tensor forward_with_rope(const NormedInput& x, int64_t height, int64_t width,
                                     const torch::Tensor& rope_rotations);
+    // Inference: x.input() += forward_with_rope(x, ...), in place, a band of grid rows at a time
+    // (ops::Vit3TttInBands; nn::add_in_bands_), so that neither the qkv product nor the mix's output exists whole:
+    // the bands' keys and values in a first pass, their queries, the mix and the projection in a second. Bands hold
+    // about `band_bytes` of products. Same values as the whole layer's up to the order of the inner step's sums.
+    // Returns x.input(), which must be a tensor the caller owns, outside any graph.
+    torch::Tensor residual_in_bands_(const NormedInput& x, int64_t height, int64_t width,
+                                     const torch::Tensor& rope_rotations, int64_t band_bytes);
 
     int64_t dim, num_heads, head_dim;
     ops::Impl impl;  // passed to ops::vit3_ttt_mix
