@@ -27,7 +27,7 @@ class HVit3BlockImpl : public torch::nn::Module {
 public:
     // Blocks whose qkv product or MLP hidden layer would exceed this run in bands of about this many bytes in
     // inference: hvit3_tiny's activations at 1024 / 2048 px then stay below timm's SDPA DeiT's (docs/performance.md,
-    // "H-ViT³ in bands of rows"), at the price of recomputing the bands' halo rows (0-5 % of the time measured).
+    // "H-ViT³ in bands of rows"), at the price of recomputing the bands' halo rows (0-6 % of the time measured).
     static constexpr int64_t kBandBytes = int64_t{8} << 20;
 
     // `rope`: the stage's RoPE holder, shared by its blocks. `rope_in_attn`: the det/seg backbone's layout, whose
@@ -395,8 +395,8 @@ private:
         for (size_t s = 0; s < layers->size(); ++s) {
             auto* layer = layers[s]->as<BasicLayerImpl>();
             const int64_t H = map.size(2), W = map.size(3);
-            // The map's storage lives on in x alone, and each block gets x itself (moved), so that a block's input
-            // is freed once its first sum (the CPE) has been computed: two maps alive at a time, not four.
+            // The map's storage lives on in x alone, and each block gets x itself (moved): a banded block adds into
+            // it in place (one map alive), a whole-map block frees it once the CPE's sum exists (two, not four).
             Tensor x = lnn::map_to_tokens(std::exchange(map, Tensor()));
             for (const auto& block : *layer->blocks) {
                 auto* b = block->as<HVit3BlockImpl>();
