@@ -86,6 +86,76 @@ TEST(ActivationCheckpoint, SegmentWithSeveralInputsAndOutputs) {
     }
 }
 
+// recompute_into_linear: the plain graph's gradients for every input (one without gradient, parameters among the
+// segment's inputs), the product's weight and bias (and without a bias); the segment runs again in the backward.
+TEST(ActivationCheckpoint, RecomputeIntoLinearGivesThePlainGradients) {
+    for (const bool with_bias : {true, false}) {
+        const auto run = [&](bool recomputed) {
+            torch::manual_seed(27);
+            torch::Tensor h = torch::randn({2, 5, 6}, torch::requires_grad()), scale = torch::randn({6});
+            torch::Tensor a = torch::randn({6}, torch::requires_grad());
+            torch::Tensor w = torch::randn({3, 6}, torch::requires_grad());
+            torch::Tensor b = with_bias ? torch::randn({3}, torch::requires_grad()) : torch::Tensor();
+            int calls = 0;
+            const linvis::nn::ProductInputFn segment = [&](const std::vector<torch::Tensor>& in) {
+                ++calls;
+                return torch::gelu(in[0] * in[1] + in[2]).tanh();
+            };
+            const std::vector<torch::Tensor> in{h, a, scale};
+            const torch::Tensor y = recomputed ? linvis::nn::recompute_into_linear(segment, in, w, b)
+                                               : torch::nn::functional::linear(segment(in), w, b);
+            (y * y).sum().backward();
+            EXPECT_EQ(calls, recomputed ? 2 : 1);
+            EXPECT_FALSE(scale.grad().defined());
+            std::vector<torch::Tensor> out{y.detach(), h.grad(), a.grad(), w.grad()};
+            if (with_bias) out.push_back(b.grad());
+            return out;
+        };
+        const auto plain = run(false), recomputed = run(true);
+        ASSERT_EQ(plain.size(), recomputed.size());
+        for (size_t i = 0; i < plain.size(); ++i) {
+            ASSERT_TRUE(recomputed[i].defined()) << "tensor " << i;
+            EXPECT_TRUE(linvis::testing::all_close(recomputed[i], plain[i], 1e-6, 1e-6)) << "tensor " << i;
+        }
+    }
+    torch::NoGradGuard no_grad;  // outside a graph: the plain call
+    const torch::Tensor x = torch::randn({4, 6}), w = torch::randn({2, 6});
+    const auto twice = [](const std::vector<torch::Tensor>& in) { return in[0] * 2; };
+    EXPECT_TRUE(linvis::testing::all_close(linvis::nn::recompute_into_linear(twice, {x}, w, {}), torch::mm(x * 2, w.t()),
+                                           1e-6, 1e-6));
+}
+
+// A checkpointed segment whose input needs no gradient (a stem on the images) and that holds a BatchNorm: its
+// parameters get the plain graph's gradients and the running statistics are updated once, as without it.
+TEST(ActivationCheckpoint, SegmentOnImagesWithBatchNorm) {
+    const auto run = [](bool checkpointed) {
+        torch::manual_seed(29);
+        torch::nn::Sequential stack(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3).padding(1)),
+                                    torch::nn::BatchNorm2d(4), torch::nn::ReLU());
+        stack->train();
+        const torch::Tensor images = torch::randn({2, 3, 6, 6});
+        const linvis::nn::SegmentFn segment = [stack](const std::vector<torch::Tensor>& in) mutable {
+            return std::vector<torch::Tensor>{stack->forward(in[0])};
+        };
+        const torch::Tensor y = checkpointed
+                                    ? linvis::nn::checkpoint(segment, {images}, linvis::nn::module_state(*stack))[0]
+                                    : segment({images})[0];
+        EXPECT_TRUE(y.requires_grad());
+        (y * y).sum().backward();
+        std::vector<torch::Tensor> out{y.detach()};
+        for (const auto& p : stack->parameters()) out.push_back(p.grad());
+        for (const auto& buffer : stack->buffers()) out.push_back(buffer.clone());  // running mean, var, count
+        return out;
+    };
+    const auto plain = run(false), ckpt = run(true);
+    ASSERT_EQ(plain.size(), ckpt.size());
+    for (size_t i = 0; i < plain.size(); ++i) {
+        ASSERT_TRUE(ckpt[i].defined()) << "tensor " << i;
+        EXPECT_TRUE(linvis::testing::all_close(ckpt[i].to(torch::kDouble), plain[i].to(torch::kDouble), 1e-5, 1e-6))
+            << "tensor " << i;
+    }
+}
+
 class ActivationCheckpointFamily : public ::testing::TestWithParam<std::string> {};
 
 // A training step of a small model with drop path: grad_checkpointing=true gives the plain step's loss and
@@ -106,6 +176,8 @@ TEST_P(ActivationCheckpointFamily, ModelGradientsUnchanged) {
         loss.backward();
         std::vector<torch::Tensor> out = {loss.detach()};
         for (const auto& p : model->parameters()) out.push_back(p.grad().defined() ? p.grad() : torch::zeros_like(p));
+        // BatchNorm statistics (H-ViT3's conv stacks, recomputed too) updated once, as in the plain step.
+        for (const auto& buffer : model->buffers()) out.push_back(buffer.to(torch::kDouble));
         return out;
     };
     const auto plain = step(false);
@@ -113,7 +185,7 @@ TEST_P(ActivationCheckpointFamily, ModelGradientsUnchanged) {
     ASSERT_EQ(plain.size(), ckpt.size());
     EXPECT_TRUE(linvis::testing::all_close(ckpt[0], plain[0], 1e-5, 1e-6)) << "loss";
     for (size_t i = 1; i < plain.size(); ++i)
-        EXPECT_TRUE(linvis::testing::all_close(ckpt[i], plain[i], 1e-4, 1e-6)) << "parameter " << i - 1;
+        EXPECT_TRUE(linvis::testing::all_close(ckpt[i], plain[i], 1e-4, 1e-6)) << "parameter or buffer " << i - 1;
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, ActivationCheckpointFamily,

@@ -26,6 +26,30 @@ using SegmentFn = std::function<std::vector<torch::Tensor>(const std::vector<tor
 // parameters' gradients go into their .grad even when the caller asked torch::autograd::grad for others only.
 std::vector<torch::Tensor> checkpoint(SegmentFn fn, const std::vector<torch::Tensor>& inputs);
 
+// What a segment owns besides its inputs, for checkpointing a segment whose input needs no gradient (a model's
+// stem on the images) or that holds BatchNorm layers (its running statistics would be updated twice).
+struct SegmentState {
+    std::vector<torch::Tensor> parameters;       // those that require grad: the segment is recomputed for them
+    std::vector<torch::Tensor> running_buffers;  // updated in place by fn: restored after the recomputation
+};
+// A module's parameters that require grad and all its buffers (a conv stack's BatchNorm statistics).
+SegmentState module_state(const torch::nn::Module& module);
+
+// checkpoint(fn, inputs) that also recomputes fn when only `state.parameters` require grad, and leaves
+// `state.running_buffers` as fn's first run left them (one update per training step, as without checkpointing).
+std::vector<torch::Tensor> checkpoint(SegmentFn fn, const std::vector<torch::Tensor>& inputs,
+                                      const SegmentState& state);
+
+// flops::linear(fn(inputs), weight, bias), keeping only the inputs (and the product's weight): for a cheap segment
+// in front of a product (activations, a depthwise conv) whose output is wide. The backward recomputes fn(inputs)
+// with a graph, takes the product's gradients from it as the product's own backward would (flops::linear_backward:
+// the product is not recomputed) and fn's inputs' through the recomputed graph. fn must be deterministic and must
+// not write into its inputs; inputs may be parameters (a conv's weight): their gradients come back through this
+// node as any input's. Plain linear(fn(inputs)) when no graph is recorded. Not twice differentiable.
+using ProductInputFn = std::function<torch::Tensor(const std::vector<torch::Tensor>&)>;
+torch::Tensor recompute_into_linear(ProductInputFn fn, const std::vector<torch::Tensor>& inputs,
+                                    const torch::Tensor& weight, const torch::Tensor& bias);
+
 // The one-input, one-output form: a block of a model.
 torch::Tensor checkpoint(BlockFn fn, const torch::Tensor& x);
 
