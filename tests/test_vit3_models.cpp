@@ -14,6 +14,7 @@
 #include "linvis/nn/batch_norm.h"
 #include "linvis/nn/vit3_layers.h"
 #include "linvis/ops/vit3_ttt.h"
+#include "support/heap.h"
 #include "support/testing.h"
 
 using namespace linvis::models;
@@ -386,6 +387,62 @@ TEST(HVit3, MixerAndMlpInBandsMatchTheWholeLayers) {
     EXPECT_EQ(bands[1].begin, 6);
     EXPECT_EQ(bands[1].first, 5);
     EXPECT_EQ(bands[2].last, H);
+}
+
+// Training: the mixer's RoPE and mix, and the conv MLP's hidden layer, redone in the backward of the product
+// after them (recompute_mix, recompute_hidden): the same gradients as the graph that keeps them, less kept.
+TEST(HVit3, RecomputedMixAndMlpGiveTheSameGradientsAndKeepLess) {
+    const int64_t C = 64, heads = 2;
+    torch::nn::LayerNorm norm(torch::nn::LayerNormOptions({C}).eps(1e-5));
+    const auto layers = [&](bool recompute, linvis::ops::Impl impl) {
+        torch::manual_seed(66);
+        linvis::nn::Vit3Ttt mixer(C, heads, true, impl);
+        linvis::nn::Mlp mlp(C, 4 * C, true, impl);
+        {
+            torch::NoGradGuard no_grad;
+            for (auto& p : mixer->parameters()) p.normal_(0.0, 0.1);
+            for (auto& p : mlp->parameters()) p.normal_(0.0, 0.1);
+        }
+        mixer->recompute_mix = recompute;
+        mlp->recompute_hidden = recompute;
+        return std::make_pair(mixer, mlp);
+    };
+    for (const auto impl : {linvis::ops::Impl::Auto, linvis::ops::Impl::Reference}) {
+        const int64_t H = 6, W = 5;
+        const Tensor rope = linvis::ops::vit3_rope_rotations(H, W, C);
+        std::vector<Tensor> grads[2][2];  // [recompute][mixer, mlp]
+        for (const bool recompute : {false, true}) {
+            auto [mixer, mlp] = layers(recompute, impl);
+            torch::manual_seed(67);
+            const Tensor x = torch::randn({2, H * W, C});
+            grads[recompute][0] = linvis::testing::input_and_parameter_grads(
+                *mixer, x, [&](const Tensor& t) { return mixer->forward_with_rope({norm, t}, H, W, rope); });
+            grads[recompute][1] = linvis::testing::input_and_parameter_grads(
+                *mlp, x, [&](const Tensor& t) { return mlp->forward({norm, t}, H, W); });
+        }
+        const std::string what = impl == linvis::ops::Impl::Auto ? "auto" : "reference";
+        linvis::testing::expect_same_gradients(grads[1][0], grads[0][0], 1e-5, "mixer " + what);
+        linvis::testing::expect_same_gradients(grads[1][1], grads[0][1], 1e-5, "mlp " + what);
+    }
+    // What each layer's graph keeps on a 32 x 32 grid (one unit: a (1, 1024, C) float32 tensor, 256 KiB).
+    const int64_t side = 32, unit = side * side * C * 4;
+    const Tensor rope = linvis::ops::vit3_rope_rotations(side, side, C);
+    const Tensor x = torch::randn({1, side * side, C}, torch::requires_grad());
+    int64_t kept[2][2];
+    for (const bool recompute : {false, true}) {
+        auto [mixer, mlp] = layers(recompute, linvis::ops::Impl::Auto);
+        kept[recompute][0] =
+            linvis::testing::bytes_kept_by([&] { return mixer->forward_with_rope({norm, x}, side, side, rope); });
+        kept[recompute][1] = linvis::testing::bytes_kept_by([&] { return mlp->forward({norm, x}, side, side); });
+    }
+    // The rotated q1 and k1 (2 units) and the mix's output (1.5 units); GELU's output and the conv's (4 units each).
+    EXPECT_GE(kept[0][0] - kept[1][0], 3 * unit) << "mixer: " << kept[0][0] << " bytes kept, " << kept[1][0];
+    EXPECT_GE(kept[0][1] - kept[1][1], 7 * unit) << "mlp: " << kept[0][1] << " bytes kept, " << kept[1][1];
+    // Only a training step recomputes: an eval-mode graph (an explanation's input gradient) keeps everything.
+    auto [mixer, mlp] = layers(true, linvis::ops::Impl::Auto);
+    mlp->eval();
+    EXPECT_GE(linvis::testing::bytes_kept_by([&] { return mlp->forward({norm, x}, side, side); }),
+              kept[0][1] - unit);
 }
 
 TEST(HVit3, BlocksOfAStageShareOneRopeTable) {

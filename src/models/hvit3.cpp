@@ -224,7 +224,11 @@ struct HVit3Options {
     std::vector<int64_t> dims, depths, heads;  // per stage
     double mlp_ratio = 4.0, drop_path_rate = 0.0;
     ops::Impl impl = ops::Impl::Auto;
-    bool grad_checkpointing = false;  // nn::checkpoint around every TTT block (see PlainVitOptions)
+    bool grad_checkpointing = false;  // nn::checkpoint around every TTT block, the stem and the patch mergings
+    // Training: the conv MLP's hidden layer redone in fc2's backward (Mlp::recompute_hidden): on unless
+    // grad_checkpointing recomputes whole blocks anyway (27 % less memory at 1024 px for 3 % more time). The mixer's
+    // RoPE and mix redone in proj's (Vit3Ttt::recompute_mix): off, 16 % less for 6 % more (docs/performance.md).
+    bool recompute_mlp = true, recompute_mix = false;
     // features_only: the official detection/segmentation backbone (spec A6): a LayerNorm norm{i} per
     // reported stage, no BatchNorm or head, RoPE under attn and recomputed for every grid, the Stem
     // and PatchMerging padding for any input size.
@@ -255,6 +259,8 @@ HVit3Options read_hvit3_options(const ModelConfig& config, const HVit3Config& ba
     o.drop_path_rate = config.get_double("drop_path_rate", o.drop_path_rate);
     o.impl = ops::parse_impl(config.get_string("impl", ops::impl_name(o.impl)));
     o.grad_checkpointing = config.get_bool("grad_checkpointing", o.grad_checkpointing);
+    o.recompute_mlp = config.get_bool("recompute_mlp", !o.grad_checkpointing);
+    o.recompute_mix = config.get_bool("recompute_mix", o.recompute_mix);
     LINVIS_CHECK(o.num_classes >= 0 && o.in_chans > 0 && o.img_size >= 32, "hvit3: bad options num_classes=",
                  o.num_classes, " in_chans=", o.in_chans, " img_size=", o.img_size);
     LINVIS_CHECK(o.drop_path_rate >= 0.0 && o.drop_path_rate < 1.0, "hvit3: drop_path_rate must be in [0, 1), got ",
@@ -306,9 +312,13 @@ public:
         for (int s = 0; s < 4; ++s) {
             BasicLayer layer;
             const lnn::Vit3Rope stage_rope(grid, grid, dims_[s]);
-            for (int64_t j = 0; j < depths[s]; ++j)
-                layer->blocks->push_back(HVit3Block(dims_[s], heads[s], stage_rope, mlp_ratio,
-                                                    rates[static_cast<size_t>(block_index++)], impl, backbone_));
+            for (int64_t j = 0; j < depths[s]; ++j) {
+                HVit3Block block(dims_[s], heads[s], stage_rope, mlp_ratio, rates[static_cast<size_t>(block_index++)],
+                                 impl, backbone_);
+                block->mlp->recompute_hidden = o.recompute_mlp;
+                block->attn->recompute_mix = o.recompute_mix;
+                layer->blocks->push_back(block);
+            }
             if (s < 3) layer->downsample = layer->register_module("downsample", make_patch_merging(dims_[s], dims_[s + 1]));
             layers->push_back(layer);
             grid = half_up(grid);
@@ -391,7 +401,7 @@ private:
                      ", H, W), got ", shape_string(images.sizes()));
         // The backbone's Stem pads right/bottom to a multiple of 4 and its PatchMerging pads odd sides
         // by one (zeros, before the convolutions); the classification model has neither.
-        Tensor map = patch_embed->forward(backbone_ ? lnn::pad_to_multiple(images, 4) : images);
+        Tensor map = run_stack(patch_embed, backbone_ ? lnn::pad_to_multiple(images, 4) : images);
         for (size_t s = 0; s < layers->size(); ++s) {
             auto* layer = layers[s]->as<BasicLayerImpl>();
             const int64_t H = map.size(2), W = map.size(3);
@@ -406,9 +416,19 @@ private:
             }
             map = lnn::tokens_to_map(x, H, W);
             if (stages) stages->push_back(map);
-            if (layer->downsample) map = layer->downsample->forward(backbone_ ? lnn::pad_to_multiple(map, 2) : map);
+            if (layer->downsample) map = run_stack(layer->downsample, backbone_ ? lnn::pad_to_multiple(map, 2) : map);
         }
         return map;
+    }
+
+    // The stem or a patch merging; with grad_checkpointing recomputed in the backward as the blocks are (at 1024 px
+    // hvit3_tiny's conv stacks keep about 650 MiB of maps otherwise), their BatchNorm statistics updated once.
+    Tensor run_stack(ConvStack stack, const Tensor& x) const {
+        if (!grad_checkpointing_) return stack->forward(x);
+        const auto segment = [stack](const std::vector<Tensor>& in) mutable {
+            return std::vector<Tensor>{stack->forward(in[0])};
+        };
+        return lnn::checkpoint(segment, {x}, lnn::module_state(*stack))[0];
     }
 
     // norm{stage} over the channels of a stage map (B, C, H, W), as the backbone applies it to its tokens.

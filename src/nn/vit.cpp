@@ -4,6 +4,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "linvis/nn/checkpoint.h"
 #include "linvis/nn/common.h"
 #include "linvis/ops/depthwise_conv.h"
 #include "linvis/ops/activation.h"
@@ -113,6 +114,19 @@ MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool with_dwc, ops::Impl impl_) : 
 torch::Tensor MlpImpl::forward(const NormedInput& x, int64_t height, int64_t width) {
     const ops::Impl passes = elementwise_impl(impl);
     if (!dwc) return nn::gelu_mlp(x, fc1, fc2, ops::GeluForm::Erf, passes);
+    if (recompute_hidden && is_training() && x.records_graph()) {
+        // The graph keeps fc1's output alone; GELU, the conv and GELU again are redone in fc2's backward. A training
+        // step only: an eval-mode graph (an explanation's input gradient) keeps everything, as without the flag.
+        const int64_t H = height, W = width;
+        const ops::Impl conv_impl = impl;
+        const auto hidden_after_conv = [H, W, conv_impl, passes](const std::vector<torch::Tensor>& in) {
+            torch::Tensor y = torch::gelu(in[0]);  // a new tensor: in[0] is the kept input
+            y = ops::depthwise_conv2d_tokens(y, H, W, in[1], in[2], ops::DwEpilogue::Residual, conv_impl);
+            return ops::gelu_(std::move(y), passes, ops::GeluForm::Erf);
+        };
+        return recompute_into_linear(hidden_after_conv, {x.linear(fc1, passes), dwc->weight, dwc->bias}, fc2->weight,
+                                     fc2->bias);
+    }
     // In a float32 graph fc1 through layer_norm_linear, then the GELU (nn::linear_gelu's graph path).
     torch::Tensor y = x.records_graph() && x.input().scalar_type() == torch::kFloat32
                           ? ops::gelu_(x.linear(fc1, passes), passes, ops::GeluForm::Erf)

@@ -1,5 +1,6 @@
 #include "linvis/nn/common.h"
 #include "linvis/nn/batch_norm.h"
+#include "linvis/nn/checkpoint.h"
 #include "linvis/nn/vit3_layers.h"
 
 #include "linvis/core/error.h"
@@ -39,6 +40,14 @@ torch::Tensor Vit3TttImpl::forward_with_rope(const NormedInput& in, int64_t heig
         for (int64_t part = 0; part < 2; ++part)
             ops::apply_rope_2d_(products.narrow(-1, part * dim, dim).view({x.size(0), height, width, dim}), rope);
         rope = torch::Tensor();
+    }
+    if (recompute_mix && is_training() && products.requires_grad() && torch::GradMode::is_enabled()) {
+        const int64_t heads = num_heads, H = height, W = width;
+        const ops::Impl mix_impl = impl;
+        const auto mix = [heads, H, W, rope, mix_impl](const std::vector<torch::Tensor>& in) {
+            return ops::vit3_ttt_mix(in[0], in[1], in[2], in[3], heads, H, W, rope, mix_impl);
+        };
+        return recompute_into_linear(mix, {products, w1, w2, w3}, proj->weight, proj->bias);
     }
     torch::Tensor mixed = ops::vit3_ttt_mix(products, w1, w2, w3, num_heads, height, width, rope, impl);
     return flops::linear(mixed, proj->weight, proj->bias);

@@ -79,6 +79,9 @@ public:
     torch::nn::Linear fc1{nullptr}, fc2{nullptr};
     torch::nn::Conv2d dwc{nullptr};
     ops::Impl impl;
+    // With the depthwise conv, in a training step's graph: keep fc1's output only and redo GELU, the conv and GELU
+    // in fc2's backward (nn::recompute_into_linear), instead of three hidden-width tensors (a third of the memory).
+    bool recompute_hidden = false;
 };
 TORCH_MODULE(Mlp);
 

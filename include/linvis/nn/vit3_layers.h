@@ -34,6 +34,9 @@ public:
 
     int64_t dim, num_heads, head_dim;
     ops::Impl impl;  // passed to ops::vit3_ttt_mix
+    // In a training step's graph: keep the qkv product only and redo RoPE and the mix in proj's backward
+    // (nn::recompute_into_linear) instead of keeping the rotated q1 / k1, the mix's saved tensors and its output.
+    bool recompute_mix = false;
     torch::Tensor w1, w2, w3;
     torch::nn::Linear qkv{nullptr}, proj{nullptr};
 };
