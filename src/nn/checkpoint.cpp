@@ -87,6 +87,8 @@ public:
     }
 };
 
+bool needs_grad(const torch::Tensor& t) { return t.defined() && t.requires_grad(); }
+
 struct ProductInput : torch::CustomClassHolder {
     ProductInputFn fn;
     size_t num_inputs = 0;
@@ -142,7 +144,6 @@ public:
 
 torch::Tensor recompute_into_linear(ProductInputFn fn, const std::vector<torch::Tensor>& inputs,
                                     const torch::Tensor& weight, const torch::Tensor& bias) {
-    const auto needs_grad = [](const torch::Tensor& t) { return t.defined() && t.requires_grad(); };
     const bool graph = torch::GradMode::is_enabled() &&
                        (std::any_of(inputs.begin(), inputs.end(), needs_grad) || needs_grad(weight) || needs_grad(bias));
     if (!graph) return flops::linear(fn(inputs), weight, bias);
@@ -170,7 +171,6 @@ SegmentState module_state(const torch::nn::Module& module) {
 
 std::vector<torch::Tensor> checkpoint(SegmentFn fn, const std::vector<torch::Tensor>& inputs,
                                       const SegmentState& state) {
-    const auto needs_grad = [](const torch::Tensor& t) { return t.defined() && t.requires_grad(); };
     const bool any_grad = std::any_of(inputs.begin(), inputs.end(), needs_grad) ||
                           std::any_of(state.parameters.begin(), state.parameters.end(), needs_grad);
     if (!torch::GradMode::is_enabled() || !any_grad) return fn(inputs);
