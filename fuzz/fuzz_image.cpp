@@ -1,5 +1,5 @@
 // libFuzzer target for the image decoding path (src/io/image.cpp): format sniffing, the PNG
-// chunk/CRC walk, the JPEG marker walk, the BMP row check, then stb_image.
+// chunk/CRC walk, the JPEG marker walk, the BMP row check, then libjpeg-turbo or stb_image.
 // Properties: only linvis::Error escapes; an accepted image is uint8 (H, W, 3), contiguous,
 // H * W within kMaxImagePixels, and the whole pixel buffer is readable (its first and last bytes under ASan).
 #include <cstdint>

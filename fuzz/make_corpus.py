@@ -20,6 +20,7 @@ import zlib
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "fuzz", "corpus")
 CKPT = os.path.join(ROOT, "tests", "data", "torch_checkpoints")
+IMAGES = os.path.join(ROOT, "tests", "data", "images")
 
 
 def put(target, name, data):
@@ -80,6 +81,10 @@ def images():
              "interlaced.png": png(9, 7, 2, interlace=1), "rgb16.png": png(3, 3, 2, 16),
              "rgb24.bmp": bmp(5, 3), "rgba32.bmp": bmp(4, 4, 32)}
     seeds.update(jpeg_seeds())
+    # Pillow-written JPEGs of the decoder's golden test: progressive, restart markers, Adobe CMYK.
+    for name in ("rgb_q90_444_progressive.jpg", "rgb_q85_422_restart.jpg", "cmyk_q85_adobe.jpg"):
+        with open(os.path.join(IMAGES, name), "rb") as f:
+            seeds[name] = f.read()
     return seeds
 
 

@@ -5,7 +5,8 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libtorch-dev libopenblas-dev libopenblas0-pthread   # LibTorch 1.13 and the BLAS it should call
   libgloo-dev                                         # headers of the Gloo transport behind c10d (linvis train --nproc-per-node)
-  nlohmann-json3-dev libstb-dev                         # JSON headers; JPEG/PNG/BMP decoding
+  nlohmann-json3-dev libstb-dev                         # JSON headers; PNG/BMP decoding, image writing
+  libjpeg62-turbo-dev                                   # libjpeg-turbo: JPEG decoding (Pillow's pixels)
   libcli11-dev                                          # command-line parsing of the linvis program
   libdnnl-dev                                           # oneDNN: the float32 GEMM of the linear layers
   libhwy-dev                                            # Google Highway: the fused kernels' SIMD layer (src/ops/simd)

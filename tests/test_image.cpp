@@ -1,9 +1,11 @@
 // Image decoding/encoding (linvis/io/image.h) and evaluation transforms (linvis/io/transforms.h).
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -26,8 +28,22 @@ using linvis::testing::write_bytes;
 
 namespace {
 
+const fs::path kImageDir = fs::path(LINVIS_TEST_DATA_DIR) / "images";
 
+std::vector<uint8_t> file_bytes(const fs::path& path) {
+    std::ifstream in(path, std::ios::binary);
+    EXPECT_TRUE(in.good()) << path;
+    return std::vector<uint8_t>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
 
+// Offset of the first marker segment `marker` (FF xx) after SOI, walking the segment lengths.
+size_t find_segment(const std::vector<uint8_t>& jpeg, uint8_t marker) {
+    size_t pos = 2;
+    while (pos + 4 <= jpeg.size() && jpeg[pos] == 0xff && jpeg[pos + 1] != marker)
+        pos += 2 + ((size_t(jpeg[pos + 2]) << 8) | jpeg[pos + 3]);
+    EXPECT_TRUE(pos + 4 <= jpeg.size() && jpeg[pos + 1] == marker) << "no marker FF " << std::hex << int(marker);
+    return pos;
+}
 
 // A smooth colour image (JPEG-friendly), uint8 (h, w, 3).
 torch::Tensor smooth_image(int64_t h, int64_t w) {
@@ -176,7 +192,7 @@ TEST(Image, CorruptFilesAreRejectedWithReason) {
     png[png.size() / 2] ^= 0x5a;
     write_bytes(dir.file("bad.png"), png);
     expect_error_containing([&] { read_image(dir.file("bad.png")); }, {dir.file("bad.png"), "CRC mismatch"});
-    // A JPEG with a whole container but no frame: stb's own reason is reported.
+    // A JPEG with a whole container but no frame: libjpeg's own reason is reported.
     const std::vector<uint8_t> no_frame = {0xff, 0xd8, 0xff, 0xd9};
     expect_error_containing([&] { decode_image(no_frame, "frameless.jpg"); }, {"frameless.jpg", "cannot decode JPEG: "});
     // Garbage where a JPEG marker must be.
@@ -186,6 +202,84 @@ TEST(Image, CorruptFilesAreRejectedWithReason) {
     ASSERT_EQ(jpeg[second_marker], 0xff);
     jpeg[second_marker] = 0x12;
     expect_error_containing([&] { decode_image(jpeg, "garbled.jpg"); }, {"garbled.jpg", "corrupt JPEG"});
+}
+
+// tests/data/images/make_images.py wrote each JPEG with Pillow and saved Pillow's decoding of it
+// (Image.open(f).convert("RGB")) losslessly beside it: baseline 4:2:0, progressive 4:4:4, 4:2:2 with
+// restart markers, grayscale, and Adobe CMYK (stored inverted). All on 27x41 pixels (partial MCUs).
+TEST(Image, JpegPixelsAreThoseOfPillow) {
+    int files = 0;
+    for (const auto& entry : fs::directory_iterator(kImageDir)) {
+        if (entry.path().extension() != ".jpg") continue;
+        ++files;
+        const auto decoded = read_image(entry.path().string());
+        const auto pillow = read_image(fs::path(entry.path()).replace_extension(".pillow.png").string());
+        ASSERT_EQ(decoded.sizes(), (std::vector<int64_t>{27, 41, 3})) << entry.path();
+        EXPECT_TRUE(torch::equal(decoded, pillow))
+            << entry.path() << ": largest difference "
+            << (decoded.to(torch::kInt32) - pillow.to(torch::kInt32)).abs().max().item<int>();
+    }
+    EXPECT_EQ(files, 5);
+}
+
+// Huffman tables that cannot be: Debian's stb_image overran its tables or aborted the process on
+// such files (a fuzz finding); they must be a linvis::Error naming the file.
+TEST(Image, MalformedJpegHuffmanTablesAreErrors) {
+    const auto jpeg = file_bytes(kImageDir / "rgb_q75_420.jpg");
+    const size_t dht = find_segment(jpeg, 0xc4);
+    const size_t counts = dht + 5;  // FF C4, length (2), class/id (1), then 16 code counts
+    // More than 256 codes in one table.
+    auto too_many = jpeg;
+    too_many[counts + 14] = 255;
+    too_many[counts + 15] = 255;
+    expect_error_containing([&] { decode_image(too_many, "too_many.jpg"); },
+                            {"too_many.jpg", "cannot decode JPEG", "Huffman"});
+    // Three codes of one bit (the counts still sum to the table's length, so the segment is whole).
+    auto overfull = jpeg;
+    int moved = 3;
+    overfull[counts] = 3;
+    for (size_t i = 1; i < 16 && moved > 0; ++i) {
+        const int take = std::min<int>(moved, overfull[counts + i]);
+        overfull[counts + i] = uint8_t(overfull[counts + i] - take);
+        moved -= take;
+    }
+    ASSERT_EQ(moved, 0);
+    expect_error_containing([&] { decode_image(overfull, "overfull.jpg"); },
+                            {"overfull.jpg", "cannot decode JPEG", "Huffman"});
+}
+
+// A scan whose data stops early but whose file still ends with EOI would decode to a picture with a
+// grey remainder: an error, like a truncated file.
+TEST(Image, JpegScanEndingEarlyIsAnError) {
+    const auto jpeg = file_bytes(kImageDir / "rgb_q75_420.jpg");
+    const size_t sos = find_segment(jpeg, 0xda);
+    const size_t scan_data = sos + 2 + ((size_t(jpeg[sos + 2]) << 8) | jpeg[sos + 3]);
+    std::vector<uint8_t> short_scan(jpeg.begin(), jpeg.begin() + std::ptrdiff_t(scan_data + 40));
+    if (short_scan.back() == 0xff) short_scan.pop_back();  // keep the marker walk's view simple
+    short_scan.push_back(0xff);
+    short_scan.push_back(0xd9);
+    expect_error_containing([&] { decode_image(short_scan, "short_scan.jpg"); },
+                            {"short_scan.jpg", "cannot decode JPEG", "premature end of data segment"});
+}
+
+// Progressive files with thousands of scans (each a pass over the image) are refused early.
+TEST(Image, JpegWithTooManyScansIsAnError) {
+    const auto jpeg = file_bytes(kImageDir / "rgb_q90_444_progressive.jpg");
+    // The first scan (DC, first pass) repeated: each copy is well formed and decodes from its own bytes.
+    const size_t sos = find_segment(jpeg, 0xda);
+    size_t end = sos + 2 + ((size_t(jpeg[sos + 2]) << 8) | jpeg[sos + 3]);
+    while (!(jpeg[end] == 0xff && jpeg[end + 1] != 0x00 && (jpeg[end + 1] < 0xd0 || jpeg[end + 1] > 0xd7))) ++end;
+    const std::vector<uint8_t> scan(jpeg.begin() + std::ptrdiff_t(sos), jpeg.begin() + std::ptrdiff_t(end));
+    std::vector<uint8_t> many(jpeg.begin(), jpeg.begin() + std::ptrdiff_t(end));
+    for (int i = 0; i < 1000; ++i) many.insert(many.end(), scan.begin(), scan.end());
+    many.insert(many.end(), jpeg.begin() + std::ptrdiff_t(end), jpeg.end());
+    expect_error_containing([&] { decode_image(many, "many_scans.jpg"); },
+                            {"many_scans.jpg", "cannot decode JPEG", "more than 1000 scans"});
+    // The same file with a few repeats is still decoded (libjpeg warns about the progression; ignored).
+    std::vector<uint8_t> few(jpeg.begin(), jpeg.begin() + std::ptrdiff_t(end));
+    for (int i = 0; i < 3; ++i) few.insert(few.end(), scan.begin(), scan.end());
+    few.insert(few.end(), jpeg.begin() + std::ptrdiff_t(end), jpeg.end());
+    EXPECT_EQ(decode_image(few, "few_scans.jpg").sizes(), (std::vector<int64_t>{27, 41, 3}));
 }
 
 TEST(Image, EncodeRejectsBadInputs) {

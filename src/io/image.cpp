@@ -1,5 +1,6 @@
-// Image decoding/encoding on top of Debian's libstb (which holds the stb_image and
-// stb_image_write implementations, so neither *_IMPLEMENTATION macro is defined here).
+// Image decoding/encoding: JPEG decoding through libjpeg-turbo, PNG/BMP decoding and all encoding
+// through Debian's libstb (which holds the stb_image and stb_image_write implementations, so neither
+// *_IMPLEMENTATION macro is defined here).
 #include "linvis/io/image.h"
 
 #include <algorithm>
@@ -7,11 +8,14 @@
 #include <cerrno>
 #include <climits>
 #include <cmath>
+#include <csetjmp>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 
+#include <jerror.h>
+#include <jpeglib.h>
 #include <stb_image.h>
 #include <stb_image_write.h>
 #include <zlib.h>
@@ -124,6 +128,121 @@ void check_bmp_container(const uint8_t* data, size_t size, const std::string& na
                  " bytes, the file has ", size);
 }
 
+// ---------------------------------------------------------------- JPEG through libjpeg-turbo
+// libjpeg-turbo is what Pillow and torchvision decode with, so with its defaults (accurate integer
+// IDCT, smooth chroma upsampling) the pixels are Pillow's, bit for bit (tests/data/images). It also
+// rejects malformed Huffman tables, where Debian's stb_image overran its tables or aborted the process
+// on an assertion (a fuzz finding).
+
+// The most scans accepted in a progressive JPEG: real files have about 10; each scan is a pass over
+// the whole image, so thousands of tiny forged scans would take minutes.
+constexpr int kMaxJpegScans = 1000;
+
+// libjpeg reports errors through callbacks; error_exit must not return, so it jumps back into
+// the function that called libjpeg. Only plain C data live between the setjmp and the jump.
+struct JpegErrorManager {
+    jpeg_error_mgr base;
+    std::jmp_buf jump;
+    char message[JMSG_LENGTH_MAX];
+};
+
+[[noreturn]] void jpeg_raise(j_common_ptr cinfo) {
+    auto* error = reinterpret_cast<JpegErrorManager*>(cinfo->err);
+    cinfo->err->format_message(cinfo, error->message);
+    std::longjmp(error->jump, 1);
+}
+
+// Warnings (level -1) that mean the scan data ran out before the image was complete are errors, as
+// a truncated file is: the rest of the picture would be grey. Other warnings (extra bytes between
+// markers, odd but decodable parameters) are ignored, as Pillow does. Trace messages are dropped.
+void jpeg_warning(j_common_ptr cinfo, int level) {
+    if (level >= 0) return;
+    const int code = cinfo->err->msg_code;
+    if (code == JWRN_HIT_MARKER || code == JWRN_JPEG_EOF) jpeg_raise(cinfo);
+    ++cinfo->err->num_warnings;
+}
+
+void jpeg_progress(j_common_ptr cinfo) {
+    if (!cinfo->is_decompressor) return;
+    if (reinterpret_cast<j_decompress_ptr>(cinfo)->input_scan_number <= kMaxJpegScans) return;
+    auto* error = reinterpret_cast<JpegErrorManager*>(cinfo->err);
+    std::snprintf(error->message, sizeof error->message, "more than %d scans", kMaxJpegScans);
+    std::longjmp(error->jump, 1);
+}
+
+struct JpegDecoder {
+    jpeg_decompress_struct cinfo{};
+    JpegErrorManager error{};
+    jpeg_progress_mgr progress{};
+    // jpeg_destroy_decompress accepts a zeroed, never created struct.
+    ~JpegDecoder() { jpeg_destroy_decompress(&cinfo); }
+};
+
+// Reads the headers and chooses the output colour space: RGB for grayscale, YCbCr and RGB files,
+// CMYK for CMYK and YCCK files (converted below). False (message in decoder.error) on errors.
+bool read_jpeg_header(JpegDecoder& decoder, const uint8_t* data, size_t size) {
+    jpeg_decompress_struct& cinfo = decoder.cinfo;
+    cinfo.err = jpeg_std_error(&decoder.error.base);
+    decoder.error.base.error_exit = jpeg_raise;
+    decoder.error.base.emit_message = jpeg_warning;
+    if (setjmp(decoder.error.jump)) return false;
+    jpeg_create_decompress(&cinfo);
+    decoder.progress.progress_monitor = jpeg_progress;
+    cinfo.progress = &decoder.progress;
+    jpeg_mem_src(&cinfo, data, static_cast<unsigned long>(size));
+    jpeg_read_header(&cinfo, TRUE);
+    const bool cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
+    cinfo.out_color_space = cmyk ? JCS_CMYK : JCS_RGB;
+    return true;
+}
+
+// Decodes into `pixels` (output_height rows of output_width * output_components bytes).
+bool read_jpeg_pixels(JpegDecoder& decoder, uint8_t* pixels) {
+    jpeg_decompress_struct& cinfo = decoder.cinfo;
+    if (setjmp(decoder.error.jump)) return false;
+    jpeg_start_decompress(&cinfo);
+    const size_t row_bytes = size_t(cinfo.output_width) * size_t(cinfo.output_components);
+    while (cinfo.output_scanline < cinfo.output_height) {
+        JSAMPROW row = pixels + size_t(cinfo.output_scanline) * row_bytes;
+        jpeg_read_scanlines(&cinfo, &row, 1);
+    }
+    jpeg_finish_decompress(&cinfo);
+    return true;
+}
+
+// CMYK to RGB as Pillow's convert("RGB"): R = (255 - K) - (255 - K) * C / 255, rounded as its
+// MULDIV255. Files with an Adobe marker store the inks inverted (Photoshop's convention).
+torch::Tensor cmyk_to_rgb(const torch::Tensor& cmyk, bool inverted) {
+    const int64_t pixels = cmyk.size(0) * cmyk.size(1);
+    auto rgb = torch::empty({cmyk.size(0), cmyk.size(1), 3}, torch::kUInt8);
+    const uint8_t* in = cmyk.data_ptr<uint8_t>();
+    uint8_t* out = rgb.data_ptr<uint8_t>();
+    for (int64_t i = 0; i < pixels; ++i, in += 4, out += 3) {
+        const auto ink = [&](int c) { return inverted ? 255 - int(in[c]) : int(in[c]); };
+        const int not_black = 255 - ink(3);
+        for (int c = 0; c < 3; ++c) {
+            const int product = ink(c) * not_black + 128;
+            out[c] = uint8_t(not_black - (((product >> 8) + product) >> 8));
+        }
+    }
+    return rgb;
+}
+
+torch::Tensor decode_jpeg(const uint8_t* data, size_t size, const std::string& name) {
+    JpegDecoder decoder;
+    if (!read_jpeg_header(decoder, data, size))
+        fail(name, ": cannot decode JPEG: ", decoder.error.message);
+    const jpeg_decompress_struct& cinfo = decoder.cinfo;
+    const int64_t width = cinfo.image_width, height = cinfo.image_height;
+    LINVIS_CHECK(width > 0 && height > 0 && width * height <= kMaxImagePixels, name, ": JPEG image of ", width, "x",
+                 height, " pixels is empty or larger than the limit of ", kMaxImagePixels, " pixels");
+    const bool cmyk = cinfo.out_color_space == JCS_CMYK;
+    auto pixels = torch::empty({height, width, cmyk ? 4 : 3}, torch::kUInt8);
+    if (!read_jpeg_pixels(decoder, pixels.data_ptr<uint8_t>()))
+        fail(name, ": cannot decode JPEG: ", decoder.error.message);
+    return cmyk ? cmyk_to_rgb(pixels, cinfo.saw_Adobe_marker) : pixels;
+}
+
 std::string lower(std::string s) {
     std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return char(std::tolower(c)); });
     return s;
@@ -183,6 +302,7 @@ torch::Tensor decode_image(const uint8_t* data, size_t size, const std::string& 
         case ImageFormat::Jpeg: check_jpeg_container(data, size, name); break;
         case ImageFormat::Bmp: check_bmp_container(data, size, name); break;
     }
+    if (format == ImageFormat::Jpeg) return decode_jpeg(data, size, name);
     LINVIS_CHECK(size <= size_t(INT_MAX), name, ": ", size, " bytes is larger than the decoder accepts (2 GiB)");
     const int length = int(size);
     int width = 0, height = 0, channels = 0;

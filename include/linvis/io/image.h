@@ -1,16 +1,19 @@
 // Image files in and out: JPEG, PNG and BMP decoding into RGB uint8 tensors, PNG/BMP/JPEG
 // encoding (for pictures such as heat maps and plots), and a procedural demo image.
 //
-// Decoding uses Debian's stb_image (libstb). Before stb sees the bytes, the container is
-// checked so that damaged files fail loudly instead of decoding to a partly black picture
-// (stb fills missing data with zeros): the magic bytes must say JPEG, PNG or BMP; a PNG must
-// reach its IEND chunk with correct CRCs; a JPEG must reach its EOI marker; an uncompressed
-// BMP must hold all the pixel rows its header announces. Every failure throws linvis::Error
-// naming the file (or the buffer's name) and the reason, stb's own reason when stb fails.
+// JPEG is decoded by libjpeg-turbo with its default (accurate) settings, the decoder Pillow uses,
+// so the pixels are Pillow's bit for bit; PNG and BMP by Debian's stb_image (libstb). Before a
+// decoder sees the bytes, the container is checked so that damaged files fail loudly instead of
+// decoding to a partly black picture (stb fills missing data with zeros): the magic bytes must say
+// JPEG, PNG or BMP; a PNG must reach its IEND chunk with correct CRCs; a JPEG must reach its EOI
+// marker, and its scans must not end before the image is complete; an uncompressed BMP must hold
+// all the pixel rows its header announces. Every failure throws linvis::Error naming the file (or
+// the buffer's name) and the reason, the decoder's own reason when the decoder fails.
 //
 // Colour conversion follows PIL's Image.convert("RGB"), which timm's loader applies:
 // grayscale is replicated into the three channels, an alpha channel is dropped (not
-// composited), palette images are expanded. 16-bit PNGs are reduced to 8 bits by stb
+// composited), palette images are expanded, CMYK JPEGs are converted with Pillow's formula
+// (inverted inks when the file has an Adobe marker). 16-bit PNGs are reduced to 8 bits by stb
 // (high byte).
 #pragma once
 
