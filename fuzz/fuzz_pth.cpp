@@ -11,6 +11,8 @@
 // every element is done by sum(), which ASan checks); extracted state dicts hold only tensors.
 #include <cstdint>
 #include <string>
+#include <unordered_set>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -23,23 +25,28 @@ using namespace linvis;
 namespace {
 
 void touch_tensors(const io::Value& root) {
-    // Iterative walk (a hostile pickle may nest deeply); memo sharing may revisit nodes, so cap the work.
+    // Iterative walk (a hostile pickle may nest deeply), each node once: memo sharing makes the tree a graph in
+    // which a few hundred bytes can reference one list of thousands of items thousands of times (capping the
+    // visits alone still queued billions of pointers: a fuzz finding in the harness, not in the reader).
     std::vector<const io::Value*> pending{&root};
-    size_t visited = 0;
-    while (!pending.empty() && visited++ < 20000) {
+    std::unordered_set<const io::Value*> seen{&root};
+    const auto push = [&](const io::Value* v) {
+        if (v != nullptr && seen.size() < 200000 && seen.insert(v).second) pending.push_back(v);
+    };
+    while (!pending.empty()) {
         const io::Value* v = pending.back();
         pending.pop_back();
         if ((v->kind == io::Value::Kind::Tensor || v->kind == io::Value::Kind::Storage) && v->tensor.defined() &&
             v->tensor.numel() > 0 && v->tensor.numel() < (1 << 20)) {
             (void)v->tensor.to(torch::kFloat64).sum().item<double>();
         }
-        for (const auto& item : v->items) pending.push_back(item.get());
+        for (const auto& item : v->items) push(item.get());
         for (const auto& [k, val] : v->entries) {
-            pending.push_back(k.get());
-            pending.push_back(val.get());
+            push(k.get());
+            push(val.get());
         }
-        if (v->args) pending.push_back(v->args.get());
-        if (v->state) pending.push_back(v->state.get());
+        push(v->args.get());
+        push(v->state.get());
     }
 }
 
