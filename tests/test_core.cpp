@@ -166,6 +166,56 @@ struct Bf16GemmMode {
 };
 }  // namespace
 
+// out += x W^T: oneDNN's sgemm accumulates onto out; graphs, aliasing and other dtypes go through an add.
+TEST(Flops, LinearAddAccumulatesOntoOut) {
+    torch::manual_seed(11);
+    const auto judge = [](const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w) {
+        return out.to(torch::kFloat64) + torch::nn::functional::linear(x.to(torch::kFloat64), w.to(torch::kFloat64));
+    };
+    const auto relative = [](const torch::Tensor& a, const torch::Tensor& b) {
+        return ((a.to(torch::kFloat64) - b).norm() / b.norm()).item<double>();
+    };
+    {
+        torch::NoGradGuard no_grad;
+        // Plain, a transposed x, a transposed weight, and (2-D) a single row.
+        for (int variant = 0; variant < 4; ++variant) {
+            torch::Tensor x = variant == 3 ? torch::randn({1, 96}) : torch::randn({2, 300, 96});
+            if (variant == 1) x = x.transpose(1, 2).contiguous().transpose(1, 2);
+            const torch::Tensor w = variant == 2 ? torch::randn({96, 80}).t() : torch::randn({80, 96});
+            const std::vector<int64_t> out_shape = variant == 3 ? std::vector<int64_t>{1, 80}
+                                                                : std::vector<int64_t>{2, 300, 80};
+            torch::Tensor out = torch::randn(out_shape);
+            const torch::Tensor expected = judge(out, x, w);
+            const void* storage = out.data_ptr();
+            const int64_t macs = [&] {
+                linvis::flops::Counter counter;
+                const torch::Tensor returned = linvis::flops::linear_add_(out, x, w);
+                EXPECT_EQ(returned.data_ptr(), storage) << "variant " << variant;
+                return counter.macs();
+            }();
+            EXPECT_EQ(macs, x.numel() / 96 * 80 * 96) << "variant " << variant;
+            EXPECT_EQ(out.data_ptr(), storage);
+            EXPECT_LT(relative(out, expected), 1e-6) << "variant " << variant;
+        }
+        // out is x itself (a square weight): the product must read x before out is written. K is larger than a
+        // GEMM's depth block, so writing into x in place would overwrite columns before they are read.
+        torch::Tensor xy = torch::randn({256, 1024});
+        const torch::Tensor square = torch::randn({1024, 1024}) / 32;
+        const torch::Tensor expected = judge(xy, xy, square);
+        linvis::flops::linear_add_(xy, xy, square);
+        EXPECT_LT(relative(xy, expected), 1e-6);
+    }
+    // In a graph it is out.add_(linear(x, w)): the gradients flow to x and w.
+    torch::Tensor x = torch::randn({5, 12}, torch::requires_grad());
+    torch::Tensor w = torch::randn({7, 12}, torch::requires_grad());
+    torch::Tensor out = torch::randn({5, 7}) * 1.0;
+    const torch::Tensor expected = judge(out.detach(), x.detach(), w.detach());
+    linvis::flops::linear_add_(out, x, w).sum().backward();
+    EXPECT_LT(relative(out.detach(), expected), 1e-6);
+    EXPECT_TRUE(torch::allclose(x.grad(), w.detach().sum(0).expand({5, 12}), 1e-5, 1e-5));
+    EXPECT_TRUE(torch::allclose(w.grad(), x.detach().sum(0).expand({7, 12}), 1e-5, 1e-5));
+}
+
 TEST(Flops, Bf16LinearOnOnednnMatchesFloat64) {
     using linvis::flops::linear;
     const auto bf16 = [](const torch::Tensor& t) { return t.to(torch::kBFloat16); };

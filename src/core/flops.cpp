@@ -252,6 +252,23 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const 
     });
 }
 
+torch::Tensor linear_add_(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight) {
+    const bool in_place = backend(x, weight, {}) == Backend::Sgemm && !records_graph(x, weight, {}) &&
+                          !records_graph(out, weight, {}) && out.scalar_type() == torch::kFloat32 &&
+                          out.device().is_cpu() && out.is_contiguous() && out.dim() == x.dim() &&
+                          out.sizes().slice(0, out.dim() - 1) == x.sizes().slice(0, x.dim() - 1) &&
+                          out.size(-1) == weight.size(0) && !out.storage().is_alias_of(x.storage()) &&
+                          !out.storage().is_alias_of(weight.storage());
+    if (!in_place) return out.add_(flops::linear(x, weight, torch::Tensor()));
+    const int64_t K = x.size(-1), N = weight.size(0), M = x.numel() / K;
+    if (counting()) add(M * N * K);
+    const torch::Tensor a = x.reshape({M, K}).contiguous();
+    const torch::Tensor w = weight.contiguous();  // (N x K) rows: the product reads it transposed
+    sgemm('N', 'T', M, N, K, a.data_ptr<float>(), K, w.data_ptr<float>(), K, out.data_ptr<float>(),
+          /*accumulate=*/true);
+    return out;
+}
+
 LinearGradients linear_backward(const torch::Tensor& dy, const torch::Tensor& x, const torch::Tensor& weight,
                                 std::array<bool, 3> needs) {
     const int64_t K = x.size(-1), N = weight.size(0), M = x.numel() / K;

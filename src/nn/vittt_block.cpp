@@ -153,6 +153,14 @@ torch::Tensor SwiGluMlpImpl::forward(const NormedInput& x) {
     return ops::gated_linear(std::move(p[0]), p[1], down_proj->weight, {}, ops::GateActivation::Silu, impl_);
 }
 
+torch::Tensor SwiGluMlpImpl::add_to(const torch::Tensor& residual, const NormedInput& x) {
+    if (!can_overwrite({residual, gate_proj->weight, up_proj->weight, down_proj->weight}))
+        return residual.add_(forward(x));
+    std::vector<torch::Tensor> p = x.linear({{gate_proj->weight, gate_proj->bias}, {up_proj->weight, up_proj->bias}},
+                                            impl_);
+    return flops::linear_add_(residual, ops::silu_mul_(std::move(p[0]), p[1], impl_), down_proj->weight);
+}
+
 // ------------------------------------------------------------------ VitttBlock
 namespace {
 
@@ -253,8 +261,13 @@ std::pair<torch::Tensor, torch::Tensor> VitttBlockImpl::mixer_branches(torch::Te
 }
 
 std::vector<ops::TttLinearInputs> VitttBlockImpl::direction_inputs(torch::Tensor x) {
-    // x dies on return: the scans need only their inputs (autograd keeps what backward needs).
-    return {forth_branch()->scan_inputs(x), back_branch()->scan_inputs(x, /*reversed=*/true)};
+    // x dies here: the scans need only their inputs (autograd keeps what backward needs).
+    ops::TttLinearInputs of_forth = forth_branch()->scan_inputs(x);
+    // The products act on each token alone, so on the reversed tokens they give back's inputs in scan order:
+    // one flipped copy of x instead of one of u, of v and of the learning rates.
+    torch::Tensor reversed = torch::flip(x, {1});
+    x = torch::Tensor();
+    return {std::move(of_forth), back_branch()->scan_inputs(reversed)};
 }
 
 torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int64_t w) {
@@ -265,12 +278,18 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
     torch::Tensor y = ops::depthwise_conv2d_tokens(y_in, h, w, dwconv->weight, dwconv->bias, ops::DwEpilogue::Residual,
                                                    options_.branch.impl);
 
+    if (can_overwrite({y, o_proj->weight, mlp->down_proj->weight}) && !(is_training() && options_.drop_path > 0)) {
+        // Inference: y is this block's own tensor (the conv's output), so each branch's last product accumulates
+        // onto it in the GEMM instead of a fresh product and an add.
+        mixer(y, /*residual=*/y);
+        return mlp->add_to(y, NormedInput(norm2, y));
+    }
     y = add_into(drop_path(mixer(y)), y);
     y = add_into(drop_path(mlp->forward(NormedInput(norm2, y))), y);
     return y;
 }
 
-torch::Tensor VitttBlockImpl::mixer(const torch::Tensor& y) {
+torch::Tensor VitttBlockImpl::mixer(const torch::Tensor& y, const torch::Tensor& residual) {
     // The mixer's temporaries (x, gate, both directions) live in this frame only: none is alive in the MLP.
     const ops::Impl impl = elementwise_impl(options_.branch.impl);
     nn::Probe* probe_forth = probing("ttt.grad_norms.forth");
@@ -282,6 +301,7 @@ torch::Tensor VitttBlockImpl::mixer(const torch::Tensor& y) {
     // the backward instead of the graph keeping both (two (B, T, D) tensors per block). Every product of norm1's
     // output is one NormedInput::linear, so the graph keeps y and not the normalised copy either.
     const bool graph = !can_overwrite({y, g_proj->weight, o_proj->weight});
+    LINVIS_CHECK(!graph || !residual.defined(), "vittt block: mixer onto a residual is for inference only");
     torch::Tensor gate, z_forth, z_back_reversed;
     if (graph) {
         std::vector<ops::NormedProduct> products{{g_proj->weight, g_proj->bias}};
@@ -337,6 +357,7 @@ torch::Tensor VitttBlockImpl::mixer(const torch::Tensor& y) {
         gated = z_forth;
     else
         gated = z_forth.add_(torch::flip(z_back_reversed, {1})).mul_(gate);
+    if (residual.defined()) return flops::linear_add_(residual, gated, o_proj->weight);
     return linear(o_proj, gated);
 }
 

@@ -64,6 +64,12 @@ bool counting();
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const torch::Tensor& bias = {});
 
+// out += x W^T in place (no bias; a residual stream taking a branch's last product). Outside a graph, for float32
+// CPU operands with out contiguous and not sharing memory with x or weight, oneDNN's sgemm accumulates the product
+// onto out (beta = 1) while each tile is in cache, instead of writing a fresh product and adding it in another
+// pass; every other case is out.add_(linear(x, weight)). Returns out.
+torch::Tensor linear_add_(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight);
+
 // The gradients of y = linear(x, weight, bias) from dy (y's shape), each only where `needs` (dx, dweight, dbias)
 // asks: dx = dy . W, dW = dy^T . x (over all rows of x), db = dy summed over rows; through oneDNN where linear()
 // takes the operands, with LibTorch's differentiable products when grad mode is on (a backward that builds a

@@ -74,6 +74,9 @@ class SwiGluMlpImpl : public torch::nn::Module {
 public:
     SwiGluMlpImpl(int64_t dim, int64_t hidden, ops::Impl impl = ops::Impl::Auto);
     torch::Tensor forward(const NormedInput& x);
+    // residual += forward(x) with down_proj's product accumulated onto residual (flops::linear_add_): for
+    // inference, where residual is the caller's own tensor; x may be a normalisation of it. Returns residual.
+    torch::Tensor add_to(const torch::Tensor& residual, const NormedInput& x);
     torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 
 private:
@@ -125,7 +128,8 @@ public:
 
 private:
     torch::Tensor drop_path(const torch::Tensor& x) const;
-    torch::Tensor mixer(const torch::Tensor& y);  // o_proj(gate * Z) from y (see above)
+    // o_proj(gate * Z) from y (see above); with `residual` (inference only) accumulated onto it, which is returned.
+    torch::Tensor mixer(const torch::Tensor& y, const torch::Tensor& residual = {});
     // Both directions' scan inputs from x (taken by value: a caller that moves it in lets it go here).
     std::vector<ops::TttLinearInputs> direction_inputs(torch::Tensor x);
     VitttBlockOptions options_;
