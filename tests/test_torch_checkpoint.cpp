@@ -946,6 +946,34 @@ TEST(TorchCheckpoint, CorruptedPicklesNeverCrash) {
     EXPECT_GE(errors, static_cast<int>(good.size()));  // at least every truncation fails
 }
 
+// BUILD merges a dict state into the target's (dict.update): keys equal by value (scalars) or by node (memo
+// references) overwrite. A dict merged into itself stays as it is; before, float keys were never matched and
+// each merge doubled the dict (a 3 KB fuzz input reached 2^28 entries).
+TEST(TorchCheckpoint, BuildMergingDictStatesKeepsOneEntryPerKey) {
+    const auto float_key = [](double v) {
+        std::string bytes = "G";  // BINFLOAT, big-endian IEEE 754
+        uint64_t bits;
+        std::memcpy(&bits, &v, sizeof bits);
+        for (int i = 7; i >= 0; --i) bytes.push_back(char((bits >> (8 * i)) & 0xff));
+        return bytes;
+    };
+    std::string pickle = "\x80\x02}";                              // the target: {}
+    pickle += "}" + float_key(1.5) + "K\x01s";                     // state D = {1.5: 1}
+    pickle += float_key(-0.0) + "K\x02s" + float_key(0.0) + "K\x03s";  // -0.0 and 0.0: one key, last value wins
+    pickle += float_key(std::nan("")) + "K\x04s" + float_key(std::nan("")) + "K\x05s";  // two NaN nodes: two keys
+    pickle += std::string("q\x00", 2) + "b";                       // memo D; target.state = D
+    for (int i = 0; i < 3; ++i) pickle += std::string("h\x00", 2) + "b";  // D merged into itself 3 times
+    pickle += "}" + float_key(1.5) + "K\x07sb.";                   // a new dict {1.5: 7} merged in
+    const auto root = linvis::io::unpickle(pickle, [](const std::string&) { return torch::Tensor(); }, "merge.pkl");
+    ASSERT_TRUE(root->state);
+    const auto& entries = root->state->entries;
+    ASSERT_EQ(entries.size(), 4u);
+    EXPECT_EQ(entries[0].first->real, 1.5);
+    EXPECT_EQ(entries[0].second->integer, 7);
+    EXPECT_EQ(entries[1].second->integer, 3);
+    EXPECT_TRUE(std::isnan(entries[2].first->real) && std::isnan(entries[3].first->real));
+}
+
 TEST(TorchCheckpoint, DeeplyNestedPickleDoesNotOverflowTheStack) {
     // 300k nested lists (each appended into the one before): parsing, describing and freeing
     // the tree must not recurse per level.
