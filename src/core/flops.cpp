@@ -128,6 +128,22 @@ void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const floa
                  M, " x ", K, ") . (", K, " x ", N, ")");
 }
 
+// A 2-D float32 operand as sgemm reads it. Rows of unit column stride are 'N' with the row stride as ld, columns
+// of unit row stride are 'T' with the column stride as ld: a narrowed or transposed operand (a slice of a wider
+// weight) is read in place; any other layout is copied.
+struct SgemmOperand {
+    torch::Tensor t;
+    char trans;
+    int64_t ld;
+};
+SgemmOperand sgemm_operand(const torch::Tensor& t) {
+    const int64_t rows = t.size(0), cols = t.size(1);
+    if (t.is_contiguous()) return {t, 'N', std::max<int64_t>(cols, 1)};
+    if (t.stride(1) == 1 && t.stride(0) >= cols) return {t, 'N', std::max<int64_t>(t.stride(0), 1)};
+    if (t.stride(0) == 1 && t.stride(1) >= rows) return {t, 'T', std::max<int64_t>(t.stride(1), 1)};
+    return {t.contiguous(), 'N', std::max<int64_t>(cols, 1)};
+}
+
 // Whether autograd records a product of these operands.
 bool records_graph(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
     return torch::GradMode::is_enabled() &&
@@ -162,22 +178,8 @@ torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const to
         torch::Tensor c = torch::empty({M, N}, a.options());
         if (onednn::matmul(a, b, bias, c, activation)) return c;
     }
-    // Rows of unit column stride are 'N' with the row stride as ld, columns of unit row stride are 'T' with the
-    // column stride as ld: a narrowed or transposed operand (a slice of a wider weight) is read in place.
-    struct Operand {
-        torch::Tensor t;
-        char trans;
-        int64_t ld;
-    };
-    const auto layout = [](const torch::Tensor& t) -> Operand {
-        const int64_t rows = t.size(0), cols = t.size(1);
-        if (t.is_contiguous()) return {t, 'N', std::max<int64_t>(cols, 1)};
-        if (t.stride(1) == 1 && t.stride(0) >= cols) return {t, 'N', std::max<int64_t>(t.stride(0), 1)};
-        if (t.stride(0) == 1 && t.stride(1) >= rows) return {t, 'T', std::max<int64_t>(t.stride(1), 1)};
-        return {t.contiguous(), 'N', std::max<int64_t>(cols, 1)};
-    };
-    const Operand A = layout(a);
-    const Operand B = layout(b);
+    const SgemmOperand A = sgemm_operand(a);
+    const SgemmOperand B = sgemm_operand(b);
     torch::Tensor c = torch::empty({M, N}, a.options());
     if (bias.defined()) {
         // The bias rows first and the product accumulated onto them (beta = 1): the GEMM adds the bias while
@@ -262,9 +264,9 @@ torch::Tensor linear_add_(const torch::Tensor& out, const torch::Tensor& x, cons
     if (!in_place) return out.add_(flops::linear(x, weight, torch::Tensor()));
     const int64_t K = x.size(-1), N = weight.size(0), M = x.numel() / K;
     if (counting()) add(M * N * K);
-    const torch::Tensor a = x.reshape({M, K}).contiguous();
-    const torch::Tensor w = weight.contiguous();  // (N x K) rows: the product reads it transposed
-    sgemm('N', 'T', M, N, K, a.data_ptr<float>(), K, w.data_ptr<float>(), K, out.data_ptr<float>(),
+    const SgemmOperand A = sgemm_operand(x.reshape({M, K}));
+    const SgemmOperand B = sgemm_operand(weight.t());
+    sgemm(A.trans, B.trans, M, N, K, A.t.data_ptr<float>(), A.ld, B.t.data_ptr<float>(), B.ld, out.data_ptr<float>(),
           /*accumulate=*/true);
     return out;
 }

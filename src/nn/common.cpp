@@ -93,8 +93,10 @@ void add_in_bands_(const torch::Tensor& x, int64_t width, const std::vector<RowB
     }
 }
 
+bool drop_path_active(double rate, bool training) { return training && rate > 0.0; }
+
 torch::Tensor drop_path(const torch::Tensor& x, double rate, bool training) {
-    if (!training || rate <= 0.0) return x;
+    if (!drop_path_active(rate, training)) return x;
     LINVIS_CHECK(rate < 1.0, "drop_path: rate: expected < 1, got ", rate);
     const double keep = 1.0 - rate;
     std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);

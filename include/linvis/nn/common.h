@@ -57,6 +57,9 @@ private:
 // branch of each sample with probability `rate` and scales the kept ones by 1 / (1 - rate).
 // Identity in evaluation or when rate <= 0. Uses the LibTorch generator (checkpointed by the trainer).
 torch::Tensor drop_path(const torch::Tensor& x, double rate, bool training);
+// Whether drop_path(x, rate, training) can change x: in training with a positive rate. A layer that writes a
+// branch into its residual in place (inference) takes that path only when this is false.
+bool drop_path_active(double rate, bool training);
 
 // Whether an operation on `operands` may write into the first of them, a tensor a layer has just
 // computed and that nothing else references: true unless an autograd graph would record the operation
