@@ -6,8 +6,10 @@
 #include <string>
 #include <vector>
 
+#include "linvis/core/flops.h"
 #include "linvis/models/registry.h"
 #include "linvis/nn/checkpoint.h"
+#include "linvis/nn/common.h"
 #include "support/testing.h"
 
 namespace {
@@ -123,6 +125,60 @@ TEST(ActivationCheckpoint, RecomputeIntoLinearGivesThePlainGradients) {
     const auto twice = [](const std::vector<torch::Tensor>& in) { return in[0] * 2; };
     EXPECT_TRUE(linvis::testing::all_close(linvis::nn::recompute_into_linear(twice, {x}, w, {}), torch::mm(x * 2, w.t()),
                                            1e-6, 1e-6));
+}
+
+// The banded form: bands of grid rows give the whole graph's values and gradients (tokens, halo rows included, the
+// conv's parameters, the product's weight and bias), recompute each band once in the backward, and count fn's work
+// as over the whole grid.
+TEST(ActivationCheckpoint, RecomputeIntoLinearInBandsGivesThePlainGradients) {
+    const int64_t H = 19, W = 3, C = 4;
+    const auto segment = [&](const torch::Tensor& rows, int64_t height, const std::vector<torch::Tensor>& conv) {
+        torch::Tensor y = torch::gelu(rows);
+        const torch::Tensor map = y.transpose(1, 2).reshape({rows.size(0), C, height, W});
+        y = y + linvis::flops::conv2d(map, conv[0], conv[1], {1, 1}, {1, 1}, {1, 1}, C).flatten(2).transpose(1, 2);
+        return y.tanh();
+    };
+    // One band, then three of 6-7 rows (row_bands keeps at least 8 rows a band: 19 rows make 3).
+    for (const int64_t band_bytes : {int64_t{1} << 20, int64_t{8}}) {
+        const auto run = [&](bool banded, int* calls) {
+            torch::manual_seed(31);
+            torch::Tensor h = torch::randn({2, H * W, C}, torch::requires_grad());
+            torch::Tensor k = torch::randn({C, 1, 3, 3}, torch::requires_grad());
+            torch::Tensor kb = torch::randn({C}, torch::requires_grad());
+            torch::Tensor w = torch::randn({5, C}, torch::requires_grad());
+            torch::Tensor b = torch::randn({5}, torch::requires_grad());
+            const linvis::nn::BandProductInputFn fn = [&](const torch::Tensor& rows, int64_t height,
+                                                          const std::vector<torch::Tensor>& conv) {
+                ++*calls;
+                return segment(rows, height, conv);
+            };
+            torch::Tensor y;
+            int64_t macs = 0;
+            {
+                const linvis::flops::Counter count;
+                y = banded ? linvis::nn::recompute_into_linear_in_bands(fn, h, H, W, {k, kb}, w, b,
+                                                                        /*bytes_per_row=*/1, band_bytes)
+                           : linvis::flops::linear(fn(h, H, {k, kb}), w, b);
+                macs = count.macs();
+            }
+            (y * y.detach().cos()).sum().backward();
+            return std::make_pair(std::vector<torch::Tensor>{y.detach(), h.grad(), k.grad(), kb.grad(), w.grad(),
+                                                             b.grad()},
+                                  macs);
+        };
+        int plain_calls = 0, banded_calls = 0;
+        const auto [plain, plain_macs] = run(false, &plain_calls);
+        const auto [banded, banded_macs] = run(true, &banded_calls);
+        const int bands = static_cast<int>(linvis::nn::row_bands(H, /*bytes_per_row=*/1, band_bytes).size());
+        EXPECT_EQ(bands > 1, band_bytes == 8);
+        EXPECT_EQ(banded_calls, 2 * bands);  // each band in the forward and once more in the backward
+        EXPECT_EQ(banded_macs, plain_macs);
+        for (size_t i = 0; i < plain.size(); ++i) {
+            ASSERT_TRUE(banded[i].defined()) << "tensor " << i;
+            EXPECT_TRUE(linvis::testing::all_close(banded[i], plain[i], 1e-5, 1e-5))
+                << "tensor " << i << ", " << bands << " bands";
+        }
+    }
 }
 
 // A checkpointed segment whose input needs no gradient (a stem on the images) and that holds a BatchNorm: its

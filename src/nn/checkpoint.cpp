@@ -8,6 +8,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "linvis/nn/common.h"
 
 namespace linvis::nn {
 namespace {
@@ -140,6 +141,112 @@ public:
     }
 };
 
+struct BandedProductInput : torch::CustomClassHolder {
+    BandProductInputFn fn;
+    int64_t height = 0, width = 0;
+    std::vector<RowBand> bands;
+    size_t num_parameters = 0;
+    bool has_bias = false;
+};
+
+// fn over a band's rows [first, last), then its rows [begin, end): fn's work counted for those rows only, so the
+// bands add up to the whole grid's count.
+torch::Tensor band_product_input(const BandedProductInput& s, const torch::Tensor& tokens, const RowBand& band,
+                                 const std::vector<torch::Tensor>& parameters) {
+    const int64_t W = s.width, rows = band.last - band.first;
+    torch::Tensor input;
+    int64_t macs = 0;
+    {
+        const flops::Uncounted halo_rows_apart;
+        const flops::Counter band_count;
+        input = s.fn(tokens.narrow(1, band.first * W, rows * W), rows, parameters);
+        macs = band_count.macs();
+    }
+    if (flops::counting()) flops::add(macs / rows * (band.end - band.begin));
+    LINVIS_CHECK(input.dim() == 3 && input.size(1) == rows * W, "recompute_into_linear_in_bands: fn returned ",
+                 input.sizes(), " for ", rows, " rows of ", W, " tokens");
+    return input.narrow(1, (band.begin - band.first) * W, (band.end - band.begin) * W);
+}
+
+// Inputs: tokens, the parameters, the weight, then the bias when there is one.
+class RecomputeIntoLinearInBands : public torch::autograd::Function<RecomputeIntoLinearInBands> {
+public:
+    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::TensorList inputs,
+                                 c10::intrusive_ptr<BandedProductInput> segment) {
+        ctx->save_for_backward(inputs.vec());
+        ctx->saved_data["segment"] = c10::IValue::make_capsule(segment);
+        torch::NoGradGuard no_grad;
+        return run(*segment, inputs.vec());
+    }
+
+    // The product over the whole grid, a band at a time, without a graph.
+    static torch::Tensor run(const BandedProductInput& s, const std::vector<torch::Tensor>& inputs) {
+        const size_t p = s.num_parameters;
+        const torch::Tensor& tokens = inputs[0];
+        const std::vector<torch::Tensor> parameters(inputs.begin() + 1, inputs.begin() + 1 + p);
+        const torch::Tensor& weight = inputs[1 + p];
+        const torch::Tensor bias = s.has_bias ? inputs[2 + p] : torch::Tensor();
+        const int64_t W = s.width;
+        torch::Tensor out = torch::empty({tokens.size(0), s.height * W, weight.size(0)}, tokens.options());
+        for (const RowBand& band : s.bands)
+            out.narrow(1, band.begin * W, (band.end - band.begin) * W)
+                .copy_(flops::linear(band_product_input(s, tokens, band, parameters), weight, bias));
+        return out;
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        auto segment = c10::static_intrusive_pointer_cast<BandedProductInput>(ctx->saved_data["segment"].toCapsule());
+        const BandedProductInput& s = *segment;
+        const std::vector<torch::Tensor> saved = ctx->get_saved_variables();
+        const size_t p = s.num_parameters, n = 1 + p;  // fn's inputs: tokens and the parameters
+        const torch::Tensor& weight = saved[n];
+        const int64_t W = s.width;
+        bool any_input = false;
+        for (size_t i = 0; i < n; ++i) any_input = any_input || ctx->needs_input_grad(i);
+        torch::autograd::variable_list out(saved.size() + 1);  // the last: the segment capsule
+        const auto accumulate = [](torch::Tensor& sum, const torch::Tensor& part) {
+            if (!part.defined()) return;
+            if (!sum.defined()) sum = part.clone();
+            else sum.add_(part);
+        };
+        if (ctx->needs_input_grad(0)) out[0] = torch::zeros_like(saved[0]);
+        for (const RowBand& band : s.bands) {
+            std::vector<torch::Tensor> inputs, wanted;  // wanted: the band's inputs that need a gradient
+            for (size_t i = 0; i < n; ++i) {
+                torch::Tensor t = i == 0 ? saved[0].narrow(1, band.first * W, (band.last - band.first) * W) : saved[i];
+                inputs.push_back(t.detach().requires_grad_(ctx->needs_input_grad(i)));
+                if (ctx->needs_input_grad(i)) wanted.push_back(inputs.back());
+            }
+            // band_product_input narrows the rows it gets: hand it the band's rows as the whole grid's first ones.
+            const RowBand local{band.begin - band.first, band.end - band.first, 0, band.last - band.first};
+            torch::Tensor product_input;
+            {
+                torch::AutoGradMode graph(any_input);
+                product_input = band_product_input(s, inputs[0], local,
+                                                   std::vector<torch::Tensor>(inputs.begin() + 1, inputs.end()));
+            }
+            const torch::Tensor dy = grads[0].narrow(1, band.begin * W, (band.end - band.begin) * W);
+            const flops::LinearGradients g = flops::linear_backward(
+                dy, product_input.detach(), weight,
+                {any_input, ctx->needs_input_grad(n), s.has_bias && ctx->needs_input_grad(n + 1)});
+            accumulate(out[n], g.dweight);
+            if (s.has_bias) accumulate(out[n + 1], g.dbias);
+            if (!any_input) continue;
+            const auto input_grads = torch::autograd::grad({product_input}, wanted, {g.dx}, c10::nullopt, false,
+                                                           /*allow_unused=*/true);
+            for (size_t i = 0, j = 0; i < n; ++i) {
+                if (!ctx->needs_input_grad(i)) continue;
+                const torch::Tensor& part = input_grads[j++];
+                if (!part.defined()) continue;
+                if (i == 0) out[0].narrow(1, band.first * W, (band.last - band.first) * W).add_(part);
+                else accumulate(out[i], part);
+            }
+        }
+        return out;
+    }
+};
+
 }  // namespace
 
 torch::Tensor recompute_into_linear(ProductInputFn fn, const std::vector<torch::Tensor>& inputs,
@@ -155,6 +262,32 @@ torch::Tensor recompute_into_linear(ProductInputFn fn, const std::vector<torch::
     all.push_back(weight);
     if (bias.defined()) all.push_back(bias);
     return RecomputeIntoLinear::apply(torch::TensorList(all), segment);
+}
+
+torch::Tensor recompute_into_linear_in_bands(BandProductInputFn fn, const torch::Tensor& tokens, int64_t height,
+                                             int64_t width, const std::vector<torch::Tensor>& parameters,
+                                             const torch::Tensor& weight, const torch::Tensor& bias,
+                                             int64_t bytes_per_row, int64_t band_bytes) {
+    LINVIS_CHECK(tokens.dim() == 3 && height > 0 && width > 0 && tokens.size(1) == height * width,
+                 "recompute_into_linear_in_bands: tokens: expected (B, ", height * width, ", C) for a ", height, "x",
+                 width, " grid, got ", tokens.sizes());
+    auto segment = c10::make_intrusive<BandedProductInput>();
+    segment->fn = std::move(fn);
+    segment->height = height;
+    segment->width = width;
+    segment->bands = row_bands(height, bytes_per_row, band_bytes);
+    segment->num_parameters = parameters.size();
+    segment->has_bias = bias.defined();
+    std::vector<torch::Tensor> all{tokens};
+    all.insert(all.end(), parameters.begin(), parameters.end());
+    all.push_back(weight);
+    if (bias.defined()) all.push_back(bias);
+    const bool graph = torch::GradMode::is_enabled() && std::any_of(all.begin(), all.end(), needs_grad);
+    if (!graph) {
+        torch::NoGradGuard no_grad;
+        return RecomputeIntoLinearInBands::run(*segment, all);
+    }
+    return RecomputeIntoLinearInBands::apply(torch::TensorList(all), segment);
 }
 
 std::vector<torch::Tensor> checkpoint(SegmentFn fn, const std::vector<torch::Tensor>& inputs) {

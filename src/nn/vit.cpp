@@ -115,17 +115,24 @@ torch::Tensor MlpImpl::forward(const NormedInput& x, int64_t height, int64_t wid
     const ops::Impl passes = elementwise_impl(impl);
     if (!dwc) return nn::gelu_mlp(x, fc1, fc2, ops::GeluForm::Erf, passes);
     if (recompute_hidden && is_training() && x.records_graph()) {
-        // The graph keeps fc1's output alone; GELU, the conv and GELU again are redone in fc2's backward. A training
-        // step only: an eval-mode graph (an explanation's input gradient) keeps everything, as without the flag.
-        const int64_t H = height, W = width;
+        // The graph keeps fc1's output alone; GELU, the conv and GELU again are redone in fc2's backward, a band of
+        // rows at a time, so that neither they nor their gradients exist whole (the peak of an H-ViT3 training step
+        // is a first-stage block's backward). A training step only: an eval-mode graph (an explanation's input
+        // gradient) keeps everything, as without the flag.
+        constexpr int64_t kBandBytes = int64_t{16} << 20;
         const ops::Impl conv_impl = impl;
-        const auto hidden_after_conv = [H, W, conv_impl, passes](const std::vector<torch::Tensor>& in) {
-            torch::Tensor y = torch::gelu(in[0]);  // a new tensor: in[0] is the kept input
-            y = ops::depthwise_conv2d_tokens(y, H, W, in[1], in[2], ops::DwEpilogue::Residual, conv_impl);
+        const int64_t W = width;
+        const auto hidden_after_conv = [W, conv_impl, passes](const torch::Tensor& rows, int64_t band_height,
+                                                              const std::vector<torch::Tensor>& conv) {
+            torch::Tensor y = torch::gelu(rows);  // a new tensor: rows are the kept input's
+            y = ops::depthwise_conv2d_tokens(y, band_height, W, conv[0], conv[1], ops::DwEpilogue::Residual,
+                                             conv_impl);
             return ops::gelu_(std::move(y), passes, ops::GeluForm::Erf);
         };
-        return recompute_into_linear(hidden_after_conv, {x.linear(fc1, passes), dwc->weight, dwc->bias}, fc2->weight,
-                                     fc2->bias);
+        const torch::Tensor hidden = x.linear(fc1, passes);
+        const int64_t bytes_per_row = 2 * hidden.size(0) * W * hidden.size(2) * hidden.element_size();
+        return recompute_into_linear_in_bands(hidden_after_conv, hidden, height, W, {dwc->weight, dwc->bias},
+                                              fc2->weight, fc2->bias, bytes_per_row, kBandBytes);
     }
     // In a float32 graph fc1 through layer_norm_linear, then the GELU (nn::linear_gelu's graph path).
     torch::Tensor y = x.records_graph() && x.input().scalar_type() == torch::kFloat32

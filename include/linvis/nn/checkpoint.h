@@ -50,6 +50,23 @@ using ProductInputFn = std::function<torch::Tensor(const std::vector<torch::Tens
 torch::Tensor recompute_into_linear(ProductInputFn fn, const std::vector<torch::Tensor>& inputs,
                                     const torch::Tensor& weight, const torch::Tensor& bias);
 
+// recompute_into_linear for a segment that acts on a grid of tokens and reads one neighbouring row above and below
+// (a 3x3 depthwise conv between activations: H-ViT3's conv MLP): forward and backward run a band of grid rows at a
+// time (row_bands over `height`, `bytes_per_row` of fn's maps per grid row, at most `band_bytes` a band), so fn's
+// maps, the product's input and that input's gradient never exist whole. fn(rows, band_height, parameters) maps
+// tokens (B, band_height * width, C) to the product's input on the same rows; its outer rows (no neighbours there)
+// are not used. The graph keeps `tokens`, the parameters, the weight and the bias; the backward recomputes fn band
+// by band with a graph, takes the product's gradients as its own backward would (flops::linear_backward, the product
+// not recomputed) and sums each band's gradients into those of tokens (halo rows included) and of the parameters.
+// With one band, the same values as recompute_into_linear. FLOPs: fn's work counted once over the whole grid.
+// Without a graph to record, the same bands and no node. Not twice differentiable.
+using BandProductInputFn = std::function<torch::Tensor(const torch::Tensor& rows, int64_t band_height,
+                                                       const std::vector<torch::Tensor>& parameters)>;
+torch::Tensor recompute_into_linear_in_bands(BandProductInputFn fn, const torch::Tensor& tokens, int64_t height,
+                                             int64_t width, const std::vector<torch::Tensor>& parameters,
+                                             const torch::Tensor& weight, const torch::Tensor& bias,
+                                             int64_t bytes_per_row, int64_t band_bytes);
+
 // The one-input, one-output form: a block of a model.
 torch::Tensor checkpoint(BlockFn fn, const torch::Tensor& x);
 
