@@ -10,6 +10,7 @@
 #include "linvis/models/registry.h"
 #include "linvis/nn/checkpoint.h"
 #include "linvis/nn/common.h"
+#include "support/heap.h"
 #include "support/testing.h"
 
 namespace {
@@ -179,6 +180,71 @@ TEST(ActivationCheckpoint, RecomputeIntoLinearInBandsGivesThePlainGradients) {
                 << "tensor " << i << ", " << bands << " bands";
         }
     }
+}
+
+// A training BatchNorm and ReLU between two convs, redone in the second conv's backward: the plain graph's values and
+// gradients (input, both convs, the norm's affine parameters), the running statistics updated once, and the
+// segment run once more in the backward.
+TEST(ActivationCheckpoint, RecomputeIntoConvGivesThePlainGradients) {
+    for (const bool with_bias : {true, false}) {
+        const auto run = [&](bool recomputed, int* calls) {
+            torch::manual_seed(37);
+            torch::nn::Conv2d first(torch::nn::Conv2dOptions(3, 4, 3).padding(1));
+            torch::nn::BatchNorm2d norm(4);
+            torch::nn::Conv2d second(torch::nn::Conv2dOptions(4, 6, 3).stride(2).padding(1).bias(with_bias));
+            torch::nn::init::uniform_(norm->weight, 0.5, 1.5);
+            torch::nn::init::uniform_(norm->bias, -0.5, 0.5);
+            norm->train();
+            const torch::Tensor images = torch::randn({2, 3, 7, 9}, torch::requires_grad());
+            const linvis::nn::BlockFn segment = [&](const torch::Tensor& c) {
+                ++*calls;
+                return torch::relu(norm->forward(c));
+            };
+            const torch::Tensor c = first->forward(images);
+            const torch::Tensor y = recomputed ? linvis::nn::recompute_into_conv2d(
+                                                     segment, c, linvis::nn::module_state(*norm), second)
+                                               : second->forward(segment(c));
+            (y * y.detach().sin()).sum().backward();
+            std::vector<torch::Tensor> out{y.detach(),    images.grad(),       first->weight.grad(),
+                                           first->bias.grad(), norm->weight.grad(), norm->bias.grad(),
+                                           second->weight.grad(), norm->running_mean.clone(),
+                                           norm->running_var.clone()};
+            if (with_bias) out.push_back(second->bias.grad());
+            EXPECT_EQ(norm->num_batches_tracked.item<int64_t>(), 1);
+            return out;
+        };
+        int plain_calls = 0, recomputed_calls = 0;
+        const auto plain = run(false, &plain_calls);
+        const auto recomputed = run(true, &recomputed_calls);
+        EXPECT_EQ(plain_calls, 1);
+        EXPECT_EQ(recomputed_calls, 2);
+        for (size_t i = 0; i < plain.size(); ++i) {
+            ASSERT_TRUE(recomputed[i].defined()) << "tensor " << i;
+            EXPECT_TRUE(linvis::testing::all_close(recomputed[i], plain[i], 1e-5, 1e-5)) << "tensor " << i;
+        }
+    }
+    // What the graph keeps on a (1, 8, 64, 64) map (one unit: 128 KiB): the plain graph the norm's input and the ReLU's
+    // output (the second conv's input), the recomputing one the norm's input only.
+    {
+        torch::nn::Conv2d first(torch::nn::Conv2dOptions(3, 8, 1)), second(torch::nn::Conv2dOptions(8, 2, 1));
+        torch::nn::BatchNorm2d norm(8);
+        const torch::Tensor images = torch::randn({1, 3, 64, 64});
+        const int64_t unit = 8 * 64 * 64 * 4;
+        const auto segment = [&](const torch::Tensor& c) { return torch::relu(norm->forward(c)); };
+        const int64_t plain =
+            linvis::testing::bytes_kept_by([&] { return second->forward(segment(first->forward(images))); });
+        const int64_t recomputed = linvis::testing::bytes_kept_by([&] {
+            return linvis::nn::recompute_into_conv2d(segment, first->forward(images), linvis::nn::module_state(*norm),
+                                                     second);
+        });
+        EXPECT_GE(plain - recomputed, unit * 9 / 10) << plain << " bytes kept, recomputed " << recomputed;
+    }
+    torch::NoGradGuard no_grad;  // outside a graph: the plain call
+    torch::nn::Conv2d conv(torch::nn::Conv2dOptions(2, 3, 1));
+    const torch::Tensor x = torch::randn({1, 2, 4, 4});
+    const auto twice = [](const torch::Tensor& t) { return t * 2; };
+    EXPECT_TRUE(linvis::testing::all_close(linvis::nn::recompute_into_conv2d(twice, x, {}, conv), conv->forward(x * 2),
+                                           1e-6, 1e-6));
 }
 
 // A checkpointed segment whose input needs no gradient (a stem on the images) and that holds a BatchNorm: its

@@ -9,6 +9,7 @@
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/nn/common.h"
+#include "linvis/nn/vit.h"
 
 namespace linvis::nn {
 namespace {
@@ -247,6 +248,53 @@ public:
     }
 };
 
+struct ConvInput : torch::CustomClassHolder {
+    BlockFn fn;
+    torch::nn::Conv2d conv{nullptr};
+    std::vector<torch::Tensor> running_buffers;
+    size_t num_parameters = 0;
+};
+
+// Inputs: fn's input, the conv's weight and bias (an empty tensor when it has none), then fn's parameters.
+class RecomputeIntoConv : public torch::autograd::Function<RecomputeIntoConv> {
+public:
+    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::TensorList inputs,
+                                 c10::intrusive_ptr<ConvInput> segment) {
+        ctx->save_for_backward({inputs[0]});
+        ctx->saved_data["segment"] = c10::IValue::make_capsule(segment);
+        torch::NoGradGuard no_grad;
+        return conv_forward(segment->conv, segment->fn(inputs[0]));
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        auto segment = c10::static_intrusive_pointer_cast<ConvInput>(ctx->saved_data["segment"].toCapsule());
+        const torch::Tensor saved = ctx->get_saved_variables()[0];
+        const torch::Tensor input = saved.detach().requires_grad_(ctx->needs_input_grad(0));
+        std::vector<torch::Tensor> buffers_after;
+        for (const torch::Tensor& buffer : segment->running_buffers) buffers_after.push_back(buffer.clone());
+        torch::Tensor conv_input;
+        {
+            torch::AutoGradMode graph(true);
+            conv_input = segment->fn(input);
+        }
+        const ConvGradients g = conv_backward(segment->conv, grads[0], conv_input.detach(),
+                                              {conv_input.requires_grad(), ctx->needs_input_grad(1),
+                                               ctx->needs_input_grad(2)});
+        if (conv_input.requires_grad()) torch::autograd::backward({conv_input}, {g.dx});
+        {
+            // Only now: the recomputed graph's BatchNorm nodes hold the buffers and check that they are unchanged.
+            torch::NoGradGuard no_grad;
+            for (size_t i = 0; i < buffers_after.size(); ++i) segment->running_buffers[i].copy_(buffers_after[i]);
+        }
+        torch::autograd::variable_list out(3 + segment->num_parameters + 1);  // the last: the segment capsule
+        if (ctx->needs_input_grad(0)) out[0] = input.grad();
+        out[1] = g.dweight;
+        out[2] = g.dbias;
+        return out;  // fn's parameters got theirs as leaves of the recomputed graph
+    }
+};
+
 }  // namespace
 
 torch::Tensor recompute_into_linear(ProductInputFn fn, const std::vector<torch::Tensor>& inputs,
@@ -288,6 +336,23 @@ torch::Tensor recompute_into_linear_in_bands(BandProductInputFn fn, const torch:
         return RecomputeIntoLinearInBands::run(*segment, all);
     }
     return RecomputeIntoLinearInBands::apply(torch::TensorList(all), segment);
+}
+
+torch::Tensor recompute_into_conv2d(BlockFn fn, const torch::Tensor& input, const SegmentState& state,
+                                    const torch::nn::Conv2d& conv) {
+    const bool graph = torch::GradMode::is_enabled() &&
+                       (needs_grad(input) || needs_grad(conv->weight) || needs_grad(conv->bias) ||
+                        std::any_of(state.parameters.begin(), state.parameters.end(), needs_grad));
+    if (!graph) return conv_forward(conv, fn(input));
+    auto segment = c10::make_intrusive<ConvInput>();
+    segment->fn = std::move(fn);
+    segment->conv = conv;
+    segment->running_buffers = state.running_buffers;
+    segment->num_parameters = state.parameters.size();
+    std::vector<torch::Tensor> all{input, conv->weight,
+                                   conv->bias.defined() ? conv->bias : torch::empty({0}, input.options())};
+    all.insert(all.end(), state.parameters.begin(), state.parameters.end());
+    return RecomputeIntoConv::apply(torch::TensorList(all), segment);
 }
 
 std::vector<torch::Tensor> checkpoint(SegmentFn fn, const std::vector<torch::Tensor>& inputs) {

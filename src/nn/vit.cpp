@@ -61,6 +61,20 @@ torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& 
                          {(*o.dilation())[0], (*o.dilation())[1]}, o.groups());
 }
 
+ConvGradients conv_backward(const torch::nn::Conv2d& layer, const torch::Tensor& dy, const torch::Tensor& x,
+                            std::array<bool, 3> needs) {
+    const auto& o = layer->options;
+    const std::vector<int64_t>& pad = ConvPadding::of(*layer);
+    const std::vector<int64_t> bias_sizes{layer->options.out_channels()};
+    torch::NoGradGuard no_grad;
+    needs[2] = needs[2] && layer->bias.defined();
+    auto [dx, dweight, dbias] = at::convolution_backward(
+        dy, x, layer->weight, layer->bias.defined() ? c10::OptionalIntArrayRef(bias_sizes) : c10::nullopt,
+        {(*o.stride())[0], (*o.stride())[1]}, {pad[2], pad[0]}, {(*o.dilation())[0], (*o.dilation())[1]},
+        /*transposed=*/false, {0, 0}, o.groups(), needs);
+    return {needs[0] ? dx : torch::Tensor(), needs[1] ? dweight : torch::Tensor(), needs[2] ? dbias : torch::Tensor()};
+}
+
 std::vector<double> drop_path_rates(double rate, int64_t depth, bool decay) {
     LINVIS_CHECK(rate >= 0.0 && rate < 1.0, "drop_path_rate must be in [0, 1), got ", rate);
     std::vector<double> rates(static_cast<size_t>(std::max<int64_t>(depth, 0)), rate);

@@ -119,7 +119,10 @@ Vit3ConvLayerImpl::Vit3ConvLayerImpl(int64_t in, int64_t out, int64_t kernel, in
 }
 
 torch::Tensor Vit3ConvLayerImpl::forward(const torch::Tensor& x, bool pad_rows) {
-    torch::Tensor y = conv_forward(conv, x, pad_rows);
+    return post(conv_forward(conv, x, pad_rows));
+}
+
+torch::Tensor Vit3ConvLayerImpl::post(torch::Tensor y) {
     // Inference: the norm and the ReLU go into the conv's fresh output instead of two more tensors of its size.
     if (norm && !batch_norm_eval_into(*norm, y)) y = batch_norm(*norm, y);
     if (relu) y = can_overwrite({y}) ? y.relu_() : torch::relu(y);

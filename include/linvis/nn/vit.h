@@ -5,6 +5,7 @@
 // map layout helpers. Matrix products and convolutions go through linvis::flops.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -30,6 +31,13 @@ torch::Tensor map_to_tokens(const torch::Tensor& x);
 // FLOP-counted forward of a Conv2d module with its own stride, padding, dilation and groups. pad_rows false: no
 // padding above and below (a caller running the conv on a band of rows supplies those rows itself).
 torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& x, bool pad_rows = true);
+// The gradients of y = conv_forward(layer, x) from dy (y's shape), each only where `needs` (dx, dweight, dbias) asks:
+// LibTorch's convolution backward, without a graph and without recomputing y.
+struct ConvGradients {
+    torch::Tensor dx, dweight, dbias;
+};
+ConvGradients conv_backward(const torch::nn::Conv2d& layer, const torch::Tensor& dy, const torch::Tensor& x,
+                            std::array<bool, 3> needs);
 
 // Stochastic-depth rate of each of `depth` blocks: torch.linspace(0, rate, depth) in float32 as timm
 // (decay), or `rate` for every block (ViL's drop_path_decay=False).

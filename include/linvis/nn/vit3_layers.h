@@ -69,6 +69,8 @@ public:
                       bool bias, bool norm, bool relu);
     // pad_rows false: the conv without its padding above and below (nn::conv_forward), for a band of rows.
     torch::Tensor forward(const torch::Tensor& x, bool pad_rows = true);
+    // What follows the conv: the norm and the ReLU, each where the layer has it (forward = post(conv(x))).
+    torch::Tensor post(torch::Tensor conv_output);
 
     torch::nn::Conv2d conv{nullptr};
     torch::nn::BatchNorm2d norm{nullptr};
