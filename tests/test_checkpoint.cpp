@@ -186,7 +186,7 @@ TEST(ActivationCheckpoint, RecomputeIntoLinearInBandsGivesThePlainGradients) {
 // gradients (input, both convs, the norm's affine parameters), the running statistics updated once, and the
 // segment run once more in the backward.
 TEST(ActivationCheckpoint, RecomputeIntoConvGivesThePlainGradients) {
-    for (const bool with_bias : {true, false}) {
+    for (const auto& [with_bias, relu] : {std::pair{true, true}, {false, true}, {true, false}}) {
         const auto run = [&](bool recomputed, int* calls) {
             torch::manual_seed(37);
             torch::nn::Conv2d first(torch::nn::Conv2dOptions(3, 4, 3).padding(1));
@@ -198,12 +198,12 @@ TEST(ActivationCheckpoint, RecomputeIntoConvGivesThePlainGradients) {
             const torch::Tensor images = torch::randn({2, 3, 7, 9}, torch::requires_grad());
             const linvis::nn::BlockFn segment = [&](const torch::Tensor& c) {
                 ++*calls;
-                return torch::relu(norm->forward(c));
+                return norm->forward(c);
             };
             const torch::Tensor c = first->forward(images);
             const torch::Tensor y = recomputed ? linvis::nn::recompute_into_conv2d(
-                                                     segment, c, linvis::nn::module_state(*norm), second)
-                                               : second->forward(segment(c));
+                                                     segment, relu, c, linvis::nn::module_state(*norm), second)
+                                               : second->forward(relu ? torch::relu(segment(c)) : segment(c));
             (y * y.detach().sin()).sum().backward();
             std::vector<torch::Tensor> out{y.detach(),    images.grad(),       first->weight.grad(),
                                            first->bias.grad(), norm->weight.grad(), norm->bias.grad(),
@@ -230,12 +230,12 @@ TEST(ActivationCheckpoint, RecomputeIntoConvGivesThePlainGradients) {
         torch::nn::BatchNorm2d norm(8);
         const torch::Tensor images = torch::randn({1, 3, 64, 64});
         const int64_t unit = 8 * 64 * 64 * 4;
-        const auto segment = [&](const torch::Tensor& c) { return torch::relu(norm->forward(c)); };
-        const int64_t plain =
-            linvis::testing::bytes_kept_by([&] { return second->forward(segment(first->forward(images))); });
+        const auto segment = [&](const torch::Tensor& c) { return norm->forward(c); };
+        const int64_t plain = linvis::testing::bytes_kept_by(
+            [&] { return second->forward(torch::relu(segment(first->forward(images)))); });
         const int64_t recomputed = linvis::testing::bytes_kept_by([&] {
-            return linvis::nn::recompute_into_conv2d(segment, first->forward(images), linvis::nn::module_state(*norm),
-                                                     second);
+            return linvis::nn::recompute_into_conv2d(segment, true, first->forward(images),
+                                                     linvis::nn::module_state(*norm), second);
         });
         EXPECT_GE(plain - recomputed, unit * 9 / 10) << plain << " bytes kept, recomputed " << recomputed;
     }
@@ -243,8 +243,8 @@ TEST(ActivationCheckpoint, RecomputeIntoConvGivesThePlainGradients) {
     torch::nn::Conv2d conv(torch::nn::Conv2dOptions(2, 3, 1));
     const torch::Tensor x = torch::randn({1, 2, 4, 4});
     const auto twice = [](const torch::Tensor& t) { return t * 2; };
-    EXPECT_TRUE(linvis::testing::all_close(linvis::nn::recompute_into_conv2d(twice, x, {}, conv), conv->forward(x * 2),
-                                           1e-6, 1e-6));
+    EXPECT_TRUE(linvis::testing::all_close(linvis::nn::recompute_into_conv2d(twice, true, x, {}, conv),
+                                           conv->forward(torch::relu(x * 2)), 1e-6, 1e-6));
 }
 
 // A checkpointed segment whose input needs no gradient (a stem on the images) and that holds a BatchNorm: its

@@ -125,8 +125,8 @@ private:
                 y = lnn::conv_forward(layer(i + 1)->conv, current->post(y));
                 continue;
             }
-            y = lnn::recompute_into_conv2d([current](const Tensor& t) { return current->post(t); }, y,
-                                           lnn::module_state(*current->norm), layer(i + 1)->conv);
+            y = lnn::recompute_into_conv2d([current](const Tensor& t) { return lnn::batch_norm(*current->norm, t); },
+                                           current->relu, y, lnn::module_state(*current->norm), layer(i + 1)->conv);
         }
         return layer(conv->size() - 1)->post(y);
     }

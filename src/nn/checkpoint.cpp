@@ -250,6 +250,7 @@ public:
 
 struct ConvInput : torch::CustomClassHolder {
     BlockFn fn;
+    bool relu = false;
     torch::nn::Conv2d conv{nullptr};
     std::vector<torch::Tensor> running_buffers;
     size_t num_parameters = 0;
@@ -263,7 +264,22 @@ public:
         ctx->save_for_backward({inputs[0]});
         ctx->saved_data["segment"] = c10::IValue::make_capsule(segment);
         torch::NoGradGuard no_grad;
-        return conv_forward(segment->conv, segment->fn(inputs[0]));
+        return conv_forward(segment->conv, conv_input(*segment, inputs[0]));
+    }
+
+    // fn(input), then the ReLU in place outside any graph.
+    static torch::Tensor conv_input(const ConvInput& segment, const torch::Tensor& input) {
+        const torch::Tensor y = segment.fn(input);
+        LINVIS_CHECK(!y.storage().is_alias_of(input.storage()),
+                     "recompute_into_conv2d: fn returned its input or a view of it; it must return a new tensor");
+        return conv_input_after_relu(segment, y);
+    }
+
+    // fn's output, detached, with the ReLU applied in place when the segment has one.
+    static torch::Tensor conv_input_after_relu(const ConvInput& segment, const torch::Tensor& fn_output) {
+        torch::NoGradGuard no_grad;
+        torch::Tensor y = fn_output.detach();
+        return segment.relu ? y.relu_() : y;
     }
 
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -273,15 +289,21 @@ public:
         const torch::Tensor input = saved.detach().requires_grad_(ctx->needs_input_grad(0));
         std::vector<torch::Tensor> buffers_after;
         for (const torch::Tensor& buffer : segment->running_buffers) buffers_after.push_back(buffer.clone());
-        torch::Tensor conv_input;
+        torch::Tensor fn_output;
         {
             torch::AutoGradMode graph(true);
-            conv_input = segment->fn(input);
+            fn_output = segment->fn(input);
         }
-        const ConvGradients g = conv_backward(segment->conv, grads[0], conv_input.detach(),
-                                              {conv_input.requires_grad(), ctx->needs_input_grad(1),
-                                               ctx->needs_input_grad(2)});
-        if (conv_input.requires_grad()) torch::autograd::backward({conv_input}, {g.dx});
+        // The ReLU written over fn's output: fn's graph does not keep its output (a BatchNorm keeps its input), so
+        // the recomputed graph's backward is the same, and the ReLU's gradient is a mask applied in place.
+        const torch::Tensor conv_input = conv_input_after_relu(*segment, fn_output);
+        const bool into_fn = fn_output.requires_grad();
+        ConvGradients g = conv_backward(segment->conv, grads[0], conv_input,
+                                        {into_fn, ctx->needs_input_grad(1), ctx->needs_input_grad(2)});
+        if (into_fn) {
+            if (segment->relu) g.dx.masked_fill_(conv_input <= 0, 0);
+            torch::autograd::backward({fn_output}, {g.dx});
+        }
         {
             // Only now: the recomputed graph's BatchNorm nodes hold the buffers and check that they are unchanged.
             torch::NoGradGuard no_grad;
@@ -338,14 +360,18 @@ torch::Tensor recompute_into_linear_in_bands(BandProductInputFn fn, const torch:
     return RecomputeIntoLinearInBands::apply(torch::TensorList(all), segment);
 }
 
-torch::Tensor recompute_into_conv2d(BlockFn fn, const torch::Tensor& input, const SegmentState& state,
+torch::Tensor recompute_into_conv2d(BlockFn fn, bool relu, const torch::Tensor& input, const SegmentState& state,
                                     const torch::nn::Conv2d& conv) {
     const bool graph = torch::GradMode::is_enabled() &&
                        (needs_grad(input) || needs_grad(conv->weight) || needs_grad(conv->bias) ||
                         std::any_of(state.parameters.begin(), state.parameters.end(), needs_grad));
-    if (!graph) return conv_forward(conv, fn(input));
+    if (!graph) {
+        torch::Tensor y = fn(input);
+        return conv_forward(conv, relu ? torch::relu(y) : y);
+    }
     auto segment = c10::make_intrusive<ConvInput>();
     segment->fn = std::move(fn);
+    segment->relu = relu;
     segment->conv = conv;
     segment->running_buffers = state.running_buffers;
     segment->num_parameters = state.parameters.size();

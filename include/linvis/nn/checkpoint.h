@@ -67,14 +67,16 @@ torch::Tensor recompute_into_linear_in_bands(BandProductInputFn fn, const torch:
                                              const torch::Tensor& weight, const torch::Tensor& bias,
                                              int64_t bytes_per_row, int64_t band_bytes);
 
-// conv_forward(conv, fn(input)) for a cheap per-element segment between two convolutions (a BatchNorm and a ReLU in
-// training): the graph keeps fn's input and the conv's weight, not fn's output, one map instead of two. The backward
-// recomputes fn with a graph, takes the conv's gradients as its own backward would (nn::conv_backward on the
-// recomputed input: the conv is not recomputed) and fn's input's through the recomputed graph. `state.parameters`
-// (those fn uses) get their gradients as leaves of that graph (into .grad, as checkpoint's), and
-// `state.running_buffers` that fn updates are left as its first run left them. Plain conv_forward(conv, fn(input))
-// when no graph is recorded. fn must be deterministic and must not write into its input. Not twice differentiable.
-torch::Tensor recompute_into_conv2d(BlockFn fn, const torch::Tensor& input, const SegmentState& state,
+// conv_forward(conv, fn(input)), or with `relu` conv_forward(conv, relu(fn(input))), for a cheap per-element segment
+// between two convolutions (a BatchNorm in training, then a ReLU): the graph keeps fn's input and the conv's weight,
+// not the conv's input, one map instead of two. The backward recomputes fn with a graph, applies the ReLU in place
+// outside it, takes the conv's gradients as its own backward would (nn::conv_backward on the recomputed input: the
+// conv is not recomputed), masks the input's gradient in place for the ReLU and takes fn's input's through the
+// recomputed graph. `state.parameters` (those fn uses) get their gradients as leaves of that graph (into .grad, as
+// checkpoint's), and `state.running_buffers` that fn updates are left as its first run left them. Plain
+// conv_forward(conv, [relu](fn(input))) when no graph is recorded. fn must be deterministic and return a new tensor
+// (not its input or a view of it). Not twice differentiable.
+torch::Tensor recompute_into_conv2d(BlockFn fn, bool relu, const torch::Tensor& input, const SegmentState& state,
                                     const torch::nn::Conv2d& conv);
 
 // The one-input, one-output form: a block of a model.
