@@ -10,6 +10,7 @@
 #include "linvis/models/registry.h"
 #include "linvis/nn/checkpoint.h"
 #include "linvis/nn/common.h"
+#include "linvis/nn/vit.h"
 #include "support/heap.h"
 #include "support/testing.h"
 
@@ -245,6 +246,55 @@ TEST(ActivationCheckpoint, RecomputeIntoConvGivesThePlainGradients) {
     const auto twice = [](const torch::Tensor& t) { return t * 2; };
     EXPECT_TRUE(linvis::testing::all_close(linvis::nn::recompute_into_conv2d(twice, true, x, {}, conv),
                                            conv->forward(torch::relu(x * 2)), 1e-6, 1e-6));
+}
+
+// A ReLU and a conv as one node: the two ops' values and gradients, with and without the conv's bias.
+TEST(ActivationCheckpoint, ReluConvGivesThePlainGradients) {
+    for (const bool with_bias : {true, false}) {
+        const auto run = [&](bool fused) {
+            torch::manual_seed(41);
+            torch::nn::Conv2d conv(torch::nn::Conv2dOptions(4, 4, 3).stride(2).padding(1).groups(4).bias(with_bias));
+            const torch::Tensor x = torch::randn({2, 4, 7, 6}, torch::requires_grad());
+            const torch::Tensor c = x * 1.5;  // not a leaf: the mask goes into the conv's fresh input gradient
+            const torch::Tensor y = fused ? linvis::nn::relu_conv2d(c, conv) : conv->forward(torch::relu(c));
+            (y * y.detach().cos()).sum().backward();
+            std::vector<torch::Tensor> out{y.detach(), x.grad(), conv->weight.grad()};
+            if (with_bias) out.push_back(conv->bias.grad());
+            return out;
+        };
+        const auto plain = run(false), fused = run(true);
+        for (size_t i = 0; i < plain.size(); ++i) {
+            ASSERT_TRUE(fused[i].defined()) << "tensor " << i;
+            EXPECT_TRUE(linvis::testing::all_close(fused[i], plain[i], 1e-5, 1e-5)) << "tensor " << i;
+        }
+    }
+}
+
+// nn::conv_backward gives autograd's gradients of a conv, and a depthwise conv's in groups of channels the same.
+TEST(ActivationCheckpoint, ConvBackwardMatchesAutogradAlsoInChannelGroups) {
+    for (const bool depthwise : {true, false}) {
+        torch::manual_seed(43);
+        const int64_t C = 6;
+        torch::nn::Conv2d conv(torch::nn::Conv2dOptions(C, C, 3).stride(2).padding(1).groups(depthwise ? C : 1));
+        const torch::Tensor x = torch::randn({2, C, 9, 8}, torch::requires_grad());
+        const torch::Tensor y = linvis::nn::conv_forward(conv, x);
+        const torch::Tensor dy = torch::randn_like(y);
+        y.backward(dy);
+        const int64_t input_bytes = x.numel() * 4;
+        // One group; then groups of 2 channels (three), and of one channel.
+        for (const int64_t chunk_bytes : {input_bytes, input_bytes / 3, input_bytes / C}) {
+            const linvis::nn::ConvGradients g = linvis::nn::conv_backward(conv, dy, x.detach(), {true, true, true},
+                                                                          chunk_bytes);
+            const std::string what = std::string(depthwise ? "depthwise" : "dense") + ", chunk of " +
+                                     std::to_string(chunk_bytes) + " bytes";
+            EXPECT_TRUE(linvis::testing::all_close(g.dx, x.grad(), 1e-5, 1e-5)) << what;
+            EXPECT_TRUE(linvis::testing::all_close(g.dweight, conv->weight.grad(), 1e-5, 1e-5)) << what;
+            EXPECT_TRUE(linvis::testing::all_close(g.dbias, conv->bias.grad(), 1e-5, 1e-5)) << what;
+        }
+        const linvis::nn::ConvGradients only_dx =
+            linvis::nn::conv_backward(conv, dy, x.detach(), {true, false, false}, 1);
+        EXPECT_TRUE(only_dx.dx.defined() && !only_dx.dweight.defined() && !only_dx.dbias.defined());
+    }
 }
 
 // A checkpointed segment whose input needs no gradient (a stem on the images) and that holds a BatchNorm: its

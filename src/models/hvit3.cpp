@@ -119,8 +119,13 @@ private:
         Tensor y = lnn::conv_forward(layer(0)->conv, x);
         for (size_t i = 0; i + 1 < conv->size(); ++i) {
             lnn::Vit3ConvLayerImpl* current = layer(i);
-            // Without a norm the ReLU's output is what its graph keeps anyway; a frozen (eval-mode) norm would write
-            // into its input, the kept conv output, outside a graph.
+            // A conv and its ReLU alone: the graph keeps the ReLU's output (the next conv's input) and the ReLU's
+            // gradient is masked in place. A frozen (eval-mode) norm would write into its input, the kept conv
+            // output, outside a graph: the plain layers.
+            if (!current->norm && current->relu) {
+                y = lnn::relu_conv2d(y, layer(i + 1)->conv);
+                continue;
+            }
             if (!current->norm || !current->norm->is_training()) {
                 y = lnn::conv_forward(layer(i + 1)->conv, current->post(y));
                 continue;

@@ -317,6 +317,35 @@ public:
     }
 };
 
+// Inputs: the ReLU's input, the conv's weight and bias (an empty tensor when it has none).
+class ReluConv : public torch::autograd::Function<ReluConv> {
+public:
+    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
+                                 const torch::Tensor& weight, const torch::Tensor& bias, torch::nn::Conv2d conv) {
+        torch::NoGradGuard no_grad;
+        const torch::Tensor rectified = torch::relu(input);
+        ctx->save_for_backward({rectified});
+        ctx->saved_data["conv"] = c10::IValue::make_capsule(c10::make_intrusive<ConvHolder>(conv));
+        return conv_forward(conv, rectified);
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        const auto conv = c10::static_intrusive_pointer_cast<ConvHolder>(ctx->saved_data["conv"].toCapsule())->conv;
+        const torch::Tensor rectified = ctx->get_saved_variables()[0];
+        ConvGradients g = conv_backward(conv, grads[0], rectified,
+                                        {ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2)});
+        if (g.dx.defined()) g.dx.masked_fill_(rectified <= 0, 0);
+        return {g.dx, g.dweight, g.dbias, torch::Tensor()};
+    }
+
+private:
+    struct ConvHolder : torch::CustomClassHolder {
+        explicit ConvHolder(torch::nn::Conv2d c) : conv(std::move(c)) {}
+        torch::nn::Conv2d conv;
+    };
+};
+
 }  // namespace
 
 torch::Tensor recompute_into_linear(ProductInputFn fn, const std::vector<torch::Tensor>& inputs,
@@ -379,6 +408,14 @@ torch::Tensor recompute_into_conv2d(BlockFn fn, bool relu, const torch::Tensor& 
                                    conv->bias.defined() ? conv->bias : torch::empty({0}, input.options())};
     all.insert(all.end(), state.parameters.begin(), state.parameters.end());
     return RecomputeIntoConv::apply(torch::TensorList(all), segment);
+}
+
+torch::Tensor relu_conv2d(const torch::Tensor& input, const torch::nn::Conv2d& conv) {
+    const bool graph =
+        torch::GradMode::is_enabled() && (needs_grad(input) || needs_grad(conv->weight) || needs_grad(conv->bias));
+    if (!graph) return conv_forward(conv, torch::relu(input));
+    return ReluConv::apply(input, conv->weight, conv->bias.defined() ? conv->bias : torch::empty({0}, input.options()),
+                           conv);
 }
 
 std::vector<torch::Tensor> checkpoint(SegmentFn fn, const std::vector<torch::Tensor>& inputs) {

@@ -62,17 +62,44 @@ torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& 
 }
 
 ConvGradients conv_backward(const torch::nn::Conv2d& layer, const torch::Tensor& dy, const torch::Tensor& x,
-                            std::array<bool, 3> needs) {
+                            std::array<bool, 3> needs, int64_t chunk_bytes) {
     const auto& o = layer->options;
     const std::vector<int64_t>& pad = ConvPadding::of(*layer);
-    const std::vector<int64_t> bias_sizes{layer->options.out_channels()};
     torch::NoGradGuard no_grad;
     needs[2] = needs[2] && layer->bias.defined();
-    auto [dx, dweight, dbias] = at::convolution_backward(
-        dy, x, layer->weight, layer->bias.defined() ? c10::OptionalIntArrayRef(bias_sizes) : c10::nullopt,
-        {(*o.stride())[0], (*o.stride())[1]}, {pad[2], pad[0]}, {(*o.dilation())[0], (*o.dilation())[1]},
-        /*transposed=*/false, {0, 0}, o.groups(), needs);
-    return {needs[0] ? dx : torch::Tensor(), needs[1] ? dweight : torch::Tensor(), needs[2] ? dbias : torch::Tensor()};
+    const auto backward = [&](const torch::Tensor& g, const torch::Tensor& input, const torch::Tensor& weight,
+                              int64_t groups) {
+        const std::vector<int64_t> bias_sizes{weight.size(0)};
+        const c10::OptionalIntArrayRef bias = needs[2] ? c10::OptionalIntArrayRef(bias_sizes) : c10::nullopt;
+        return at::convolution_backward(g, input, weight, bias, {(*o.stride())[0], (*o.stride())[1]}, {pad[2], pad[0]},
+                                        {(*o.dilation())[0], (*o.dilation())[1]}, /*transposed=*/false, {0, 0}, groups,
+                                        needs);
+    };
+    const int64_t C = x.size(1);
+    const int64_t bytes = x.numel() * static_cast<int64_t>(x.element_size());
+    const bool depthwise = o.groups() == C && o.out_channels() == C && C > 1;
+    if (!depthwise || bytes <= chunk_bytes) {
+        auto [dx, dweight, dbias] = backward(dy, x, layer->weight, o.groups());
+        return {needs[0] ? dx : torch::Tensor(), needs[1] ? dweight : torch::Tensor(),
+                needs[2] ? dbias : torch::Tensor()};
+    }
+    // Each channel's conv is its own: a group of channels at a time, dx written into one tensor.
+    const int64_t chunks = std::min(C, (bytes + chunk_bytes - 1) / chunk_bytes);
+    const int64_t per_chunk = (C + chunks - 1) / chunks;
+    ConvGradients out;
+    if (needs[0]) out.dx = torch::empty_like(x, torch::MemoryFormat::Contiguous);
+    std::vector<torch::Tensor> dweights, dbiases;
+    for (int64_t c0 = 0; c0 < C; c0 += per_chunk) {
+        const int64_t n = std::min(per_chunk, C - c0);
+        auto [dx, dweight, dbias] =
+            backward(dy.narrow(1, c0, n), x.narrow(1, c0, n), layer->weight.narrow(0, c0, n), n);
+        if (needs[0]) out.dx.narrow(1, c0, n).copy_(dx);
+        if (needs[1]) dweights.push_back(dweight);
+        if (needs[2]) dbiases.push_back(dbias);
+    }
+    if (needs[1]) out.dweight = torch::cat(dweights, 0);
+    if (needs[2]) out.dbias = torch::cat(dbiases, 0);
+    return out;
 }
 
 std::vector<double> drop_path_rates(double rate, int64_t depth, bool decay) {

@@ -79,6 +79,11 @@ torch::Tensor recompute_into_linear_in_bands(BandProductInputFn fn, const torch:
 torch::Tensor recompute_into_conv2d(BlockFn fn, bool relu, const torch::Tensor& input, const SegmentState& state,
                                     const torch::nn::Conv2d& conv);
 
+// conv_forward(conv, relu(input)) as one graph node that keeps relu(input), the conv's own input, and not also the
+// ReLU's: its backward masks the conv's input gradient in place (where relu(input) is 0) instead of writing the ReLU's
+// gradient into a third map. The same values and gradients as the two ops. Plain ops when no graph is recorded.
+torch::Tensor relu_conv2d(const torch::Tensor& input, const torch::nn::Conv2d& conv);
+
 // The one-input, one-output form: a block of a model.
 torch::Tensor checkpoint(BlockFn fn, const torch::Tensor& x);
 

@@ -32,12 +32,14 @@ torch::Tensor map_to_tokens(const torch::Tensor& x);
 // padding above and below (a caller running the conv on a band of rows supplies those rows itself).
 torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& x, bool pad_rows = true);
 // The gradients of y = conv_forward(layer, x) from dy (y's shape), each only where `needs` (dx, dweight, dbias) asks:
-// LibTorch's convolution backward, without a graph and without recomputing y.
+// LibTorch's convolution backward, without a graph and without recomputing y. A depthwise conv whose input is larger
+// than `chunk_bytes` runs a group of channels at a time into one dx: LibTorch 1.13's depthwise backward on oneDNN
+// holds its dx twice more (a blocked copy and the dense one), 256 MiB for H-ViT3-T's first patch merging at 1024 px.
 struct ConvGradients {
     torch::Tensor dx, dweight, dbias;
 };
 ConvGradients conv_backward(const torch::nn::Conv2d& layer, const torch::Tensor& dy, const torch::Tensor& x,
-                            std::array<bool, 3> needs);
+                            std::array<bool, 3> needs, int64_t chunk_bytes = int64_t{16} << 20);
 
 // Stochastic-depth rate of each of `depth` blocks: torch.linspace(0, rate, depth) in float32 as timm
 // (decay), or `rate` for every block (ViL's drop_path_decay=False).
