@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "linvis/core/flops.h"
+#include "linvis/nn/batch_norm.h"
 #include "linvis/models/registry.h"
 #include "linvis/nn/checkpoint.h"
 #include "linvis/nn/common.h"
@@ -248,6 +249,48 @@ TEST(ActivationCheckpoint, RecomputeIntoConvGivesThePlainGradients) {
                                            conv->forward(torch::relu(x * 2)), 1e-6, 1e-6));
 }
 
+// A training BatchNorm, a ReLU and a conv as one node: the three modules' values and gradients (input, norm, conv),
+// the running statistics updated once; float32 and float64, with and without the ReLU and the conv's bias.
+TEST(ActivationCheckpoint, BatchNormReluConvGivesTheModulesGradients) {
+    for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+        for (const auto& [with_bias, relu] : {std::pair{true, true}, {false, true}, {true, false}}) {
+            const auto run = [&, with_bias = with_bias, relu = relu](bool fused) {
+                torch::manual_seed(47);
+                torch::nn::Conv2d first(torch::nn::Conv2dOptions(3, 5, 3).padding(1));
+                torch::nn::BatchNorm2d norm(5);
+                torch::nn::Conv2d second(torch::nn::Conv2dOptions(5, 4, 3).stride(2).padding(1).bias(with_bias));
+                first->to(dtype);
+                norm->to(dtype);
+                second->to(dtype);
+                {
+                    torch::NoGradGuard no_grad;
+                    norm->weight.uniform_(0.5, 1.5);
+                    norm->bias.uniform_(-0.5, 0.5);
+                }
+                const torch::Tensor images =
+                    (torch::randn({2, 3, 7, 9}) * 3 + 2).to(dtype).requires_grad_();  // off-centre maps
+                const torch::Tensor c = first->forward(images);
+                const torch::Tensor y = fused ? linvis::nn::batch_norm_relu_conv2d(*norm, relu, c, second)
+                                              : second->forward(relu ? torch::relu(norm->forward(c)) : norm->forward(c));
+                (y * y.detach().sin()).sum().backward();
+                std::vector<torch::Tensor> out{y.detach(),         images.grad(),         first->weight.grad(),
+                                               norm->weight.grad(), norm->bias.grad(),      second->weight.grad(),
+                                               norm->running_mean.clone(), norm->running_var.clone()};
+                if (with_bias) out.push_back(second->bias.grad());
+                EXPECT_EQ(norm->num_batches_tracked.item<int64_t>(), 1);
+                return out;
+            };
+            const auto plain = run(false), fused = run(true);
+            const double tol = dtype == torch::kFloat64 ? 1e-10 : 1e-5;
+            for (size_t i = 0; i < plain.size(); ++i) {
+                ASSERT_TRUE(fused[i].defined()) << "tensor " << i;
+                EXPECT_TRUE(linvis::testing::all_close(fused[i], plain[i], tol, tol))
+                    << "tensor " << i << ", " << c10::toString(dtype) << ", relu " << relu << ", bias " << with_bias;
+            }
+        }
+    }
+}
+
 // A ReLU and a conv as one node: the two ops' values and gradients, with and without the conv's bias.
 TEST(ActivationCheckpoint, ReluConvGivesThePlainGradients) {
     for (const bool with_bias : {true, false}) {
@@ -270,7 +313,8 @@ TEST(ActivationCheckpoint, ReluConvGivesThePlainGradients) {
     }
 }
 
-// nn::conv_backward gives autograd's gradients of a conv, and a depthwise conv's in groups of channels the same.
+// nn::conv_backward gives autograd's gradients of a conv, and a depthwise conv's in groups of channels the same; so
+// does conv_forward its output.
 TEST(ActivationCheckpoint, ConvBackwardMatchesAutogradAlsoInChannelGroups) {
     for (const bool depthwise : {true, false}) {
         torch::manual_seed(43);
@@ -295,6 +339,19 @@ TEST(ActivationCheckpoint, ConvBackwardMatchesAutogradAlsoInChannelGroups) {
             linvis::nn::conv_backward(conv, dy, x.detach(), {true, false, false}, 1);
         EXPECT_TRUE(only_dx.dx.defined() && !only_dx.dweight.defined() && !only_dx.dbias.defined());
     }
+    // conv_forward outside a graph: a depthwise conv on more than 16 MiB of input in groups of channels.
+    torch::NoGradGuard no_grad;
+    torch::nn::Conv2d depthwise(torch::nn::Conv2dOptions(64, 64, 3).stride(2).padding(1).groups(64));
+    const torch::Tensor x = torch::randn({1, 64, 260, 258});  // 17 MiB
+    int64_t macs = 0;
+    torch::Tensor y;
+    {
+        const linvis::flops::Counter count;
+        y = linvis::nn::conv_forward(depthwise, x);
+        macs = count.macs();
+    }
+    EXPECT_TRUE(linvis::testing::all_close(y, depthwise->forward(x), 1e-6, 1e-6));
+    EXPECT_EQ(macs, y.numel() * 9);
 }
 
 // A checkpointed segment whose input needs no gradient (a stem on the images) and that holds a BatchNorm: its

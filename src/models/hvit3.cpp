@@ -130,8 +130,7 @@ private:
                 y = lnn::conv_forward(layer(i + 1)->conv, current->post(y));
                 continue;
             }
-            y = lnn::recompute_into_conv2d([current](const Tensor& t) { return lnn::batch_norm(*current->norm, t); },
-                                           current->relu, y, lnn::module_state(*current->norm), layer(i + 1)->conv);
+            y = lnn::batch_norm_relu_conv2d(*current->norm, current->relu, y, layer(i + 1)->conv);
         }
         return layer(conv->size() - 1)->post(y);
     }

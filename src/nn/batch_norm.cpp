@@ -1,6 +1,10 @@
 #include "linvis/nn/batch_norm.h"
 
+#include <ATen/Parallel.h>
+
 #include "linvis/core/error.h"
+#include "linvis/nn/checkpoint.h"
+#include "linvis/nn/vit.h"
 
 namespace linvis::nn {
 namespace {
@@ -10,7 +14,127 @@ CrossProcessSum& sync_sum() {
     return sum;
 }
 
+// The norm's input gradient written over g (N, C, H, W contiguous, the gradient at the norm's output, or at the ReLU's
+// with `relu`), per channel over its M = N*H*W values with xhat = (x - mean) * invstd and z = weight * xhat + bias:
+// g = 0 where relu and z <= 0; dbias = sum g; dweight = sum g * xhat; dx = weight * invstd * (g - dbias / M -
+// xhat * dweight / M). Fills dweight and dbias (C).
+template <typename T>
+void batch_norm_backward_into(const torch::Tensor& x, torch::Tensor& g, const torch::Tensor& mean,
+                              const torch::Tensor& invstd, const torch::Tensor& weight, const torch::Tensor& bias,
+                              bool relu, torch::Tensor& dweight, torch::Tensor& dbias) {
+    const int64_t N = x.size(0), C = x.size(1), plane = x.size(2) * x.size(3);
+    const T* xs = x.data_ptr<T>();
+    T* gs = g.data_ptr<T>();
+    const T *means = mean.data_ptr<T>(), *invstds = invstd.data_ptr<T>();
+    const T *weights = weight.data_ptr<T>(), *biases = bias.data_ptr<T>();
+    T *dweights = dweight.data_ptr<T>(), *dbiases = dbias.data_ptr<T>();
+    at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t c = begin; c < end; ++c) {
+            const T m = means[c], s = invstds[c], w = weights[c], b = biases[c];
+            double sum_g = 0.0, sum_gx = 0.0;
+            for (int64_t n = 0; n < N; ++n) {
+                const T* xp = xs + (n * C + c) * plane;
+                T* gp = gs + (n * C + c) * plane;
+                for (int64_t i = 0; i < plane; ++i) {
+                    const T xhat = (xp[i] - m) * s;
+                    if (relu && w * xhat + b <= T(0)) gp[i] = T(0);
+                    sum_g += gp[i];
+                    sum_gx += static_cast<double>(gp[i]) * xhat;
+                }
+            }
+            const double count = static_cast<double>(N * plane);
+            const T mean_g = static_cast<T>(sum_g / count), mean_gx = static_cast<T>(sum_gx / count), k = w * s;
+            for (int64_t n = 0; n < N; ++n) {
+                const T* xp = xs + (n * C + c) * plane;
+                T* gp = gs + (n * C + c) * plane;
+                for (int64_t i = 0; i < plane; ++i) gp[i] = k * (gp[i] - mean_g - (xp[i] - m) * s * mean_gx);
+            }
+            dweights[c] = static_cast<T>(sum_gx);
+            dbiases[c] = static_cast<T>(sum_g);
+        }
+    });
+}
+
+struct NormConv : torch::CustomClassHolder {
+    torch::nn::BatchNorm2d bn{nullptr};
+    torch::nn::Conv2d conv{nullptr};
+    bool relu = false;
+};
+
+// Inputs: x, the norm's weight and bias, the conv's weight and bias (an empty tensor when it has none).
+class BatchNormReluConv : public torch::autograd::Function<BatchNormReluConv> {
+public:
+    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                                 const torch::Tensor& /*norm_weight*/, const torch::Tensor& /*norm_bias*/,
+                                 const torch::Tensor& /*conv_weight*/, const torch::Tensor& /*conv_bias*/,
+                                 c10::intrusive_ptr<NormConv> layers) {
+        torch::NoGradGuard no_grad;
+        const auto [var, mean] = torch::var_mean(x, {0, 2, 3}, /*unbiased=*/false);
+        const torch::Tensor invstd = (var + layers->bn->options.eps()).rsqrt_();
+        ctx->save_for_backward({x, mean, invstd});
+        ctx->saved_data["layers"] = c10::IValue::make_capsule(layers);
+        torch::Tensor y = layers->bn->forward(x);  // the running statistics, once
+        return conv_forward(layers->conv, layers->relu ? y.relu_() : y);
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        const auto layers = c10::static_intrusive_pointer_cast<NormConv>(ctx->saved_data["layers"].toCapsule());
+        const std::vector<torch::Tensor> saved = ctx->get_saved_variables();
+        const torch::Tensor &x = saved[0], &mean = saved[1], &invstd = saved[2];
+        const torch::nn::BatchNorm2dImpl& bn = *layers->bn;
+        torch::NoGradGuard no_grad;
+        const bool into_norm = ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
+        ConvGradients g;
+        {
+            // The norm's output again, for the conv's weight gradient; gone before the norm's backward.
+            const torch::Tensor scale = bn.weight * invstd, shift = bn.bias - mean * scale;
+            torch::Tensor y = x * scale.view({1, -1, 1, 1});
+            y.add_(shift.view({1, -1, 1, 1}));
+            if (layers->relu) y.relu_();
+            g = conv_backward(layers->conv, grads[0], y, {into_norm, ctx->needs_input_grad(3), ctx->needs_input_grad(4)});
+        }
+        torch::autograd::variable_list out(6);  // the last: the layers capsule
+        out[3] = g.dweight;
+        out[4] = g.dbias;
+        if (!into_norm) return out;
+        torch::Tensor dx = g.dx.contiguous();
+        torch::Tensor dweight = torch::empty_like(mean), dbias = torch::empty_like(mean);
+        AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_norm_backward_into", [&] {
+            batch_norm_backward_into<scalar_t>(x, dx, mean, invstd, bn.weight.contiguous(), bn.bias.contiguous(),
+                                               layers->relu, dweight, dbias);
+        });
+        out[0] = ctx->needs_input_grad(0) ? dx : torch::Tensor();
+        out[1] = ctx->needs_input_grad(1) ? dweight : torch::Tensor();
+        out[2] = ctx->needs_input_grad(2) ? dbias : torch::Tensor();
+        return out;
+    }
+};
+
 }  // namespace
+
+torch::Tensor batch_norm_relu_conv2d(torch::nn::BatchNorm2dImpl& bn, bool relu, const torch::Tensor& x,
+                                     const torch::nn::Conv2d& conv) {
+    const bool applies = bn.is_training() && !batch_norm_sync_enabled() && x.dim() == 4 && x.is_contiguous() &&
+                         (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kFloat64) &&
+                         bn.weight.defined() && bn.bias.defined() && bn.weight.scalar_type() == x.scalar_type() &&
+                         x.numel() > 0;
+    const auto needs_grad = [](const torch::Tensor& t) { return t.defined() && t.requires_grad(); };
+    const bool graph = torch::GradMode::is_enabled() && (needs_grad(x) || needs_grad(bn.weight) ||
+                                                        needs_grad(bn.bias) || needs_grad(conv->weight) ||
+                                                        needs_grad(conv->bias));
+    torch::nn::BatchNorm2d norm(std::dynamic_pointer_cast<torch::nn::BatchNorm2dImpl>(bn.shared_from_this()));
+    if (!applies || !graph) {
+        return recompute_into_conv2d([norm](const torch::Tensor& t) mutable { return batch_norm(*norm, t); }, relu, x,
+                                     module_state(*norm), conv);
+    }
+    auto layers = c10::make_intrusive<NormConv>();
+    layers->bn = norm;
+    layers->conv = conv;
+    layers->relu = relu;
+    return BatchNormReluConv::apply(x, bn.weight, bn.bias, conv->weight,
+                                    conv->bias.defined() ? conv->bias : torch::empty({0}, x.options()), layers);
+}
 
 void set_batch_norm_sync(CrossProcessSum sum) { sync_sum() = std::move(sum); }
 bool batch_norm_sync_enabled() { return static_cast<bool>(sync_sum()); }

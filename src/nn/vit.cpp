@@ -40,6 +40,9 @@ torch::Tensor tokens_to_map(const torch::Tensor& x, int64_t height, int64_t widt
 torch::Tensor map_to_tokens(const torch::Tensor& x) { return x.flatten(2).transpose(1, 2); }
 
 namespace {
+// Input bytes above which a depthwise conv runs a group of channels at a time (conv_forward, conv_backward).
+constexpr int64_t kDepthwiseChunkBytes = int64_t{16} << 20;
+
 // The padding option of a Conv2d is a variant whose type differs between LibTorch versions (c10 or
 // std); the module keeps it resolved as (left, right, top, bottom) in a protected member, read here
 // through a pointer to member formed in a derived class.
@@ -56,9 +59,31 @@ torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& 
     LINVIS_CHECK(pad.size() == 4 && pad[0] == pad[1] && pad[2] == pad[3] &&
                      torch::enumtype::get_enum_name(o.padding_mode()) == "kZeros",
                  "conv_forward: only symmetric zero padding is supported");
-    return flops::conv2d(x, layer->weight, layer->bias, {(*o.stride())[0], (*o.stride())[1]},
-                         {pad_rows ? pad[2] : 0, pad[0]},
-                         {(*o.dilation())[0], (*o.dilation())[1]}, o.groups());
+    const auto conv = [&](const torch::Tensor& input, const torch::Tensor& weight, const torch::Tensor& bias,
+                          int64_t groups) {
+        return flops::conv2d(input, weight, bias, {(*o.stride())[0], (*o.stride())[1]}, {pad_rows ? pad[2] : 0, pad[0]},
+                             {(*o.dilation())[0], (*o.dilation())[1]}, groups);
+    };
+    // A large depthwise conv outside a graph, a group of channels at a time into one output: LibTorch 1.13's
+    // depthwise conv on oneDNN copies its whole input into a blocked layout first (128 MiB in H-ViT3-T's first
+    // patch merging at 1024 px).
+    const int64_t C = x.dim() == 4 ? x.size(1) : 0, bytes = x.numel() * static_cast<int64_t>(x.element_size());
+    const bool depthwise = o.groups() == C && o.out_channels() == C && C > 1;
+    const bool graph = torch::GradMode::is_enabled() &&
+                       (x.requires_grad() || layer->weight.requires_grad() ||
+                        (layer->bias.defined() && layer->bias.requires_grad()));
+    if (!depthwise || graph || bytes <= kDepthwiseChunkBytes) return conv(x, layer->weight, layer->bias, o.groups());
+    const int64_t chunks = std::min(C, (bytes + kDepthwiseChunkBytes - 1) / kDepthwiseChunkBytes);
+    const int64_t per_chunk = (C + chunks - 1) / chunks;
+    torch::Tensor out;
+    for (int64_t c0 = 0; c0 < C; c0 += per_chunk) {
+        const int64_t n = std::min(per_chunk, C - c0);
+        const torch::Tensor part = conv(x.narrow(1, c0, n), layer->weight.narrow(0, c0, n),
+                                        layer->bias.defined() ? layer->bias.narrow(0, c0, n) : torch::Tensor(), n);
+        if (!out.defined()) out = torch::empty({x.size(0), C, part.size(2), part.size(3)}, part.options());
+        out.narrow(1, c0, n).copy_(part);
+    }
+    return out;
 }
 
 ConvGradients conv_backward(const torch::nn::Conv2d& layer, const torch::Tensor& dy, const torch::Tensor& x,

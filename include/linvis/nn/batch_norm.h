@@ -42,4 +42,15 @@ torch::Tensor batch_norm(BatchNormImpl& bn, const torch::Tensor& x) {
 // recorded through x or the parameters, or x not float32 / float64 of the parameters' dtype.
 bool batch_norm_eval_into(const torch::nn::BatchNorm2dImpl& bn, torch::Tensor& x);
 
+// conv_forward(conv, [relu](batch_norm(bn, x))) for a BatchNorm2d between two convs in a training step, as one graph
+// node that keeps x (the first conv's output, contiguous) and the batch's per-channel mean and 1/std, and no map
+// derived from x. Its backward recomputes the norm's output once (the conv's input, for its weight gradient), takes
+// the conv's gradients (nn::conv_backward), then in two passes per channel masks the ReLU's gradient and writes the
+// norm's input gradient into the same map, LibTorch's formula with double sums: no map-sized temporary, where
+// LibTorch's ReLU and BatchNorm backward allocate three. The forward is bn's own (running statistics updated once).
+// The same values and gradients as the three modules. Where it does not apply (bn in eval mode, a cross-process sum
+// installed, x not float32 / float64 or not 4-D), nn::recompute_into_conv2d with bn's forward.
+torch::Tensor batch_norm_relu_conv2d(torch::nn::BatchNorm2dImpl& bn, bool relu, const torch::Tensor& x,
+                                     const torch::nn::Conv2d& conv);
+
 }  // namespace linvis::nn

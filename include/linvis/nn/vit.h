@@ -29,7 +29,8 @@ torch::Tensor tokens_to_map(const torch::Tensor& x, int64_t height, int64_t widt
 torch::Tensor map_to_tokens(const torch::Tensor& x);
 
 // FLOP-counted forward of a Conv2d module with its own stride, padding, dilation and groups. pad_rows false: no
-// padding above and below (a caller running the conv on a band of rows supplies those rows itself).
+// padding above and below (a caller running the conv on a band of rows supplies those rows itself). Outside a graph a
+// depthwise conv with more than 16 MiB of input runs a group of channels at a time (as conv_backward).
 torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& x, bool pad_rows = true);
 // The gradients of y = conv_forward(layer, x) from dy (y's shape), each only where `needs` (dx, dweight, dbias) asks:
 // LibTorch's convolution backward, without a graph and without recomputing y. A depthwise conv whose input is larger
