@@ -270,8 +270,9 @@ TEST(ActivationCheckpoint, BatchNormReluConvGivesTheModulesGradients) {
                 const torch::Tensor images =
                     (torch::randn({2, 3, 7, 9}) * 3 + 2).to(dtype).requires_grad_();  // off-centre maps
                 const torch::Tensor c = first->forward(images);
-                const torch::Tensor y = fused ? linvis::nn::batch_norm_relu_conv2d(*norm, relu, c, second)
-                                              : second->forward(relu ? torch::relu(norm->forward(c)) : norm->forward(c));
+                const auto normed = [&] { return relu ? torch::relu(norm->forward(c)) : norm->forward(c); };
+                const torch::Tensor y =
+                    fused ? linvis::nn::batch_norm_relu_conv2d(*norm, relu, c, second) : second->forward(normed());
                 (y * y.detach().sin()).sum().backward();
                 std::vector<torch::Tensor> out{y.detach(),         images.grad(),         first->weight.grad(),
                                                norm->weight.grad(), norm->bias.grad(),      second->weight.grad(),

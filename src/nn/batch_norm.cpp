@@ -92,7 +92,8 @@ public:
             torch::Tensor y = x * scale.view({1, -1, 1, 1});
             y.add_(shift.view({1, -1, 1, 1}));
             if (layers->relu) y.relu_();
-            g = conv_backward(layers->conv, grads[0], y, {into_norm, ctx->needs_input_grad(3), ctx->needs_input_grad(4)});
+            g = conv_backward(layers->conv, grads[0], y,
+                              {into_norm, ctx->needs_input_grad(3), ctx->needs_input_grad(4)});
         }
         torch::autograd::variable_list out(6);  // the last: the layers capsule
         out[3] = g.dweight;
