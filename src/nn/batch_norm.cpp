@@ -2,6 +2,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+
 #include "linvis/core/error.h"
 #include "linvis/nn/checkpoint.h"
 #include "linvis/nn/vit.h"
@@ -15,13 +17,14 @@ CrossProcessSum& sync_sum() {
 }
 
 // The norm's input gradient written over g (N, C, H, W contiguous, the gradient at the norm's output, or at the ReLU's
-// with `relu`), per channel over its M = N*H*W values with xhat = (x - mean) * invstd and z = weight * xhat + bias:
-// g = 0 where relu and z <= 0; dbias = sum g; dweight = sum g * xhat; dx = weight * invstd * (g - dbias / M -
+// with Relu), per channel over its M = N*H*W values with xhat = (x - mean) * invstd and z = weight * xhat + bias:
+// g = 0 where Relu and z <= 0; dbias = sum g; dweight = sum g * xhat; dx = weight * invstd * (g - dbias / M -
 // xhat * dweight / M). Fills dweight and dbias (C).
-template <typename T>
+template <typename T, bool Relu>
 void batch_norm_backward_into(const torch::Tensor& x, torch::Tensor& g, const torch::Tensor& mean,
                               const torch::Tensor& invstd, const torch::Tensor& weight, const torch::Tensor& bias,
-                              bool relu, torch::Tensor& dweight, torch::Tensor& dbias) {
+                              torch::Tensor& dweight, torch::Tensor& dbias) {
+    constexpr int64_t kBlock = 1024;  // values summed in T (vectorised), each block's sums added in double
     const int64_t N = x.size(0), C = x.size(1), plane = x.size(2) * x.size(3);
     const T* xs = x.data_ptr<T>();
     T* gs = g.data_ptr<T>();
@@ -35,24 +38,64 @@ void batch_norm_backward_into(const torch::Tensor& x, torch::Tensor& g, const to
             for (int64_t n = 0; n < N; ++n) {
                 const T* xp = xs + (n * C + c) * plane;
                 T* gp = gs + (n * C + c) * plane;
-                for (int64_t i = 0; i < plane; ++i) {
-                    const T xhat = (xp[i] - m) * s;
-                    if (relu && w * xhat + b <= T(0)) gp[i] = T(0);
-                    sum_g += gp[i];
-                    sum_gx += static_cast<double>(gp[i]) * xhat;
+                for (int64_t i0 = 0; i0 < plane; i0 += kBlock) {
+                    const int64_t i1 = std::min(plane, i0 + kBlock);
+                    T block_g = 0, block_gx = 0;
+#pragma omp simd reduction(+ : block_g, block_gx)
+                    for (int64_t i = i0; i < i1; ++i) {
+                        const T xhat = (xp[i] - m) * s;
+                        // A select, not a branch: the loop stays vectorised.
+                        const T gi = Relu && w * xhat + b <= T(0) ? T(0) : gp[i];
+                        gp[i] = gi;
+                        block_g += gi;
+                        block_gx += gi * xhat;
+                    }
+                    sum_g += block_g;
+                    sum_gx += block_gx;
                 }
             }
             const double count = static_cast<double>(N * plane);
-            const T mean_g = static_cast<T>(sum_g / count), mean_gx = static_cast<T>(sum_gx / count), k = w * s;
+            const T mean_g = static_cast<T>(sum_g / count), k = w * s;
+            const T xhat_scale = static_cast<T>(sum_gx / count) * s;
             for (int64_t n = 0; n < N; ++n) {
                 const T* xp = xs + (n * C + c) * plane;
                 T* gp = gs + (n * C + c) * plane;
-                for (int64_t i = 0; i < plane; ++i) gp[i] = k * (gp[i] - mean_g - (xp[i] - m) * s * mean_gx);
+#pragma omp simd
+                for (int64_t i = 0; i < plane; ++i) gp[i] = k * (gp[i] - mean_g - (xp[i] - m) * xhat_scale);
             }
             dweights[c] = static_cast<T>(sum_gx);
             dbiases[c] = static_cast<T>(sum_g);
         }
     });
+}
+
+// The norm's output (the next conv's input) from x and the batch statistics: weight * (x - mean) * invstd + bias, then
+// the ReLU, per channel in one pass into a new tensor.
+template <typename T>
+torch::Tensor batch_norm_output(const torch::Tensor& x, const torch::Tensor& mean, const torch::Tensor& invstd,
+                                const torch::Tensor& weight, const torch::Tensor& bias, bool relu) {
+    torch::Tensor y = torch::empty_like(x, torch::MemoryFormat::Contiguous);
+    const int64_t N = x.size(0), C = x.size(1), plane = x.size(2) * x.size(3);
+    const T* xs = x.data_ptr<T>();
+    T* ys = y.data_ptr<T>();
+    const T *means = mean.data_ptr<T>(), *invstds = invstd.data_ptr<T>();
+    const T *weights = weight.data_ptr<T>(), *biases = bias.data_ptr<T>();
+    at::parallel_for(0, N * C, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t nc = begin; nc < end; ++nc) {
+            const int64_t c = nc % C;
+            const T scale = weights[c] * invstds[c], shift = biases[c] - means[c] * scale;
+            const T* xp = xs + nc * plane;
+            T* yp = ys + nc * plane;
+            if (relu) {
+#pragma omp simd
+                for (int64_t i = 0; i < plane; ++i) yp[i] = std::max(xp[i] * scale + shift, T(0));
+            } else {
+#pragma omp simd
+                for (int64_t i = 0; i < plane; ++i) yp[i] = xp[i] * scale + shift;
+            }
+        }
+    });
+    return y;
 }
 
 struct NormConv : torch::CustomClassHolder {
@@ -69,11 +112,18 @@ public:
                                  const torch::Tensor& /*conv_weight*/, const torch::Tensor& /*conv_bias*/,
                                  c10::intrusive_ptr<NormConv> layers) {
         torch::NoGradGuard no_grad;
-        const auto [var, mean] = torch::var_mean(x, {0, 2, 3}, /*unbiased=*/false);
-        const torch::Tensor invstd = (var + layers->bn->options.eps()).rsqrt_();
+        // As BatchNorm2d's forward in training (momentum, or the cumulative average without one), with the batch
+        // statistics it computes kept for the backward.
+        torch::nn::BatchNorm2dImpl& bn = *layers->bn;
+        double momentum = bn.options.momentum().value_or(0.0);
+        if (bn.options.track_running_stats() && bn.num_batches_tracked.defined()) {
+            bn.num_batches_tracked += 1;
+            if (!bn.options.momentum()) momentum = 1.0 / bn.num_batches_tracked.item<double>();
+        }
+        auto [y, mean, invstd] = at::native_batch_norm(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                                                       /*training=*/true, momentum, bn.options.eps());
         ctx->save_for_backward({x, mean, invstd});
         ctx->saved_data["layers"] = c10::IValue::make_capsule(layers);
-        torch::Tensor y = layers->bn->forward(x);  // the running statistics, once
         return conv_forward(layers->conv, layers->relu ? y.relu_() : y);
     }
 
@@ -86,12 +136,13 @@ public:
         torch::NoGradGuard no_grad;
         const bool into_norm = ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
         ConvGradients g;
+        const torch::Tensor weight = bn.weight.contiguous(), bias = bn.bias.contiguous();
         {
             // The norm's output again, for the conv's weight gradient; gone before the norm's backward.
-            const torch::Tensor scale = bn.weight * invstd, shift = bn.bias - mean * scale;
-            torch::Tensor y = x * scale.view({1, -1, 1, 1});
-            y.add_(shift.view({1, -1, 1, 1}));
-            if (layers->relu) y.relu_();
+            torch::Tensor y;
+            AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_norm_output", [&] {
+                y = batch_norm_output<scalar_t>(x, mean, invstd, weight, bias, layers->relu);
+            });
             g = conv_backward(layers->conv, grads[0], y,
                               {into_norm, ctx->needs_input_grad(3), ctx->needs_input_grad(4)});
         }
@@ -102,8 +153,9 @@ public:
         torch::Tensor dx = g.dx.contiguous();
         torch::Tensor dweight = torch::empty_like(mean), dbias = torch::empty_like(mean);
         AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_norm_backward_into", [&] {
-            batch_norm_backward_into<scalar_t>(x, dx, mean, invstd, bn.weight.contiguous(), bn.bias.contiguous(),
-                                               layers->relu, dweight, dbias);
+            const auto into = layers->relu ? batch_norm_backward_into<scalar_t, true>
+                                           : batch_norm_backward_into<scalar_t, false>;
+            into(x, dx, mean, invstd, weight, bias, dweight, dbias);
         });
         out[0] = ctx->needs_input_grad(0) ? dx : torch::Tensor();
         out[1] = ctx->needs_input_grad(1) ? dweight : torch::Tensor();

@@ -14,6 +14,12 @@
 namespace linvis::nn {
 namespace {
 
+// The ReLU's backward in place: grad = 0 where relu's output is 0 (LibTorch's threshold_backward written over grad,
+// vectorised and parallel, where masked_fill_ on CPU is a serial loop in LibTorch 1.13).
+void relu_backward_(torch::Tensor& grad, const torch::Tensor& relu_output) {
+    at::threshold_backward_out(grad, grad, relu_output, 0);
+}
+
 // What the backward needs besides the inputs: the segment and the generator state its forward started from.
 struct Recompute : torch::CustomClassHolder {
     SegmentFn fn;
@@ -301,7 +307,7 @@ public:
         ConvGradients g = conv_backward(segment->conv, grads[0], conv_input,
                                         {into_fn, ctx->needs_input_grad(1), ctx->needs_input_grad(2)});
         if (into_fn) {
-            if (segment->relu) g.dx.masked_fill_(conv_input <= 0, 0);
+            if (segment->relu) relu_backward_(g.dx, conv_input);
             torch::autograd::backward({fn_output}, {g.dx});
         }
         {
@@ -335,7 +341,7 @@ public:
         const torch::Tensor rectified = ctx->get_saved_variables()[0];
         ConvGradients g = conv_backward(conv, grads[0], rectified,
                                         {ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2)});
-        if (g.dx.defined()) g.dx.masked_fill_(rectified <= 0, 0);
+        if (g.dx.defined()) relu_backward_(g.dx, rectified);
         return {g.dx, g.dweight, g.dbias, torch::Tensor()};
     }
 
