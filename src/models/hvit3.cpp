@@ -250,9 +250,10 @@ struct HVit3Options {
     double mlp_ratio = 4.0, drop_path_rate = 0.0;
     ops::Impl impl = ops::Impl::Auto;
     bool grad_checkpointing = false;  // nn::checkpoint around every TTT block, the stem and the patch mergings
-    // Training: the conv MLP's hidden layer redone in fc2's backward (Mlp::recompute_hidden): on unless
-    // grad_checkpointing recomputes whole blocks anyway (27 % less memory at 1024 px for 3 % more time). The mixer's
-    // RoPE and mix redone in proj's (Vit3Ttt::recompute_mix): off, 16 % less for 6 % more (docs/performance.md).
+    // Training: the conv MLP's hidden layer redone in fc2's backward a band of rows at a time (Mlp::recompute_hidden):
+    // on (27 % less memory at 1024 px for 3 % more time; with grad_checkpointing, whose peak is then a block's MLP
+    // backward, 17 % less for 6 % more). The mixer's RoPE and mix redone in proj's (Vit3Ttt::recompute_mix): off, 16 %
+    // less for 6 % more (docs/performance.md).
     bool recompute_mlp = true, recompute_mix = false;
     // features_only: the official detection/segmentation backbone (spec A6): a LayerNorm norm{i} per
     // reported stage, no BatchNorm or head, RoPE under attn and recomputed for every grid, the Stem
@@ -284,7 +285,7 @@ HVit3Options read_hvit3_options(const ModelConfig& config, const HVit3Config& ba
     o.drop_path_rate = config.get_double("drop_path_rate", o.drop_path_rate);
     o.impl = ops::parse_impl(config.get_string("impl", ops::impl_name(o.impl)));
     o.grad_checkpointing = config.get_bool("grad_checkpointing", o.grad_checkpointing);
-    o.recompute_mlp = config.get_bool("recompute_mlp", !o.grad_checkpointing);
+    o.recompute_mlp = config.get_bool("recompute_mlp", o.recompute_mlp);
     o.recompute_mix = config.get_bool("recompute_mix", o.recompute_mix);
     LINVIS_CHECK(o.num_classes >= 0 && o.in_chans > 0 && o.img_size >= 32, "hvit3: bad options num_classes=",
                  o.num_classes, " in_chans=", o.in_chans, " img_size=", o.img_size);
