@@ -250,10 +250,10 @@ struct HVit3Options {
     double mlp_ratio = 4.0, drop_path_rate = 0.0;
     ops::Impl impl = ops::Impl::Auto;
     bool grad_checkpointing = false;  // nn::checkpoint around every TTT block, the stem and the patch mergings
-    // Training: the conv MLP's hidden layer redone in fc2's backward a band of rows at a time (Mlp::recompute_hidden):
-    // on (27 % less memory at 1024 px for 3 % more time; with grad_checkpointing, whose peak is then a block's MLP
-    // backward, 17 % less for 6 % more). The mixer's RoPE and mix redone in proj's (Vit3Ttt::recompute_mix): off, 16 %
-    // less for 6 % more (docs/performance.md).
+    // Training: the conv MLP's hidden layer redone in fc2's backward (Mlp::recompute_hidden): on (27 % less memory
+    // at 1024 px for 3 % more time; with grad_checkpointing, whose peak is then a block's MLP backward, a band of rows
+    // at a time: 17 % less for 6 % more). The mixer's RoPE and mix redone in proj's (Vit3Ttt::recompute_mix): off,
+    // 16 % less for 6 % more (docs/performance.md).
     bool recompute_mlp = true, recompute_mix = false;
     // features_only: the official detection/segmentation backbone (spec A6): a LayerNorm norm{i} per
     // reported stage, no BatchNorm or head, RoPE under attn and recomputed for every grid, the Stem
@@ -342,6 +342,7 @@ public:
                 HVit3Block block(dims_[s], heads[s], stage_rope, mlp_ratio, rates[static_cast<size_t>(block_index++)],
                                  impl, backbone_);
                 block->mlp->recompute_hidden = o.recompute_mlp;
+                block->mlp->recompute_in_bands = o.grad_checkpointing;
                 block->attn->recompute_mix = o.recompute_mix;
                 layer->blocks->push_back(block);
             }

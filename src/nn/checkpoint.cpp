@@ -175,6 +175,19 @@ torch::Tensor band_product_input(const BandedProductInput& s, const torch::Tenso
     return input.narrow(1, (band.begin - band.first) * W, (band.end - band.begin) * W);
 }
 
+// A band's gradient `part` (its rows [first, last)) into `sum`, whose rows [0, written) hold earlier bands' already:
+// added over those, copied over the rest. Bands come in order and overlap only where halo rows meet their
+// neighbours, so no row is read before it is written.
+void add_band_rows(torch::Tensor& sum, const torch::Tensor& part, const RowBand& band, int64_t W, int64_t& written) {
+    const int64_t rows = band.last - band.first;
+    const int64_t overlap = std::clamp<int64_t>(written - band.first, 0, rows);
+    if (overlap > 0) sum.narrow(1, band.first * W, overlap * W).add_(part.narrow(1, 0, overlap * W));
+    if (overlap < rows)
+        sum.narrow(1, (band.first + overlap) * W, (rows - overlap) * W)
+            .copy_(part.narrow(1, overlap * W, (rows - overlap) * W));
+    written = std::max(written, band.last);
+}
+
 // Inputs: tokens, the parameters, the weight, then the bias when there is one.
 class RecomputeIntoLinearInBands : public torch::autograd::Function<RecomputeIntoLinearInBands> {
 public:
@@ -217,7 +230,9 @@ public:
             if (!sum.defined()) sum = part.clone();
             else sum.add_(part);
         };
-        if (ctx->needs_input_grad(0)) out[0] = torch::zeros_like(saved[0]);
+        // The tokens' gradient band by band (add_band_rows): no pass to zero it first.
+        if (ctx->needs_input_grad(0)) out[0] = torch::empty_like(saved[0], torch::MemoryFormat::Contiguous);
+        int64_t written = 0;
         for (const RowBand& band : s.bands) {
             std::vector<torch::Tensor> inputs, wanted;  // wanted: the band's inputs that need a gradient
             for (size_t i = 0; i < n; ++i) {
@@ -245,9 +260,11 @@ public:
             for (size_t i = 0, j = 0; i < n; ++i) {
                 if (!ctx->needs_input_grad(i)) continue;
                 const torch::Tensor& part = input_grads[j++];
-                if (!part.defined()) continue;
-                if (i == 0) out[0].narrow(1, band.first * W, (band.last - band.first) * W).add_(part);
-                else accumulate(out[i], part);
+                if (i == 0) {
+                    add_band_rows(out[0], part.defined() ? part : torch::zeros_like(inputs[0]), band, W, written);
+                } else if (part.defined()) {
+                    accumulate(out[i], part);
+                }
             }
         }
         return out;

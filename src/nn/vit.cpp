@@ -181,13 +181,12 @@ torch::Tensor MlpImpl::forward(const NormedInput& x, int64_t height, int64_t wid
     const ops::Impl passes = elementwise_impl(impl);
     if (!dwc) return nn::gelu_mlp(x, fc1, fc2, ops::GeluForm::Erf, passes);
     if (recompute_hidden && is_training() && x.records_graph()) {
-        // The graph keeps fc1's output alone; GELU, the conv and GELU again are redone in fc2's backward, a band of
-        // rows at a time, so that neither they nor their gradients exist whole (the peak of an H-ViT3 training step
-        // is a first-stage block's backward). A training step only: an eval-mode graph (an explanation's input
-        // gradient) keeps everything, as without the flag.
+        // The graph keeps fc1's output alone; GELU, the conv and GELU again are redone in fc2's backward (with
+        // recompute_in_bands a band of rows at a time, so that neither they nor their gradients exist whole). A
+        // training step only: an eval-mode graph (an explanation's input gradient) keeps everything, as without it.
         constexpr int64_t kBandBytes = int64_t{16} << 20;
         const ops::Impl conv_impl = impl;
-        const int64_t W = width;
+        const int64_t H = height, W = width;
         const auto hidden_after_conv = [W, conv_impl, passes](const torch::Tensor& rows, int64_t band_height,
                                                               const std::vector<torch::Tensor>& conv) {
             torch::Tensor y = torch::gelu(rows);  // a new tensor: rows are the kept input's
@@ -196,9 +195,15 @@ torch::Tensor MlpImpl::forward(const NormedInput& x, int64_t height, int64_t wid
             return ops::gelu_(std::move(y), passes, ops::GeluForm::Erf);
         };
         const torch::Tensor hidden = x.linear(fc1, passes);
+        if (!recompute_in_bands) {
+            const auto whole_map = [H, hidden_after_conv](const std::vector<torch::Tensor>& in) {
+                return hidden_after_conv(in[0], H, {in[1], in[2]});
+            };
+            return recompute_into_linear(whole_map, {hidden, dwc->weight, dwc->bias}, fc2->weight, fc2->bias);
+        }
         const int64_t bytes_per_row = 2 * hidden.size(0) * W * hidden.size(2) * hidden.element_size();
-        return recompute_into_linear_in_bands(hidden_after_conv, hidden, height, W, {dwc->weight, dwc->bias},
-                                              fc2->weight, fc2->bias, bytes_per_row, kBandBytes);
+        return recompute_into_linear_in_bands(hidden_after_conv, hidden, H, W, {dwc->weight, dwc->bias}, fc2->weight,
+                                              fc2->bias, bytes_per_row, kBandBytes);
     }
     // In a float32 graph fc1 through layer_norm_linear, then the GELU (nn::linear_gelu's graph path).
     torch::Tensor y = x.records_graph() && x.input().scalar_type() == torch::kFloat32

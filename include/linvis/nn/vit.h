@@ -93,6 +93,11 @@ public:
     // With the depthwise conv, in a training step's graph: keep fc1's output only and redo GELU, the conv and GELU
     // in fc2's backward (nn::recompute_into_linear), instead of three hidden-width tensors (a third of the memory).
     bool recompute_hidden = false;
+    // With recompute_hidden: the forward and that backward a band of grid rows at a time
+    // (nn::recompute_into_linear_in_bands), so that the block's backward holds no hidden-width gradient whole: for
+    // a step whose peak is one block's backward (grad_checkpointing). Measured 2-5 % slower per step than the whole
+    // map at 1024 px (docs/performance.md), so not where every block's graph is alive anyway.
+    bool recompute_in_bands = false;
 };
 TORCH_MODULE(Mlp);
 
