@@ -17,7 +17,7 @@ CrossProcessSum& sync_sum() {
 }
 
 // The norm's input gradient written over g (N, C, H, W contiguous, the gradient at the norm's output, or at the ReLU's
-// with Relu), per channel over its M = N*H*W values with xhat = (x - mean) * invstd and z = weight * xhat + bias:
+// with Relu), per channel over its M = N*H*W values with xhat = (x - mean) * invstd and the norm's output z:
 // g = 0 where Relu and z <= 0; dbias = sum g; dweight = sum g * xhat; dx = weight * invstd * (g - dbias / M -
 // xhat * dweight / M). Fills dweight and dbias (C).
 template <typename T, bool Relu>
@@ -34,6 +34,9 @@ void batch_norm_backward_into(const torch::Tensor& x, torch::Tensor& g, const to
     at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
         for (int64_t c = begin; c < end; ++c) {
             const T m = means[c], s = invstds[c], w = weights[c], b = biases[c];
+            // The ReLU's mask from the output as the forward computed it (x * scale + shift, LibTorch's CPU
+            // formula, and batch_norm_output's), so that no value near 0 is masked differently.
+            const T scale = w * s, shift = b - m * scale;
             double sum_g = 0.0, sum_gx = 0.0;
             for (int64_t n = 0; n < N; ++n) {
                 const T* xp = xs + (n * C + c) * plane;
@@ -45,7 +48,7 @@ void batch_norm_backward_into(const torch::Tensor& x, torch::Tensor& g, const to
                     for (int64_t i = i0; i < i1; ++i) {
                         const T xhat = (xp[i] - m) * s;
                         // A select, not a branch: the loop stays vectorised.
-                        const T gi = Relu && w * xhat + b <= T(0) ? T(0) : gp[i];
+                        const T gi = Relu && xp[i] * scale + shift <= T(0) ? T(0) : gp[i];
                         gp[i] = gi;
                         block_g += gi;
                         block_gx += gi * xhat;
