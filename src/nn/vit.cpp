@@ -40,9 +40,6 @@ torch::Tensor tokens_to_map(const torch::Tensor& x, int64_t height, int64_t widt
 torch::Tensor map_to_tokens(const torch::Tensor& x) { return x.flatten(2).transpose(1, 2); }
 
 namespace {
-// Input bytes above which a depthwise conv runs a group of channels at a time (conv_forward, conv_backward).
-constexpr int64_t kDepthwiseChunkBytes = int64_t{16} << 20;
-
 // The padding option of a Conv2d is a variant whose type differs between LibTorch versions (c10 or
 // std); the module keeps it resolved as (left, right, top, bottom) in a protected member, read here
 // through a pointer to member formed in a derived class.

@@ -28,9 +28,12 @@ torch::nn::Linear vit_linear(int64_t in, int64_t out, bool bias = true);
 torch::Tensor tokens_to_map(const torch::Tensor& x, int64_t height, int64_t width);
 torch::Tensor map_to_tokens(const torch::Tensor& x);
 
+// Input bytes above which a depthwise conv runs a group of channels at a time (conv_forward, conv_backward).
+constexpr int64_t kDepthwiseChunkBytes = int64_t{16} << 20;
+
 // FLOP-counted forward of a Conv2d module with its own stride, padding, dilation and groups. pad_rows false: no
 // padding above and below (a caller running the conv on a band of rows supplies those rows itself). Outside a graph a
-// depthwise conv with more than 16 MiB of input runs a group of channels at a time (as conv_backward).
+// depthwise conv with more than kDepthwiseChunkBytes of input runs a group of channels at a time (as conv_backward).
 torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& x, bool pad_rows = true);
 // The gradients of y = conv_forward(layer, x) from dy (y's shape), each only where `needs` (dx, dweight, dbias) asks:
 // LibTorch's convolution backward, without a graph and without recomputing y. A depthwise conv whose input is larger
@@ -40,7 +43,7 @@ struct ConvGradients {
     torch::Tensor dx, dweight, dbias;
 };
 ConvGradients conv_backward(const torch::nn::Conv2d& layer, const torch::Tensor& dy, const torch::Tensor& x,
-                            std::array<bool, 3> needs, int64_t chunk_bytes = int64_t{16} << 20);
+                            std::array<bool, 3> needs, int64_t chunk_bytes = kDepthwiseChunkBytes);
 
 // Stochastic-depth rate of each of `depth` blocks: torch.linspace(0, rate, depth) in float32 as timm
 // (decay), or `rate` for every block (ViL's drop_path_decay=False).
