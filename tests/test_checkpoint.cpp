@@ -253,12 +253,17 @@ TEST(ActivationCheckpoint, RecomputeIntoConvGivesThePlainGradients) {
 // the running statistics updated once; float32 and float64, with and without the ReLU and the conv's bias.
 TEST(ActivationCheckpoint, BatchNormReluConvGivesTheModulesGradients) {
     for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
-        for (const auto& [with_bias, relu] : {std::pair{true, true}, {false, true}, {true, false}}) {
-            const auto run = [&, with_bias = with_bias, relu = relu](bool fused) {
+        for (const auto& [with_bias, relu, pointwise] : {std::tuple{true, true, false}, {false, true, false},
+                                                          {true, false, false}, {true, true, true},
+                                                          {false, false, true}}) {
+            const auto run = [&, with_bias = with_bias, relu = relu, pointwise = pointwise](bool fused) {
                 torch::manual_seed(47);
                 torch::nn::Conv2d first(torch::nn::Conv2dOptions(3, 5, 3).padding(1));
                 torch::nn::BatchNorm2d norm(5);
-                torch::nn::Conv2d second(torch::nn::Conv2dOptions(5, 4, 3).stride(2).padding(1).bias(with_bias));
+                // A 3x3 conv with stride 2, or a pointwise one (its weight gradient from the norm's output in slabs).
+                torch::nn::Conv2d second(pointwise ? torch::nn::Conv2dOptions(5, 4, 1).bias(with_bias)
+                                                   : torch::nn::Conv2dOptions(5, 4, 3).stride(2).padding(1).bias(
+                                                         with_bias));
                 first->to(dtype);
                 norm->to(dtype);
                 second->to(dtype);
@@ -286,7 +291,8 @@ TEST(ActivationCheckpoint, BatchNormReluConvGivesTheModulesGradients) {
             for (size_t i = 0; i < plain.size(); ++i) {
                 ASSERT_TRUE(fused[i].defined()) << "tensor " << i;
                 EXPECT_TRUE(linvis::testing::all_close(fused[i], plain[i], tol, tol))
-                    << "tensor " << i << ", " << c10::toString(dtype) << ", relu " << relu << ", bias " << with_bias;
+                    << "tensor " << i << ", " << c10::toString(dtype) << ", relu " << relu << ", bias " << with_bias
+                    << ", pointwise " << pointwise;
             }
         }
     }
@@ -321,6 +327,7 @@ TEST(ActivationCheckpoint, ConvBackwardMatchesAutogradAlsoInChannelGroups) {
         torch::manual_seed(43);
         const int64_t C = 6;
         torch::nn::Conv2d conv(torch::nn::Conv2dOptions(C, C, 3).stride(2).padding(1).groups(depthwise ? C : 1));
+        EXPECT_FALSE(linvis::nn::is_pointwise(conv));
         const torch::Tensor x = torch::randn({2, C, 9, 8}, torch::requires_grad());
         const torch::Tensor y = linvis::nn::conv_forward(conv, x);
         const torch::Tensor dy = torch::randn_like(y);
@@ -339,6 +346,35 @@ TEST(ActivationCheckpoint, ConvBackwardMatchesAutogradAlsoInChannelGroups) {
         const linvis::nn::ConvGradients only_dx =
             linvis::nn::conv_backward(conv, dy, x.detach(), {true, false, false}, 1);
         EXPECT_TRUE(only_dx.dx.defined() && !only_dx.dweight.defined() && !only_dx.dbias.defined());
+    }
+    // A pointwise conv: two products per sample on the channel-major maps, the input read in slabs of pixels (one
+    // slab, then 5 pixels at a time: 72 pixels in 15 slabs, the last of 2).
+    {
+        torch::manual_seed(44);
+        torch::nn::Conv2d pointwise(torch::nn::Conv2dOptions(6, 5, 1));
+        EXPECT_TRUE(linvis::nn::is_pointwise(pointwise));
+        EXPECT_FALSE(linvis::nn::is_pointwise(torch::nn::Conv2d(torch::nn::Conv2dOptions(6, 5, 1).stride(2))));
+        EXPECT_FALSE(linvis::nn::is_pointwise(torch::nn::Conv2d(torch::nn::Conv2dOptions(6, 5, 1).padding(1))));
+        const torch::Tensor x = torch::randn({2, 6, 9, 8}, torch::requires_grad());
+        const torch::Tensor y = linvis::nn::conv_forward(pointwise, x);
+        const torch::Tensor dy = torch::randn_like(y);
+        y.backward(dy);
+        const linvis::nn::ConvGradients whole = linvis::nn::conv_backward(pointwise, dy, x.detach(), {true, true, true});
+        EXPECT_TRUE(linvis::testing::all_close(whole.dx, x.grad(), 1e-5, 1e-5));
+        EXPECT_TRUE(linvis::testing::all_close(whole.dweight, pointwise->weight.grad(), 1e-5, 1e-5));
+        EXPECT_TRUE(linvis::testing::all_close(whole.dbias, pointwise->bias.grad(), 1e-5, 1e-5));
+        const torch::Tensor planes = x.detach().view({2, 6, 72});
+        int64_t slabs = 0;
+        const linvis::nn::ConvGradients in_slabs = linvis::nn::pointwise_conv_backward(
+            pointwise, dy,
+            [&](int64_t n, int64_t p0, int64_t p1) {
+                ++slabs;
+                return planes[n].narrow(1, p0, p1 - p0).clone();
+            },
+            {false, true, false}, 5 * 6 * 4);
+        EXPECT_EQ(slabs, 2 * 15);
+        EXPECT_FALSE(in_slabs.dx.defined() || in_slabs.dbias.defined());
+        EXPECT_TRUE(linvis::testing::all_close(in_slabs.dweight, pointwise->weight.grad(), 1e-5, 1e-5));
     }
     // conv_forward outside a graph: a depthwise conv on more than 16 MiB of input in groups of channels.
     torch::NoGradGuard no_grad;

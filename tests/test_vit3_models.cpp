@@ -390,10 +390,16 @@ TEST(HVit3, MixerAndMlpInBandsMatchTheWholeLayers) {
 }
 
 // Training: the mixer's RoPE and mix, and the conv MLP's hidden layer, redone in the backward of the product
-// after them (recompute_mix, recompute_hidden): the same gradients as the graph that keeps them, less kept.
+// after them (recompute_mix, recompute_hidden, the MLP also in bands of rows): the same gradients as the graph
+// that keeps them, less kept.
 TEST(HVit3, RecomputedMixAndMlpGiveTheSameGradientsAndKeepLess) {
     const int64_t C = 64, heads = 2;
     torch::nn::LayerNorm norm(torch::nn::LayerNormOptions({C}).eps(1e-5));
+    {
+        torch::NoGradGuard no_grad;
+        norm->weight.normal_(1.0, 0.2);
+        norm->bias.normal_(0.0, 0.2);
+    }
     const auto layers = [&](bool recompute, linvis::ops::Impl impl) {
         torch::manual_seed(66);
         linvis::nn::Vit3Ttt mixer(C, heads, true, impl);
@@ -423,6 +429,27 @@ TEST(HVit3, RecomputedMixAndMlpGiveTheSameGradientsAndKeepLess) {
         const std::string what = impl == linvis::ops::Impl::Auto ? "auto" : "reference";
         linvis::testing::expect_same_gradients(grads[1][0], grads[0][0], 1e-5, "mixer " + what);
         linvis::testing::expect_same_gradients(grads[1][1], grads[0][1], 1e-5, "mlp " + what);
+
+        // The MLP in bands against the whole graph, the norm's parameters' gradients included: one band (the
+        // default budget), and three of the smallest height (8 rows: a 1-byte budget).
+        const auto mlp_and_norm_grads = [&](bool bands, int64_t band_bytes) {
+            auto [mixer, mlp] = layers(bands, impl);
+            mlp->recompute_in_bands = bands;
+            mlp->recompute_band_bytes = band_bytes;
+            norm->zero_grad();
+            const int64_t rows = 24;
+            torch::manual_seed(67);
+            const Tensor x = torch::randn({2, rows * W, C});
+            std::vector<Tensor> g = linvis::testing::input_and_parameter_grads(
+                *mlp, x, [&](const Tensor& t) { return mlp->forward({norm, t}, rows, W); });
+            g.push_back(norm->weight.grad().clone());
+            g.push_back(norm->bias.grad().clone());
+            return g;
+        };
+        const std::vector<Tensor> kept_all = mlp_and_norm_grads(false, 0);
+        for (const int64_t band_bytes : {int64_t{16} << 20, int64_t{1}})
+            linvis::testing::expect_same_gradients(mlp_and_norm_grads(true, band_bytes), kept_all, 1e-5,
+                                                   "mlp in bands of " + std::to_string(band_bytes) + " bytes, " + what);
     }
     // What each layer's graph keeps on a 32 x 32 grid (one unit: a (1, 1024, C) float32 tensor, 256 KiB).
     const int64_t side = 32, unit = side * side * C * 4;

@@ -6,10 +6,14 @@
 
 #include "linvis/core/error.h"
 #include "linvis/nn/checkpoint.h"
+#include "linvis/nn/common.h"
 #include "linvis/nn/vit.h"
 
 namespace linvis::nn {
 namespace {
+
+// The norm's output recomputed for a pointwise conv's weight gradient: pixels a slab at a time, about this many bytes.
+constexpr int64_t kNormOutputSlabBytes = int64_t{4} << 20;
 
 CrossProcessSum& sync_sum() {
     static CrossProcessSum sum;
@@ -72,33 +76,35 @@ void batch_norm_backward_into(const torch::Tensor& x, torch::Tensor& g, const to
     });
 }
 
-// The norm's output (the next conv's input) from x and the batch statistics: weight * (x - mean) * invstd + bias, then
-// the ReLU, per channel in one pass into a new tensor.
+// The norm's output as its forward computed it, x * scale + shift, then the ReLU: `count` values of one channel.
 template <typename T>
-torch::Tensor batch_norm_output(const torch::Tensor& x, const torch::Tensor& mean, const torch::Tensor& invstd,
-                                const torch::Tensor& weight, const torch::Tensor& bias, bool relu) {
-    torch::Tensor y = torch::empty_like(x, torch::MemoryFormat::Contiguous);
-    const int64_t N = x.size(0), C = x.size(1), plane = x.size(2) * x.size(3);
-    const T* xs = x.data_ptr<T>();
-    T* ys = y.data_ptr<T>();
+void batch_norm_output_values(const T* xp, T* yp, int64_t count, T scale, T shift, bool relu) {
+    if (relu) {
+#pragma omp simd
+        for (int64_t i = 0; i < count; ++i) yp[i] = std::max(xp[i] * scale + shift, T(0));
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < count; ++i) yp[i] = xp[i] * scale + shift;
+    }
+}
+
+// The norm's output (the next conv's input) from x (N, C, H, W) and the batch statistics, weight * (x - mean) *
+// invstd + bias, then the ReLU, for sample n's pixels [p0, p1), written as (C, p1 - p0) at `out`, per channel in one
+// pass.
+template <typename T>
+void batch_norm_output_into(const torch::Tensor& x, const torch::Tensor& mean, const torch::Tensor& invstd,
+                            const torch::Tensor& weight, const torch::Tensor& bias, bool relu, int64_t n, int64_t p0,
+                            int64_t p1, T* out) {
+    const int64_t C = x.size(1), plane = x.size(2) * x.size(3), count = p1 - p0;
+    const T* xs = x.data_ptr<T>() + n * C * plane + p0;
     const T *means = mean.data_ptr<T>(), *invstds = invstd.data_ptr<T>();
     const T *weights = weight.data_ptr<T>(), *biases = bias.data_ptr<T>();
-    at::parallel_for(0, N * C, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t nc = begin; nc < end; ++nc) {
-            const int64_t c = nc % C;
+    at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t c = begin; c < end; ++c) {
             const T scale = weights[c] * invstds[c], shift = biases[c] - means[c] * scale;
-            const T* xp = xs + nc * plane;
-            T* yp = ys + nc * plane;
-            if (relu) {
-#pragma omp simd
-                for (int64_t i = 0; i < plane; ++i) yp[i] = std::max(xp[i] * scale + shift, T(0));
-            } else {
-#pragma omp simd
-                for (int64_t i = 0; i < plane; ++i) yp[i] = xp[i] * scale + shift;
-            }
+            batch_norm_output_values(xs + c * plane, out + c * count, count, scale, shift, relu);
         }
     });
-    return y;
 }
 
 struct NormConv : torch::CustomClassHolder {
@@ -141,13 +147,29 @@ public:
         ConvGradients g;
         const torch::Tensor weight = bn.weight.contiguous(), bias = bn.bias.contiguous();
         {
-            // The norm's output again, for the conv's weight gradient; gone before the norm's backward.
-            torch::Tensor y;
-            AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_norm_output", [&] {
-                y = batch_norm_output<scalar_t>(x, mean, invstd, weight, bias, layers->relu);
-            });
-            g = conv_backward(layers->conv, grads[0], y,
-                              {into_norm, ctx->needs_input_grad(3), ctx->needs_input_grad(4)});
+            // The norm's output again, for the conv's weight gradient; gone before the norm's backward. A pointwise
+            // conv reads it a slab of pixels at a time, so that it never exists whole.
+            const int64_t N = x.size(0), C = x.size(1), plane = x.size(2) * x.size(3);
+            // Sample n's pixels [p0, p1) written at `out`, (C, p1 - p0).
+            const auto output_into = [&](int64_t n, int64_t p0, int64_t p1, torch::Tensor& out, int64_t offset) {
+                AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_norm_output", [&] {
+                    batch_norm_output_into<scalar_t>(x, mean, invstd, weight, bias, layers->relu, n, p0, p1,
+                                                     out.data_ptr<scalar_t>() + offset);
+                });
+            };
+            const std::array<bool, 3> needs{into_norm, ctx->needs_input_grad(3), ctx->needs_input_grad(4)};
+            if (is_pointwise(layers->conv)) {
+                const auto slab = [&](int64_t n, int64_t p0, int64_t p1) {
+                    torch::Tensor y = torch::empty({C, p1 - p0}, x.options());
+                    output_into(n, p0, p1, y, 0);
+                    return y;
+                };
+                g = pointwise_conv_backward(layers->conv, grads[0], slab, needs, kNormOutputSlabBytes);
+            } else {
+                torch::Tensor y = torch::empty_like(x, torch::MemoryFormat::Contiguous);
+                for (int64_t n = 0; n < N; ++n) output_into(n, 0, plane, y, n * C * plane);
+                g = conv_backward(layers->conv, grads[0], y, needs);
+            }
         }
         torch::autograd::variable_list out(6);  // the last: the layers capsule
         out[3] = g.dweight;
@@ -175,10 +197,7 @@ torch::Tensor batch_norm_relu_conv2d(torch::nn::BatchNorm2dImpl& bn, bool relu, 
                          (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kFloat64) &&
                          bn.weight.defined() && bn.bias.defined() && bn.weight.scalar_type() == x.scalar_type() &&
                          x.numel() > 0;
-    const auto needs_grad = [](const torch::Tensor& t) { return t.defined() && t.requires_grad(); };
-    const bool graph = torch::GradMode::is_enabled() && (needs_grad(x) || needs_grad(bn.weight) ||
-                                                        needs_grad(bn.bias) || needs_grad(conv->weight) ||
-                                                        needs_grad(conv->bias));
+    const bool graph = !can_overwrite({x, bn.weight, bn.bias, conv->weight, conv->bias});  // a graph records it
     torch::nn::BatchNorm2d norm(std::dynamic_pointer_cast<torch::nn::BatchNorm2dImpl>(bn.shared_from_this()));
     if (!applies || !graph) {
         return recompute_into_conv2d([norm](const torch::Tensor& t) mutable { return batch_norm(*norm, t); }, relu, x,

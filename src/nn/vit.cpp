@@ -1,5 +1,6 @@
 #include "linvis/nn/vit.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "linvis/core/error.h"
@@ -98,6 +99,12 @@ ConvGradients conv_backward(const torch::nn::Conv2d& layer, const torch::Tensor&
                                         needs);
     };
     const int64_t C = x.size(1);
+    if (is_pointwise(layer) && x.dim() == 4) {
+        const torch::Tensor planes = x.contiguous().view({x.size(0), C, -1});
+        return pointwise_conv_backward(
+            layer, dy, [&](int64_t n, int64_t p0, int64_t p1) { return planes[n].narrow(1, p0, p1 - p0); }, needs,
+            planes.numel() * static_cast<int64_t>(planes.element_size()));
+    }
     const int64_t bytes = x.numel() * static_cast<int64_t>(x.element_size());
     const bool depthwise = o.groups() == C && o.out_channels() == C && C > 1;
     if (!depthwise || bytes <= chunk_bytes) {
@@ -121,6 +128,49 @@ ConvGradients conv_backward(const torch::nn::Conv2d& layer, const torch::Tensor&
     }
     if (needs[1]) out.dweight = torch::cat(dweights, 0);
     if (needs[2]) out.dbias = torch::cat(dbiases, 0);
+    return out;
+}
+
+bool is_pointwise(const torch::nn::Conv2d& layer) {
+    const auto& o = layer->options;
+    const std::vector<int64_t>& pad = ConvPadding::of(*layer);
+    const auto ones = [](const torch::ExpandingArray<2>& a) { return (*a)[0] == 1 && (*a)[1] == 1; };
+    return ones(o.kernel_size()) && ones(o.stride()) && ones(o.dilation()) && o.groups() == 1 &&
+           std::all_of(pad.begin(), pad.end(), [](int64_t p) { return p == 0; });
+}
+
+ConvGradients pointwise_conv_backward(const torch::nn::Conv2d& layer, const torch::Tensor& dy,
+                                      const PixelSlabFn& input_slab, std::array<bool, 3> needs,
+                                      int64_t slab_bytes) {
+    LINVIS_CHECK(is_pointwise(layer), "pointwise_conv_backward: the conv is not 1x1 with stride 1, no padding or "
+                                      "dilation and one group");
+    torch::NoGradGuard no_grad;
+    const int64_t B = dy.size(0), O = dy.size(1), plane = dy.size(2) * dy.size(3);
+    const int64_t C = layer->weight.size(1);
+    const torch::Tensor w = layer->weight.view({O, C});
+    const torch::Tensor g = dy.contiguous().view({B, O, plane});
+    ConvGradients out;
+    if (needs[0]) {
+        out.dx = torch::empty({B, C, dy.size(2), dy.size(3)}, dy.options());
+        const torch::Tensor dx = out.dx.view({B, C, plane});
+        const torch::Tensor wt = w.t();
+        for (int64_t n = 0; n < B; ++n) {
+            torch::Tensor sample = dx[n];
+            at::mm_out(sample, wt, g[n]);
+        }
+    }
+    if (needs[1]) {
+        out.dweight = torch::zeros_like(w);
+        const int64_t per_slab = std::max<int64_t>(
+            1, std::min(plane, slab_bytes / std::max<int64_t>(C * static_cast<int64_t>(dy.element_size()), 1)));
+        for (int64_t n = 0; n < B; ++n)
+            for (int64_t p0 = 0; p0 < plane; p0 += per_slab) {
+                const int64_t p1 = std::min(plane, p0 + per_slab);
+                out.dweight.addmm_(g[n].narrow(1, p0, p1 - p0), input_slab(n, p0, p1).t());
+            }
+        out.dweight = out.dweight.view_as(layer->weight);
+    }
+    if (needs[2] && layer->bias.defined()) out.dbias = g.sum(std::vector<int64_t>{0, 2});
     return out;
 }
 
@@ -181,7 +231,6 @@ torch::Tensor MlpImpl::forward(const NormedInput& x, int64_t height, int64_t wid
         // The graph keeps fc1's output alone; GELU, the conv and GELU again are redone in fc2's backward (with
         // recompute_in_bands a band of rows at a time, so that neither they nor their gradients exist whole). A
         // training step only: an eval-mode graph (an explanation's input gradient) keeps everything, as without it.
-        constexpr int64_t kBandBytes = int64_t{16} << 20;
         const ops::Impl conv_impl = impl;
         const int64_t H = height, W = width;
         const auto hidden_after_conv = [W, conv_impl, passes](const torch::Tensor& rows, int64_t band_height,
@@ -200,7 +249,7 @@ torch::Tensor MlpImpl::forward(const NormedInput& x, int64_t height, int64_t wid
         }
         const int64_t bytes_per_row = 2 * hidden.size(0) * W * hidden.size(2) * hidden.element_size();
         return recompute_into_linear_in_bands(hidden_after_conv, hidden, H, W, {dwc->weight, dwc->bias}, fc2->weight,
-                                              fc2->bias, bytes_per_row, kBandBytes);
+                                              fc2->bias, bytes_per_row, recompute_band_bytes);
     }
     // In a float32 graph fc1 through layer_norm_linear, then the GELU (nn::linear_gelu's graph path).
     torch::Tensor y = x.records_graph() && x.input().scalar_type() == torch::kFloat32

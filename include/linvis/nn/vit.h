@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -42,8 +43,21 @@ torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& 
 struct ConvGradients {
     torch::Tensor dx, dweight, dbias;
 };
+// A pointwise conv (1x1, stride 1, no padding or dilation, one group) takes pointwise_conv_backward.
 ConvGradients conv_backward(const torch::nn::Conv2d& layer, const torch::Tensor& dy, const torch::Tensor& x,
                             std::array<bool, 3> needs, int64_t chunk_bytes = kDepthwiseChunkBytes);
+
+// Whether `layer` is a pointwise conv: 1x1, stride 1, no padding or dilation, one group (a product per pixel).
+bool is_pointwise(const torch::nn::Conv2d& layer);
+// conv_backward of a pointwise conv as two products per sample on the maps' own channel-major layout, dx written in
+// place: dx[n] = W^T dy[n], dW = sum_n dy[n] x[n]^T. LibTorch 1.13's backward (slow_conv2d here) holds another
+// dx-sized buffer. The conv's input (B, C, H, W) is read a slab of pixels at a time, input_slab(n, p0, p1)
+// returning sample n's pixels [p0, p1) as a (C, p1 - p0) tensor, each slab about `slab_bytes`: an input that is
+// recomputed from a kept tensor (batch_norm_relu_conv2d's) then never exists whole.
+using PixelSlabFn = std::function<torch::Tensor(int64_t n, int64_t p0, int64_t p1)>;
+ConvGradients pointwise_conv_backward(const torch::nn::Conv2d& layer, const torch::Tensor& dy,
+                                      const PixelSlabFn& input_slab, std::array<bool, 3> needs,
+                                      int64_t slab_bytes);
 
 // Stochastic-depth rate of each of `depth` blocks: torch.linspace(0, rate, depth) in float32 as timm
 // (decay), or `rate` for every block (ViL's drop_path_decay=False).
@@ -101,6 +115,8 @@ public:
     // a step whose peak is one block's backward (grad_checkpointing). Measured 2-5 % slower per step than the whole
     // map at 1024 px (docs/performance.md), so not where every block's graph is alive anyway.
     bool recompute_in_bands = false;
+    // The hidden maps of one band then, about: GELU's and the conv's outputs of its rows.
+    int64_t recompute_band_bytes = int64_t{16} << 20;
 };
 TORCH_MODULE(Mlp);
 
