@@ -164,7 +164,9 @@ struct BenchOptions {
 int run_bench(int argc, const char* const* argv) {
     BenchOptions o;
     CommandApp app("bench", "Measure throughput (images/s, median and spread), latency, peak memory and GFLOPs of "
-                            "models side by side, each (model, resolution) in its own child process.");
+                            "models side by side, each (model, resolution) in its own child process. Every case "
+                            "is reported; the exit status is 1 when one failed (an error, a refused correctness "
+                            "check).");
     add_list(app, "--models", o.models, "models to measure; NAME@auto, NAME@reference or NAME@fused overrides --impl "
                                         "for one");
     add_model_kwargs_option(app, o.kwargs);
@@ -276,6 +278,19 @@ int run_bench(int argc, const char* const* argv) {
                       static_cast<long long>(o.batch), dtype.c_str(), impl.c_str(), work.c_str(), info.torch_threads);
         draw_figure(o.plot, results, subtitle,
                     diffusion_task ? "latent side L (pixels / 8)" : "resolution (pixels per side)");
+    }
+    // Every case is reported above; a run with a failed case (an error, a refused correctness check) still fails as
+    // a whole, so that a script does not take a partial table for a measurement.
+    const auto not_ok = [](const BenchResult& r) { return r.status != "ok"; };
+    const auto failed = std::count_if(results.begin(), results.end(), not_ok);
+    if (failed > 0) {
+        const auto first = std::find_if(results.begin(), results.end(), not_ok);
+        std::cout.flush();  // the rows before the summary, also where both streams go to one pipe
+        std::fflush(stdout);
+        std::fprintf(stderr, "linvis bench: %lld of %zu cases failed (first: %s @ %lld: %s: %s)\n",
+                     static_cast<long long>(failed), results.size(), first->config.model.c_str(),
+                     static_cast<long long>(first->config.res), first->status.c_str(), first->message.c_str());
+        return 1;
     }
     return 0;
 }

@@ -230,6 +230,18 @@ TEST(Cli, BenchDiffusionStepSamplerAndTrainingStep) {
     auto small = run_cli("bench --task denoise --models dit5_s2 --model-kwargs depth=1 --res 8 --iters 1 --warmup 1 "
                          "--no-gemm --format json");
     EXPECT_NE(small.output.find("smaller than the 5x5"), std::string::npos) << small.output;
+    EXPECT_NE(small.status, 0) << "a run with a failed case must fail";
+    // A model option the model refuses: every case reported (the JSON rows, each with its error), then exit 1.
+    auto refused = run_cli("bench --models deit_tiny,vittt_tiny --res 32 --iters 1 --warmup 0 --no-gemm --format json "
+                           "--model-kwargs grad_checkpointing=maybe");
+    EXPECT_EQ(refused.status, 1) << refused.output;
+    const size_t begin = refused.output.find('['), end = refused.output.rfind(']');  // the summary line follows
+    ASSERT_TRUE(begin != std::string::npos && end != std::string::npos && end > begin) << refused.output;
+    const auto rows = nlohmann::json::parse(refused.output.substr(begin, end - begin + 1));
+    ASSERT_EQ(rows.size(), 2u);
+    for (const auto& row : rows) EXPECT_EQ(row["status"], "error") << row.dump();
+    EXPECT_NE(refused.output.find("2 of 2 cases failed"), std::string::npos) << refused.output;
+    EXPECT_NE(refused.output.find("expected true/false, got 'maybe'"), std::string::npos) << refused.output;
     auto wrong = run_cli("bench --task denoise --models deit_tiny --res 8 --no-gemm");
     EXPECT_NE(wrong.status, 0);
     EXPECT_NE(wrong.output.find("is not a diffusion model"), std::string::npos) << wrong.output;
