@@ -49,8 +49,8 @@ ConvGradients conv_backward(const torch::nn::Conv2d& layer, const torch::Tensor&
 
 // Whether `layer` is a pointwise conv: 1x1, stride 1, no padding or dilation, one group (a product per pixel).
 bool is_pointwise(const torch::nn::Conv2d& layer);
-// conv_backward of a pointwise conv as two products per sample on the maps' own channel-major layout, dx written in
-// place: dx[n] = W^T dy[n], dW = sum_n dy[n] x[n]^T. LibTorch 1.13's backward (slow_conv2d here) holds another
+// conv_backward of a pointwise conv as two products per sample on the maps' own channel-major layout, dx written into
+// its output directly: dx[n] = W^T dy[n], dW = sum_n dy[n] x[n]^T. LibTorch 1.13's backward (slow_conv2d) holds another
 // dx-sized buffer. The conv's input (B, C, H, W) is read a slab of pixels at a time, input_slab(n, p0, p1)
 // returning sample n's pixels [p0, p1) as a (C, p1 - p0) tensor, each slab about `slab_bytes`: an input that is
 // recomputed from a kept tensor (batch_norm_relu_conv2d's) then never exists whole.
