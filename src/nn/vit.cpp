@@ -99,7 +99,9 @@ ConvGradients conv_backward(const torch::nn::Conv2d& layer, const torch::Tensor&
                                         needs);
     };
     const int64_t C = x.size(1);
-    if (is_pointwise(layer) && x.dim() == 4) {
+    // float32 / float64 only: LibTorch 1.13's bf16 mm may accumulate in bf16 (linvis/core/precision.h).
+    const bool full_precision = x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kFloat64;
+    if (is_pointwise(layer) && x.dim() == 4 && full_precision) {
         const torch::Tensor planes = x.contiguous().view({x.size(0), C, -1});
         return pointwise_conv_backward(
             layer, dy, [&](int64_t n, int64_t p0, int64_t p1) { return planes[n].narrow(1, p0, p1 - p0); }, needs,

@@ -43,7 +43,8 @@ torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& 
 struct ConvGradients {
     torch::Tensor dx, dweight, dbias;
 };
-// A pointwise conv (1x1, stride 1, no padding or dilation, one group) takes pointwise_conv_backward.
+// A float32 or float64 pointwise conv (1x1, stride 1, no padding or dilation, one group) takes
+// pointwise_conv_backward.
 ConvGradients conv_backward(const torch::nn::Conv2d& layer, const torch::Tensor& dy, const torch::Tensor& x,
                             std::array<bool, 3> needs, int64_t chunk_bytes = kDepthwiseChunkBytes);
 
