@@ -4,7 +4,8 @@
     VENV/bin/python bench/check_peer_models.py
 
 * state dicts: entry counts, parameter counts and key shapes as the specs give them for the official modules
-  (spec/vit3_t5_official.md A7, B6; spec/vil_official.md 2, 3.1);
+  (spec/vit3_t5_official.md A4, A7, B6; spec/vil_official.md 2, 3.1);
+* H-ViT3's RoPE against the real / imaginary formula, row frequencies first;
 * ViT3's and T5's closed-form inner gradients: the attention output equals one built from the autograd gradients
   of the inner loss (float64);
 * ViL's parallel stabilized mLSTM equals the plain recurrence C_t = f_t C_{t-1} + i_t v_t k_t^T / sqrt(DH),
@@ -43,6 +44,20 @@ class StateDicts(unittest.TestCase):
             "blocks.11.attn.w1": (1, 6, 32, 32), "blocks.0.attn.w3": (32, 1, 3, 3),
             "blocks.0.attn.qkv.weight": (672, 192), "blocks.0.attn.proj.weight": (192, 224),
             "blocks.0.mlp.fc1.weight": (768, 192), "norm.weight": (192,), "head.weight": (1000, 192)})
+
+    def test_hvit3(self):
+        self.check("hvit3_tiny", 410, 28703560, {
+            "patch_embed.conv.0.conv.weight": (32, 3, 3, 3), "patch_embed.conv.3.conv.weight": (256, 32, 3, 3),
+            "patch_embed.conv.4.conv.weight": (64, 256, 1, 1), "patch_embed.conv.4.norm.running_var": (64,),
+            "layers.0.blocks.0.cpe.weight": (64, 1, 3, 3), "layers.0.blocks.0.rope.rotations": (56, 56, 32, 2),
+            "layers.0.blocks.0.attn.w1": (1, 2, 32, 32), "layers.0.blocks.0.attn.qkv.weight": (288, 64),
+            "layers.0.blocks.0.attn.proj.weight": (64, 96), "layers.0.blocks.0.mlp.dwc.weight": (256, 1, 3, 3),
+            "layers.0.downsample.conv.0.conv.weight": (512, 64, 1, 1),
+            "layers.0.downsample.conv.1.conv.weight": (512, 1, 3, 3),
+            "layers.0.downsample.conv.2.conv.weight": (128, 512, 1, 1),
+            "layers.1.blocks.0.rope.rotations": (28, 28, 64, 2), "layers.2.blocks.8.rope.rotations": (14, 14, 160, 2),
+            "layers.3.blocks.3.rope.rotations": (7, 7, 256, 2), "norm.running_mean": (512,),
+            "head.weight": (1000, 512)})
 
     def test_t5(self):
         self.check("t5_tiny", 235, 6205480, {
@@ -108,6 +123,22 @@ class InnerGradients(unittest.TestCase):
         fast = [W - g for W, g in zip(Ws, grads)]
         reference = m.proj(f(q2, fast).transpose(1, 2).reshape(B, N, C)).detach()
         self.assertLess(max_rel(expected, reference), 1e-12)
+
+
+class Rope(unittest.TestCase):
+    def test_rotation_by_row_then_column_frequencies(self):
+        # The det/seg backbone's functional form (spec A6): x_re cos - x_im sin, x_im cos + x_re sin, with the
+        # angle y theta_k for the first C/4 pairs and x theta_k for the last C/4.
+        h, w, C = 3, 5, 16
+        rope = peer_models.Rope(h, w, C)
+        x = torch.randn(2, h, w, C)
+        theta = 1.0 / (10000 ** (torch.arange(C // 4, dtype=torch.float32) / (C // 4)))
+        ys = torch.arange(h, dtype=torch.float32).view(h, 1, 1).expand(h, w, 1)
+        xs = torch.arange(w, dtype=torch.float32).view(1, w, 1).expand(h, w, 1)
+        angle = torch.cat([ys * theta, xs * theta], dim=-1)
+        re, im = x[..., 0::2], x[..., 1::2]
+        expected = torch.stack([re * angle.cos() - im * angle.sin(), im * angle.cos() + re * angle.sin()], dim=-1)
+        self.assertLess(max_rel(rope(x), expected.flatten(-2)), 1e-6)
 
 
 class Mlstm(unittest.TestCase):

@@ -6,6 +6,8 @@
 Peers (same architecture, same state-dict names, so the same weights load into both):
   deit_tiny  -> timm `deit_tiny_patch16_224` (img_size=res, SDPA attention);
   vit3_tiny  -> bench/peer_models.py Vit3 (LeapLabTHU/ViTTT ViT3-T, written from spec/vit3_t5_official.md A2-A7);
+  hvit3_tiny -> bench/peer_models.py HVit3 (LeapLabTHU/ViTTT H-ViT3-T, spec A2, A4, A7), its RoPE buffers built for
+                the resolution;
   t5_tiny    -> bench/peer_models.py T5 (LeapLabTHU/Transformer-to-TTT T5_tiny, spec B2/B6);
   vil_tiny   -> bench/peer_models.py Vil (NX-AI/vision-lstm VisionLSTM2 vil2-tiny, spec/vil_official.md), with the
                 official (and only) mLSTM backend, the quadratic parallel form: its memory grows as S^2 with the
@@ -57,6 +59,7 @@ TIMM_MODEL = "deit_tiny_patch16_224"
 PEERS = {
     "deit_tiny": f"timm {TIMM_MODEL} (SDPA)",
     "vit3_tiny": "ViT3-T (LeapLabTHU/ViTTT) in peer_models.py",
+    "hvit3_tiny": "H-ViT3-T (LeapLabTHU/ViTTT) in peer_models.py",
     "t5_tiny": "T5_tiny (LeapLabTHU/Transformer-to-TTT) in peer_models.py",
     "vil_tiny": "ViL-T (NX-AI/vision-lstm VisionLSTM2, parallel mLSTM) in peer_models.py",
 }
@@ -168,6 +171,12 @@ def child_export(args):
             for p in model.parameters():
                 if p.dim() == 1:
                     p.add_(0.02 * torch.randn(p.shape, generator=generator))
+            # BatchNorm's running statistics (H-ViT3) likewise off 0 and 1, so that eval mode must read them.
+            for name, b in model.named_buffers():
+                if name.endswith("running_mean"):
+                    b.add_(0.1 * torch.randn(b.shape, generator=generator))
+                elif name.endswith("running_var"):
+                    b.mul_(torch.exp(0.2 * torch.randn(b.shape, generator=generator)))
     with torch.inference_mode():
         logits = model(image)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}

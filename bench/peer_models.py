@@ -1,8 +1,10 @@
-"""The official architectures of linvis's vit3_tiny, t5_tiny and vil_tiny as plain PyTorch (torch 2.x) modules.
+"""The official architectures of linvis's vit3_tiny, hvit3_tiny, t5_tiny and vil_tiny as plain PyTorch (torch 2.x)
+modules.
 
 Written for bench/compare_torch.py from the layer-by-layer descriptions in the project's specs, not copied from
 the official repositories:
   * ViT3-T: LeapLabTHU/ViTTT vittt/models/vittt.py + ttt_block.py (spec/vit3_t5_official.md A2, A3, A7);
+  * H-ViT3-T: LeapLabTHU/ViTTT vittt/models/h_vittt.py (spec/vit3_t5_official.md A2, A4, A7);
   * T5_tiny: LeapLabTHU/Transformer-to-TTT T5/models.py (spec/vit3_t5_official.md B2, B6);
   * ViL-T: NX-AI/vision-lstm vision_lstm/vision_lstm2.py, VisionLSTM2 with the hub names of the released
     vil2 checkpoints (spec/vil_official.md sections 1 and 3.1).
@@ -12,7 +14,8 @@ per-sample kernels, torch.einsum for ViL's headwise projections), and its state_
 and shapes, so the same .pth loads into linvis (`linvis run --model vit3_tiny --weights file.pth`).
 
 Resolution: every model is built for img_size (square, a multiple of 16), as the official code builds it with
-img_size / input_shape. ViT3 has no position embedding. T5's pos_embed has (img_size/16)^2 tokens; a state dict
+img_size / input_shape. ViT3 has no position embedding. H-ViT3's RoPE buffers are built for img_size (the
+official classification model builds them for 224; the det/seg backbone recomputes them for any grid). T5's pos_embed has (img_size/16)^2 tokens; a state dict
 made at another resolution is resized on load (bicubic, antialias, as timm's resample_abs_pos_embed, which
 linvis uses). ViL's pos_embed.embed is (1, h, w, D); a state dict made at another resolution is resized on load
 with the official bicubic interpolate (align_corners False, no antialias), as VisionLSTM2.load_state_dict does,
@@ -28,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PEER_MODELS = ("vit3_tiny", "t5_tiny", "vil_tiny")
+PEER_MODELS = ("vit3_tiny", "hvit3_tiny", "t5_tiny", "vil_tiny")
 
 
 def _trunc_normal(t, std):
@@ -80,10 +83,14 @@ class Vit3TTT(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim + 3 * d, bias=qkv_bias)
         self.proj = nn.Linear(dim + d, dim)
 
-    def forward(self, x, h, w):
+    def forward(self, x, h, w, rope=None):
         B, N, C = x.shape
         nh, d = self.num_heads, self.head_dim
         q1, k1, v1, q2, k2, v2 = self.qkv(x).split([C, C, C, d, d, d], dim=-1)
+        if rope is not None:
+            # H-ViT3: RoPE over the full C channels of q1 and k1, before the head split (A2 step 2, A4).
+            q1 = rope(q1.reshape(B, h, w, C)).reshape(B, N, C)
+            k1 = rope(k1.reshape(B, h, w, C)).reshape(B, N, C)
         q1, k1, v1 = (t.reshape(B, N, nh, d).transpose(1, 2) for t in (q1, k1, v1))
         q2, k2, v2 = (t.reshape(B, h, w, d).permute(0, 3, 1, 2) for t in (q2, k2, v2))
 
@@ -157,6 +164,160 @@ class Vit3(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return self.head(self.norm(x).mean(dim=1))
+
+
+# ---------------------------------------------------------------------------------------------------- H-ViT3
+
+
+class Rope(nn.Module):
+    """h_vittt.py RoPE: a persistent buffer rotations (H, W, C/2, 2) of cos / sin; the first C/4 pairs turn with
+    the row index, the last C/4 with the column index; the input is cast to float32 and multiplied as complex
+    numbers (channel 2p real, 2p + 1 imaginary) (A4)."""
+
+    def __init__(self, h, w, dim, base=10000):
+        super().__init__()
+        k_max = dim // 4
+        theta = 1.0 / (base ** (torch.arange(k_max, dtype=torch.float32) / k_max))
+        ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32),
+                                indexing="ij")
+        angles = torch.cat([ys[..., None] * theta, xs[..., None] * theta], dim=-1)
+        self.register_buffer("rotations", torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1))
+
+    def forward(self, x):
+        if x.dtype != torch.float32:
+            x = x.float()
+        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * torch.view_as_complex(self.rotations)).flatten(-2)
+
+
+class ConvLayer(nn.Module):
+    """h_vittt.py ConvLayer: conv, then BatchNorm2d (eps 1e-5) and / or ReLU where given."""
+
+    def __init__(self, cin, cout, kernel, stride=1, groups=1, bias=False, norm=True, act=True):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, kernel, stride=stride, padding=kernel // 2, groups=groups, bias=bias)
+        self.norm = nn.BatchNorm2d(cout) if norm else None
+        self.act = nn.ReLU() if act else None
+
+    def forward(self, x):
+        x = self.conv(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.act(x) if self.act is not None else x
+
+
+class HVit3Stem(nn.Module):
+    """Stride-4 conv stem: 3x3 s2, 3x3, 3x3, 3x3 s2 to 4 C0, 1x1 to C0 without ReLU (A4)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        half = dim // 2
+        self.conv = nn.Sequential(
+            ConvLayer(3, half, 3, stride=2), ConvLayer(half, half, 3), ConvLayer(half, half, 3),
+            ConvLayer(half, 4 * dim, 3, stride=2), ConvLayer(4 * dim, dim, 1, act=False))
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class PatchMerging(nn.Module):
+    """1x1 to R = 4 dim_out with ReLU, depthwise 3x3 stride 2 with ReLU, 1x1 to dim_out with BatchNorm (A4)."""
+
+    def __init__(self, dim, dim_out, ratio=4):
+        super().__init__()
+        hidden = ratio * dim_out
+        self.conv = nn.Sequential(
+            ConvLayer(dim, hidden, 1, bias=True, norm=False),
+            ConvLayer(hidden, hidden, 3, stride=2, groups=hidden, bias=True, norm=False),
+            ConvLayer(hidden, dim_out, 1, bias=True, act=False))
+
+    def forward(self, x, h, w):
+        B, N, C = x.shape
+        x = self.conv(x.transpose(1, 2).reshape(B, C, h, w))
+        return x.flatten(2).transpose(1, 2), x.shape[2], x.shape[3]
+
+
+class ConvMlp(nn.Module):
+    """h_vittt.py Mlp: fc1, GELU, x + depthwise 3x3 (with bias) over the hidden map, GELU, fc2 (A4)."""
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.dwc = nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden, bias=True)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x, h, w):
+        B, N, _ = x.shape
+        x = self.act(self.fc1(x))
+        m = x.transpose(1, 2).reshape(B, -1, h, w)
+        x = x + self.dwc(m).flatten(2).transpose(1, 2)
+        return self.fc2(self.act(x))
+
+
+class HVit3Block(nn.Module):
+    """h_vittt.py TTTBlock, registered as cpe, norm1, rope, attn, norm2, mlp; LayerNorm eps 1e-5 (A4)."""
+
+    def __init__(self, dim, num_heads, h, w, mlp_ratio=4.0):
+        super().__init__()
+        self.cpe = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=True)
+        self.norm1 = nn.LayerNorm(dim)
+        self.rope = Rope(h, w, dim)
+        self.attn = Vit3TTT(dim, num_heads, qkv_bias=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = ConvMlp(dim, int(dim * mlp_ratio))
+
+    def forward(self, x, h, w):
+        B, N, C = x.shape
+        x = x + self.cpe(x.transpose(1, 2).reshape(B, C, h, w)).flatten(2).transpose(1, 2)
+        x = x + self.attn(self.norm1(x), h, w, self.rope)
+        return x + self.mlp(self.norm2(x), h, w)
+
+
+class HVit3Stage(nn.Module):
+    def __init__(self, dim, dim_out, depth, num_heads, h, w):
+        super().__init__()
+        self.blocks = nn.ModuleList([HVit3Block(dim, num_heads, h, w) for _ in range(depth)])
+        self.downsample = PatchMerging(dim, dim_out) if dim_out else None
+
+    def forward(self, x, h, w):
+        for blk in self.blocks:
+            x = blk(x, h, w)
+        if self.downsample is not None:
+            x, h, w = self.downsample(x, h, w)
+        return x, h, w
+
+
+class HVit3(nn.Module):
+    """h_vittt.py ViTTT (H-ViT3-T): conv stem /4, four stages of TTT blocks (head dim 32) with RoPE and the conv
+    MLP, patch merging between stages, BatchNorm1d, mean over tokens, head (A4, A7). The RoPE buffers are built
+    for img_size (the official classification model is built for 224)."""
+
+    def __init__(self, img_size=224, dims=(64, 128, 320, 512), depths=(1, 3, 9, 4), num_classes=1000):
+        super().__init__()
+        self.patch_embed = HVit3Stem(dims[0])
+        grid = img_size // 4
+        stages = []
+        for i, (dim, depth) in enumerate(zip(dims, depths)):
+            side = grid >> i
+            stages.append(HVit3Stage(dim, dims[i + 1] if i + 1 < len(dims) else None, depth, dim // 32, side, side))
+        self.layers = nn.ModuleList(stages)
+        self.norm = nn.BatchNorm1d(dims[-1])
+        self.avgpool = nn.AdaptiveAvgPool1d(1)
+        self.head = nn.Linear(dims[-1], num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                _trunc_normal(m.weight, 0.02)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x):
+        x = self.patch_embed(x)
+        h, w = x.shape[2], x.shape[3]
+        x = x.flatten(2).transpose(1, 2)
+        for stage in self.layers:
+            x, h, w = stage(x, h, w)
+        x = self.avgpool(self.norm(x.transpose(1, 2))).flatten(1)
+        return self.head(x)
 
 
 # ---------------------------------------------------------------------------------------------------- T5
@@ -473,6 +634,8 @@ def create(name, img_size=224):
     """A peer model by its linvis name, randomly initialised as the official code initialises it, in eval mode."""
     if name == "vit3_tiny":
         model = Vit3(img_size=img_size)
+    elif name == "hvit3_tiny":
+        model = HVit3(img_size=img_size)
     elif name == "t5_tiny":
         model = T5(img_size=img_size)
     elif name == "vil_tiny":
