@@ -320,6 +320,22 @@ TEST(ActivationCheckpoint, ReluConvGivesThePlainGradients) {
     }
 }
 
+// Outside a graph a depthwise conv with more than kDepthwiseChunkBytes of input runs a group of channels at a time:
+// LibTorch's values, and the output in the input's layout (a channels-last map stays channels-last).
+TEST(ActivationCheckpoint, LargeDepthwiseConvForwardInChannelGroupsKeepsTheLayout) {
+    torch::manual_seed(33);
+    torch::nn::Conv2d conv(torch::nn::Conv2dOptions(64, 64, 3).stride(2).padding(1).groups(64));
+    const torch::Tensor x = torch::randn({1, 64, 260, 264});  // 17.6 MB > kDepthwiseChunkBytes
+    ASSERT_GT(x.numel() * 4, linvis::nn::kDepthwiseChunkBytes);
+    const torch::Tensor expected = torch::conv2d(x, conv->weight, conv->bias, 2, 1, 1, 64).detach();
+    torch::NoGradGuard no_grad;
+    for (const auto format : {torch::MemoryFormat::Contiguous, torch::MemoryFormat::ChannelsLast}) {
+        const torch::Tensor y = linvis::nn::conv_forward(conv, x.contiguous(format));
+        EXPECT_TRUE(y.is_contiguous(format));
+        EXPECT_TRUE(torch::allclose(y, expected, 1e-5, 1e-6));
+    }
+}
+
 // nn::conv_backward gives autograd's gradients of a conv, and a depthwise conv's in groups of channels the same; so
 // does conv_forward its output.
 TEST(ActivationCheckpoint, ConvBackwardMatchesAutogradAlsoInChannelGroups) {

@@ -311,6 +311,52 @@ TEST(Flops, Bf16LinearGeluMatchesFloat64) {
     EXPECT_THROW(linvis::flops::linear_gelu(torch::randn({2, 3}), torch::randn({4, 3}), {}, "erf"), linvis::Error);
 }
 
+// linear_relu: outside a graph the ReLU acts on the product's float32 accumulator (oneDNN's matmul epilogue), so
+// float32 agrees with relu(linear) to the products' rounding and bf16 rounds once; in a graph it is exactly
+// relu(linear). FLOPs are the product's.
+TEST(Flops, LinearReluIsReluOfTheProduct) {
+    torch::manual_seed(13);
+    for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{{9}, {197, 192}, {2, 65, 33}}) {
+        const int64_t k = shape.back(), n = 2 * k + 3;
+        const torch::Tensor x = torch::randn(shape), w = torch::randn({n, k}) / std::sqrt(static_cast<double>(k));
+        const torch::Tensor b = torch::randn({n});
+        const torch::Tensor pre = torch::nn::functional::linear(x.to(torch::kFloat64), w.to(torch::kFloat64),
+                                                                b.to(torch::kFloat64));
+        const torch::Tensor abs_pre = torch::nn::functional::linear(x.abs().to(torch::kFloat64),
+                                                                    w.abs().to(torch::kFloat64),
+                                                                    b.abs().to(torch::kFloat64));
+        torch::Tensor y, y16;
+        int64_t macs = 0;
+        {
+            torch::NoGradGuard no_grad;
+            const linvis::flops::Counter counter;
+            y = linvis::flops::linear_relu(x, w, b);
+            macs = counter.macs();
+            y16 = linvis::flops::linear_relu(x.to(torch::kBFloat16), w.to(torch::kBFloat16), b.to(torch::kBFloat16));
+        }
+        EXPECT_EQ(macs, x.numel() / k * n * k);
+        ASSERT_EQ(y.sizes(), pre.sizes());
+        EXPECT_TRUE(torch::equal(y.clamp_min(0), y)) << "negative outputs";
+        const torch::Tensor judge = torch::relu(pre);
+        EXPECT_LE(((y.to(torch::kFloat64) - judge).abs() - k * std::ldexp(1.0, -23) * abs_pre - 1e-7).max().item<double>(),
+                  0.0);
+        // bf16: the operands' own values, one rounding of the float32 result.
+        const torch::Tensor pre16 = torch::nn::functional::linear(
+            x.to(torch::kBFloat16).to(torch::kFloat64), w.to(torch::kBFloat16).to(torch::kFloat64),
+            b.to(torch::kBFloat16).to(torch::kFloat64));
+        ASSERT_EQ(y16.scalar_type(), torch::kBFloat16);
+        EXPECT_LE(((y16.to(torch::kFloat64) - torch::relu(pre16)).abs() - std::ldexp(1.0, -8) * torch::relu(pre16) -
+                   k * std::ldexp(1.0, -23) * abs_pre - 1e-7)
+                      .max()
+                      .item<double>(),
+                  0.0);
+        const torch::Tensor xg = x.detach().requires_grad_(true);
+        const torch::Tensor yg = linvis::flops::linear_relu(xg, w, b);
+        EXPECT_TRUE(yg.requires_grad());
+        EXPECT_TRUE(torch::equal(yg.detach(), torch::relu(linvis::flops::linear(x, w, b))));
+    }
+}
+
 // pytorch/pytorch issue 83863: a bf16 product of ones accumulated in bf16 stops growing at 256
 // (256 + 1 rounds back to 256). Every linvis product must accumulate in float32 on every CPU.
 TEST(Precision, ReducedPrecisionProductsAccumulateInFloat32) {

@@ -268,18 +268,58 @@ TEST(HVit3, IntermediatesAreMultiScale) {
     EXPECT_EQ(model->num_features(), 512);
 }
 
+namespace {
+// An eval-mode BatchNorm that is not the identity: statistics and affine parameters off 0 and 1.
+void randomise_norm(torch::nn::BatchNorm2dImpl& norm) {
+    torch::NoGradGuard no_grad;
+    norm.running_mean.normal_();
+    norm.running_var.uniform_(0.5, 2.0);
+    norm.weight.normal_();
+    norm.bias.normal_();
+}
+}  // namespace
+
+// A pointwise conv layer in eval mode on a channels-last map outside a graph (a patch merging's input, the blocks'
+// tokens) is a product over the pixels: the values of conv -> [BatchNorm] -> [ReLU], a channels-last result; a
+// channels-first map and a graph take LibTorch's conv with the same values. (Training mode keeps LibTorch's conv, so
+// that a checkpointed forward matches its recomputation: ActivationCheckpointFamily.ModelGradientsUnchanged.)
+TEST(HVit3, PointwiseConvLayerOnChannelsLastIsAProduct) {
+    torch::manual_seed(62);
+    struct Case {
+        bool bias, norm, relu;
+    };
+    for (const Case c : {Case{true, false, true}, Case{true, true, false}, Case{false, true, true}, Case{true, false, false}}) {
+        linvis::nn::Vit3ConvLayer layer(5, 6, 1, 1, 0, 1, c.bias, c.norm, c.relu);
+        if (c.norm) randomise_norm(*layer->norm);
+        layer->eval();
+        const std::string what = std::string(c.bias ? "bias" : "") + (c.norm ? " norm" : "") + (c.relu ? " relu" : "");
+        const torch::Tensor x = torch::randn({2, 5, 7, 9});
+        torch::Tensor expected = torch::conv2d(x, layer->conv->weight, layer->conv->bias);
+        if (c.norm) expected = layer->norm->forward(expected);
+        if (c.relu) expected = torch::relu(expected);
+        expected = expected.detach();
+        const torch::Tensor last = x.contiguous(torch::MemoryFormat::ChannelsLast);
+        torch::Tensor got_last, got_first;
+        {
+            torch::NoGradGuard no_grad;
+            got_last = layer->forward(last);
+            got_first = layer->forward(x);
+        }
+        EXPECT_TRUE(got_last.is_contiguous(torch::MemoryFormat::ChannelsLast)) << what;
+        EXPECT_TRUE(all_close(got_last, expected, 1e-5, 1e-6)) << what;
+        EXPECT_TRUE(all_close(got_first, expected, 1e-5, 1e-6)) << what;
+        const torch::Tensor graph = layer->forward(last);  // the parameters require grad: LibTorch's conv
+        EXPECT_TRUE(graph.requires_grad()) << what;
+        EXPECT_TRUE(all_close(graph.detach(), expected, 1e-5, 1e-6)) << what;
+    }
+}
+
 // H-ViT3's conv layers in inference write the eval-mode BatchNorm and the ReLU into the conv's output: the same values
 // as LibTorch's BatchNorm and ReLU; batch_norm_eval_into declines (x untouched) wherever it must not write.
 TEST(HVit3, ConvLayerNormAndReluInPlaceInInference) {
     torch::manual_seed(61);
     linvis::nn::Vit3ConvLayer layer(5, 6, 3, 1, 1, 1, false, true, true);
-    {
-        torch::NoGradGuard no_grad;
-        layer->norm->running_mean.normal_();
-        layer->norm->running_var.uniform_(0.5, 2.0);
-        layer->norm->weight.normal_();
-        layer->norm->bias.normal_();
-    }
+    randomise_norm(*layer->norm);
     layer->eval();
     const torch::Tensor x = torch::randn({2, 5, 7, 9});
     const torch::Tensor expected =

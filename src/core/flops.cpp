@@ -155,6 +155,7 @@ using onednn::Activation;
 // `activation` applied in place to y, a product onednn_mm has just computed.
 torch::Tensor activate(torch::Tensor y, Activation activation) {
     if (activation == Activation::None) return y;
+    if (activation == Activation::Relu) return y.relu_();
     return torch::gelu_(y, activation == Activation::GeluTanh ? "tanh" : "none");
 }
 
@@ -297,6 +298,13 @@ torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, c
     }
     if (counting()) add(x.numel() / x.size(-1) * weight.size(0) * weight.size(1));
     return onednn_linear(x, weight, bias, approximate == "tanh" ? Activation::GeluTanh : Activation::GeluErf);
+}
+
+torch::Tensor linear_relu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+    if (records_graph(x, weight, bias)) return torch::relu(linear(x, weight, bias));
+    if (backend(x, weight, bias) == Backend::Torch) return linear(x, weight, bias).relu_();  // fresh, no graph
+    if (counting()) add(x.numel() / x.size(-1) * weight.size(0) * weight.size(1));
+    return onednn_linear(x, weight, bias, Activation::Relu);
 }
 
 bool linear_takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {

@@ -75,10 +75,10 @@ Entry create(int64_t M, int64_t N, int64_t K, const Operand& a, const Operand& b
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);  // the caller's buffer: concurrent calls stay apart
     if (activation != Activation::None) {
         dnnl::post_ops ops;
-        ops.append_eltwise(1.0f,
-                           activation == Activation::GeluErf ? dnnl::algorithm::eltwise_gelu_erf
-                                                             : dnnl::algorithm::eltwise_gelu_tanh,
-                           0.0f, 0.0f);
+        const dnnl::algorithm algorithm = activation == Activation::GeluErf    ? dnnl::algorithm::eltwise_gelu_erf
+                                          : activation == Activation::GeluTanh ? dnnl::algorithm::eltwise_gelu_tanh
+                                                                               : dnnl::algorithm::eltwise_relu;
+        ops.append_eltwise(1.0f, algorithm, 0.0f, 0.0f);
         attr.set_post_ops(ops);
     }
     try {

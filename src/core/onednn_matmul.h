@@ -2,8 +2,8 @@
 //
 // oneDNN 2.6's C API has a float32 gemm (dnnl_sgemm) without epilogue and no bf16 gemm; its matmul primitive takes
 // bf16 or float32 operands, accumulates in float32 and rounds the result once (to bf16 or float32), optionally with
-// a bias and a GELU applied to the float32 accumulator while each tile of the result is in cache. A primitive is
-// created once per shape and layout and kept in a process-wide cache (thread-safe, least recently used entries
+// a bias and a GELU or ReLU applied to the float32 accumulator while each tile of the result is in cache. A primitive
+// is created once per shape and layout and kept in a process-wide cache (thread-safe, least recently used entries
 // dropped past a bound); the engine is created once per process, a stream once per thread.
 #pragma once
 
@@ -14,7 +14,7 @@
 namespace linvis::onednn {
 
 // Activation applied to the float32 accumulator before the one rounding.
-enum class Activation { None, GeluErf, GeluTanh };
+enum class Activation { None, GeluErf, GeluTanh, Relu };
 
 // Whether this CPU and oneDNN build have a non-reference bf16 matmul (AVX-512 oneDNN kernels; with
 // AVX512-BF16 native dot products). Queried once by creating a small primitive.

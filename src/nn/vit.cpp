@@ -78,7 +78,9 @@ torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& 
         const int64_t n = std::min(per_chunk, C - c0);
         const torch::Tensor part = conv(x.narrow(1, c0, n), layer->weight.narrow(0, c0, n),
                                         layer->bias.defined() ? layer->bias.narrow(0, c0, n) : torch::Tensor(), n);
-        if (!out.defined()) out = torch::empty({x.size(0), C, part.size(2), part.size(3)}, part.options());
+        if (!out.defined())  // in the layout of the input (a channels-last map stays channels-last)
+            out = torch::empty({x.size(0), C, part.size(2), part.size(3)},
+                               part.options().memory_format(part.suggest_memory_format()));
         out.narrow(1, c0, n).copy_(part);
     }
     return out;

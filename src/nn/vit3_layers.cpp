@@ -119,7 +119,23 @@ Vit3ConvLayerImpl::Vit3ConvLayerImpl(int64_t in, int64_t out, int64_t kernel, in
 }
 
 torch::Tensor Vit3ConvLayerImpl::forward(const torch::Tensor& x, bool pad_rows) {
-    return post(conv_forward(conv, x, pad_rows));
+    // Eval mode only: a training step's checkpointed forward (no graph) must match its recomputation (LibTorch's conv).
+    const bool product = !is_training() && is_pointwise(conv) && x.dim() == 4 && x.device().is_cpu() &&
+                         x.is_contiguous(at::MemoryFormat::ChannelsLast) && can_overwrite({x, conv->weight}) &&
+                         (!conv->bias.defined() || can_overwrite({conv->bias}));
+    if (!product) return post(conv_forward(conv, x, pad_rows));
+    // In inference, a 1x1 conv on a channels-last map (a patch merging's input: the blocks' tokens seen as a map)
+    // is one product over its pixels, (B H W, C_in) x (C_in, C_out), on oneDNN with the bias, and a ReLU not preceded
+    // by a norm, applied to each tile; the result is channels-last again. LibTorch 1.13 runs this conv in another
+    // layout and returns a channels-first map (docs/performance.md, "H-ViT³ inference: pointwise convs as products").
+    const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), out = conv->weight.size(0);
+    const torch::Tensor pixels = x.permute({0, 2, 3, 1}).reshape({B * H * W, C});  // a view
+    const torch::Tensor weight = conv->weight.view({out, C});
+    const bool relu_in_product = relu && !norm;
+    torch::Tensor y = relu_in_product ? flops::linear_relu(pixels, weight, conv->bias)
+                                      : flops::linear(pixels, weight, conv->bias);
+    y = y.view({B, H, W, out}).permute({0, 3, 1, 2});
+    return relu_in_product ? y : post(std::move(y));
 }
 
 torch::Tensor Vit3ConvLayerImpl::post(torch::Tensor y) {

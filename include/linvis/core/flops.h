@@ -87,6 +87,9 @@ LinearGradients linear_backward(const torch::Tensor& dy, const torch::Tensor& x,
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias = {},
                           const std::string& approximate = "none");
 
+// torch::relu(linear(x, weight, bias)), the ReLU applied inside the product where linear_gelu applies its GELU.
+torch::Tensor linear_relu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias = {});
+
 // Whether linear() hands this product to oneDNN (see above).
 bool linear_takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias = {});
 

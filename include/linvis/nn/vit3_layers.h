@@ -67,7 +67,9 @@ class Vit3ConvLayerImpl : public torch::nn::Module {
 public:
     Vit3ConvLayerImpl(int64_t in, int64_t out, int64_t kernel, int64_t stride, int64_t padding, int64_t groups,
                       bool bias, bool norm, bool relu);
-    // pad_rows false: the conv without its padding above and below (nn::conv_forward), for a band of rows.
+    // pad_rows false: the conv without its padding above and below (nn::conv_forward), for a band of rows. In eval mode
+    // outside a graph a pointwise conv on a channels-last CPU map is a product over the pixels (flops::linear /
+    // linear_relu) and returns a channels-last map.
     torch::Tensor forward(const torch::Tensor& x, bool pad_rows = true);
     // What follows the conv: the norm and the ReLU, each where the layer has it (forward = post(conv(x))).
     torch::Tensor post(torch::Tensor conv_output);
