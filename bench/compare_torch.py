@@ -22,7 +22,7 @@ Run it through bench/compare_torch.sh, which makes the virtual environment (torc
 out of linvis's own dependencies) and calls this file with that environment's python. By hand:
 
     VENV/bin/python bench/compare_torch.py --linvis build/linvis --res 224,512,1024 \
-        --models deit_tiny,vit3_tiny,vittt_tiny,t5_tiny,vil_tiny --markdown peer.md
+        --models deit_tiny,vit3_tiny,hvit3_tiny,vittt_tiny,t5_tiny,vil_tiny --markdown peer.md
 
 What it does:
   0. correctness, at 224, for timm's DeiT and for every requested model that has a peer: the torch model with
@@ -385,7 +385,7 @@ def markdown(rows, meta):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--linvis", default="build/linvis")
-    parser.add_argument("--models", default="deit_tiny,vit3_tiny,vittt_tiny,t5_tiny,vil_tiny")
+    parser.add_argument("--models", default="deit_tiny,vit3_tiny,hvit3_tiny,vittt_tiny,t5_tiny,vil_tiny")
     parser.add_argument("--impl", default="", help="passed to linvis bench (default: its own, auto)")
     parser.add_argument("--res", default="224,512,1024")
     parser.add_argument("--threads", type=int, default=2)
