@@ -39,6 +39,14 @@ def _trunc_normal(t, std):
     nn.init.trunc_normal_(t, std=std, a=-2.0, b=2.0)
 
 
+def _init_linears(model):
+    # The official init of every Linear (ViT3, H-ViT3, T5): trunc_normal std .02, bias 0.
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            _trunc_normal(m.weight, 0.02)
+            nn.init.zeros_(m.bias)
+
+
 class Mlp(nn.Module):
     """timm Mlp: fc1 -> GELU (exact erf) -> fc2 (dropouts are p = 0)."""
 
@@ -154,10 +162,7 @@ class Vit3(nn.Module):
         self.blocks = nn.ModuleList([Vit3Block(embed_dim, num_heads) for _ in range(depth)])
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.head = nn.Linear(embed_dim, num_classes)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                _trunc_normal(m.weight, 0.02)
-                nn.init.zeros_(m.bias)
+        _init_linears(self)
 
     def forward(self, x):
         x = self.patch_embed(x)
@@ -305,10 +310,7 @@ class HVit3(nn.Module):
         self.norm = nn.BatchNorm1d(dims[-1])
         self.avgpool = nn.AdaptiveAvgPool1d(1)
         self.head = nn.Linear(dims[-1], num_classes)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                _trunc_normal(m.weight, 0.02)
-                nn.init.zeros_(m.bias)
+        _init_linears(self)
 
     def forward(self, x):
         x = self.patch_embed(x)
@@ -408,10 +410,7 @@ class T5(nn.Module):
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.head = nn.Linear(embed_dim, num_classes)
         _trunc_normal(self.pos_embed, 0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                _trunc_normal(m.weight, 0.02)
-                nn.init.zeros_(m.bias)
+        _init_linears(self)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "pos_embed"
