@@ -127,7 +127,8 @@ torch::Tensor Vit3ConvLayerImpl::forward(const torch::Tensor& x, bool pad_rows) 
     // In inference, a 1x1 conv on a channels-last map (a patch merging's input: the blocks' tokens seen as a map)
     // is one product over its pixels, (B H W, C_in) x (C_in, C_out), on oneDNN with the bias, and a ReLU not preceded
     // by a norm, applied to each tile; the result is channels-last again. LibTorch 1.13 runs this conv in another
-    // layout and returns a channels-first map (docs/performance.md, "H-ViT³ inference: pointwise convs as products").
+    // layout and returns a channels-first map (docs/performance.md, "H-ViT³ against its torch peer, and its pointwise
+    // convs as products").
     const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), out = conv->weight.size(0);
     const torch::Tensor pixels = x.permute({0, 2, 3, 1}).reshape({B * H * W, C});  // a view
     const torch::Tensor weight = conv->weight.view({out, C});
