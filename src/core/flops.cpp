@@ -287,24 +287,31 @@ LinearGradients linear_backward(const torch::Tensor& dy, const torch::Tensor& x,
     return out;
 }
 
+namespace {
+// activation(linear(x, weight, bias)): in a graph LibTorch's activation of linear(); outside one on oneDNN inside the
+// product (the matmul primitive's epilogue), on LibTorch's products in place on the fresh result.
+torch::Tensor linear_activated(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                               Activation activation) {
+    if (records_graph(x, weight, bias)) {
+        const torch::Tensor y = linear(x, weight, bias);
+        if (activation == Activation::Relu) return torch::relu(y);
+        return torch::gelu(y, activation == Activation::GeluTanh ? "tanh" : "none");
+    }
+    if (backend(x, weight, bias) == Backend::Torch) return activate(linear(x, weight, bias), activation);
+    if (counting()) add(x.numel() / x.size(-1) * weight.size(0) * weight.size(1));
+    return onednn_linear(x, weight, bias, activation);
+}
+}  // namespace
+
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
                           const std::string& approximate) {
     LINVIS_CHECK(approximate == "none" || approximate == "tanh", "linear_gelu: approximate: expected none or tanh, got '",
                  approximate, "'");
-    if (records_graph(x, weight, bias)) return torch::gelu(linear(x, weight, bias), approximate);
-    if (backend(x, weight, bias) == Backend::Torch) {
-        torch::Tensor y = linear(x, weight, bias);  // fresh and outside any graph: GELU in place
-        return torch::gelu_(y, approximate);
-    }
-    if (counting()) add(x.numel() / x.size(-1) * weight.size(0) * weight.size(1));
-    return onednn_linear(x, weight, bias, approximate == "tanh" ? Activation::GeluTanh : Activation::GeluErf);
+    return linear_activated(x, weight, bias, approximate == "tanh" ? Activation::GeluTanh : Activation::GeluErf);
 }
 
 torch::Tensor linear_relu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
-    if (records_graph(x, weight, bias)) return torch::relu(linear(x, weight, bias));
-    if (backend(x, weight, bias) == Backend::Torch) return linear(x, weight, bias).relu_();  // fresh, no graph
-    if (counting()) add(x.numel() / x.size(-1) * weight.size(0) * weight.size(1));
-    return onednn_linear(x, weight, bias, Activation::Relu);
+    return linear_activated(x, weight, bias, Activation::Relu);
 }
 
 bool linear_takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
