@@ -1,5 +1,6 @@
-// The SIMD layer of the fused kernels (src/ops/simd): the register-blocked GEMM, the sigmoid and exp of every
-// target this CPU runs against LibTorch, and the choice of target through LINVIS_SIMD / LINVIS_FORCE_SCALAR.
+// The SIMD layer of the fused kernels (src/ops/simd): the register-blocked GEMM, the sigmoid, exp and 3x3 stencil
+// row of every target this CPU runs against LibTorch, and the choice of target through LINVIS_SIMD /
+// LINVIS_FORCE_SCALAR.
 // The GEMM cases have odd M, N, K (row tails of every tile height, column tails of every mask width) and C
 // with a guard band beyond column N that must stay untouched: a wrong tail mask fails them.
 #include <gtest/gtest.h>
@@ -113,6 +114,56 @@ TEST(SimdLayer, ExpSubMatchesTorchOnEveryTarget) {
                 EXPECT_TRUE(torch::all(y.narrow(0, n, 4) == 7.0f).item<bool>()) << "n = " << n << ": wrote beyond n";
             }
         }
+    });
+}
+
+// One row of the 3x3 depthwise stencil against LibTorch's conv2d (float64) of a three-row image. `live` says which
+// source rows exist (bit r: row r; a missing one is the image's top or bottom edge). Source and output rows sit
+// inside wider buffers whose extra columns hold NaN (never to be read) or a sentinel (never to be written).
+void check_stencil_row(const simd::Kernels& k, int64_t C, int64_t W, int live, bool flip, bool bias_and_accumulate) {
+    const std::string what = "C" + std::to_string(C) + " W" + std::to_string(W) + " rows " + std::to_string(live) +
+                             (flip ? " flipped" : "") + (bias_and_accumulate ? " bias +=" : "");
+    const int64_t sx = C + 3, osx = C + 2;
+    torch::Tensor src = torch::full({3, W, sx}, std::nan(""));
+    torch::Tensor img = torch::randn({3, W, C});
+    src.narrow(2, 0, C).copy_(img);
+    torch::Tensor taps = torch::randn({9, C}), bias = torch::randn({C});
+    torch::Tensor out = torch::full({W, osx}, 12345.0f), start = torch::randn({W, C});
+    if (bias_and_accumulate) out.narrow(1, 0, C).copy_(start);
+    const float* rows[3];
+    for (int r = 0; r < 3; ++r) {
+        const bool present = (live >> r & 1) != 0;
+        rows[r] = present ? src[r].data_ptr<float>() : nullptr;
+        if (!present) img[r].zero_();
+    }
+    const float* bias_or_null = bias_and_accumulate ? bias.data_ptr<float>() : nullptr;
+    k.stencil3x3_row(rows, sx, W, C, taps.data_ptr<float>(), flip, bias_or_null, out.data_ptr<float>(), osx,
+                     bias_and_accumulate);
+    // conv2d is a cross-correlation; flipped, tap (r, j) meets column x - (j - 1).
+    torch::Tensor w = taps.to(torch::kFloat64).t().reshape({C, 1, 3, 3});
+    if (flip) w = w.flip({3});
+    torch::Tensor x = img.to(torch::kFloat64).permute({2, 0, 1}).unsqueeze(0);
+    torch::Tensor expected = torch::conv2d(x, w, torch::Tensor(), 1, std::vector<int64_t>{0, 1}, 1, C);
+    expected = expected.squeeze(0).squeeze(1).t();  // (W, C)
+    if (bias_and_accumulate) expected += bias.to(torch::kFloat64) + start.to(torch::kFloat64);
+    const torch::Tensor got = out.narrow(1, 0, C).to(torch::kFloat64);
+    EXPECT_TRUE(torch::allclose(got, expected, 1e-5, 1e-5))
+        << what << ": max error " << (got - expected).abs().max().item<double>();
+    EXPECT_TRUE(torch::all(out.narrow(1, C, 2) == 12345.0f).item<bool>()) << what << ": wrote beyond C";
+}
+
+// Every combination of missing rows, taps flipped along x (the transposed convolution), a bias with accumulation,
+// channel counts with and without a vector tail and widths down to 1.
+TEST(SimdLayer, Stencil3x3RowMatchesConv2dOnEveryTarget) {
+    torch::manual_seed(5);
+    for_each_simd_target([](const SimdTarget& t) {
+        const simd::Kernels& k = simd::kernels(t.target);
+        for (const int64_t C : {1, 7, 16, 24, 40})
+            for (const int64_t W : {1, 2, 5})
+                for (int live = 1; live < 8; ++live)
+                    for (const bool flip : {false, true})
+                        for (const bool bias_and_accumulate : {false, true})
+                            check_stencil_row(k, C, W, live, flip, bias_and_accumulate);
     });
 }
 

@@ -122,9 +122,63 @@ void narrow_to_bf16(const float* in, uint16_t* out, int64_t n) {
     }
 }
 
+// One channel chunk [c0, c0 + lanes) of stencil3x3_row, along the whole row; kFull: a whole vector (plain loads and
+// stores), otherwise the first `mask` lanes. Registers: 9 taps, 3 x 3 source columns, the sum (20 on AVX-512).
+template <bool kFull>
+HWY_INLINE void stencil3x3_chunk(const float* const* rows, int64_t sx, int64_t W, int64_t C, const float* taps,
+                                 bool flip_x, const float* bias, float* out, int64_t out_sx, bool accumulate,
+                                 int64_t c0, hn::Mask<FloatTag> mask) {
+    const FloatTag d;
+    const auto load = [&](const float* p) { return kFull ? hn::LoadU(d, p) : hn::MaskedLoad(mask, d, p); };
+    FloatVec t[9];
+    for (int i = 0; i < 9; ++i) {
+        // Flipped along x, source column x - (j - 1) is window column 2 - j: swap taps j and 2 - j.
+        const int tap = flip_x ? (i / 3) * 3 + 2 - i % 3 : i;
+        t[i] = load(taps + tap * C + c0);
+    }
+    const FloatVec b = bias != nullptr ? load(bias + c0) : hn::Zero(d);
+    const bool live[3] = {rows[0] != nullptr, rows[1] != nullptr, rows[2] != nullptr};
+    const auto column = [&](int r, int64_t x) {
+        return live[r] && x < W ? load(rows[r] + x * sx + c0) : hn::Zero(d);
+    };
+    // win[r][j]: row r's source column x + j - 1.
+    FloatVec win[3][3];
+    for (int r = 0; r < 3; ++r) {
+        win[r][0] = hn::Zero(d);
+        win[r][1] = column(r, 0);
+    }
+    for (int64_t x = 0; x < W; ++x) {
+        float* o = out + x * out_sx + c0;
+        FloatVec acc = accumulate ? hn::Add(load(o), b) : b;
+        for (int r = 0; r < 3; ++r) {
+            win[r][2] = column(r, x + 1);
+            if (!live[r]) continue;
+            acc = hn::MulAdd(t[r * 3], win[r][0], acc);
+            acc = hn::MulAdd(t[r * 3 + 1], win[r][1], acc);
+            acc = hn::MulAdd(t[r * 3 + 2], win[r][2], acc);
+            win[r][0] = win[r][1];
+            win[r][1] = win[r][2];
+        }
+        if (kFull) hn::StoreU(acc, d, o);
+        else hn::BlendedStore(acc, mask, d, o);
+    }
+}
+
+void stencil3x3_row(const float* const* rows, int64_t sx, int64_t W, int64_t C, const float* taps, bool flip_x,
+                    const float* bias, float* out, int64_t out_sx, bool accumulate) {
+    const FloatTag d;
+    const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+    int64_t c0 = 0;
+    for (; c0 + N <= C; c0 += N)
+        stencil3x3_chunk<true>(rows, sx, W, C, taps, flip_x, bias, out, out_sx, accumulate, c0, hn::FirstN(d, N));
+    if (c0 < C)
+        stencil3x3_chunk<false>(rows, sx, W, C, taps, flip_x, bias, out, out_sx, accumulate, c0,
+                                hn::FirstN(d, static_cast<size_t>(C - c0)));
+}
+
 const Kernels& table() {
-    static const Kernels k{kTarget,   gemm_f32, gemm_f64, sigmoid,    gelu_erf,
-                           gelu_tanh, silu_mul, exp_sub,  widen_bf16, narrow_to_bf16};
+    static const Kernels k{kTarget,  gemm_f32, gemm_f64,   sigmoid,        gelu_erf,      gelu_tanh,
+                           silu_mul, exp_sub,  widen_bf16, narrow_to_bf16, stencil3x3_row};
     return k;
 }
 

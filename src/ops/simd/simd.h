@@ -61,6 +61,14 @@ struct Kernels {
     // float32 and narrows once matches LibTorch's `.to(torch::kBFloat16)` of the same values bit for bit.
     void (*widen_bf16)(const uint16_t* x, float* y, int64_t n) = nullptr;
     void (*narrow_to_bf16)(const float* x, uint16_t* y, int64_t n) = nullptr;
+    // One output row of a 3x3 per-channel stencil (a depthwise 3x3 convolution on channels-last rows):
+    //   out[x*out_sx + c] = (accumulate ? out[x*out_sx + c] : 0) + (bias ? bias[c] : 0)
+    //                       + sum_{r, j < 3} taps[(r*3 + j)*C + c] * rows[r][(x + f*(j-1))*sx + c]
+    // for x < W, c < C, f = -1 if flip_x else +1; a null row, or a column outside [0, W), contributes 0.
+    // Each output vector is summed in a register over its nine taps and stored once, and each source
+    // vector is loaded once per row (a sliding window of three columns). out must not overlap the rows.
+    void (*stencil3x3_row)(const float* const* rows, int64_t sx, int64_t W, int64_t C, const float* taps,
+                           bool flip_x, const float* bias, float* out, int64_t out_sx, bool accumulate) = nullptr;
 };
 
 // The kernels of active_target(), or of a given (supported) target.

@@ -74,55 +74,80 @@ std::vector<float> taps_of(const Tensor& w, int64_t C) {
     return taps;
 }
 
-// Per (sample, channel) mean and 1/sqrt(var + eps) over the N tokens (biased variance, two passes).
+// sum[c] += e and sumsq[c] += e^2 with e = x[c] - shift[c], over `count` rows (row stride ld), in double.
+LINVIS_SIMD_INLINE void shifted_moments_body(const float* x, int64_t count, int64_t ld, int64_t C,
+                                             const float* __restrict shift, double* __restrict sum,
+                                             double* __restrict sumsq) {
+    for (int64_t n = 0; n < count; ++n) {
+        const float* __restrict r = x + n * ld;
+        for (int64_t c = 0; c < C; ++c) {
+            const double e = static_cast<double>(r[c]) - shift[c];
+            sum[c] += e;
+            sumsq[c] += e * e;
+        }
+    }
+}
+LINVIS_SIMD_CLONES(shifted_moments,
+                   (const float* x, int64_t count, int64_t ld, int64_t C, const float* shift, double* sum,
+                    double* sumsq),
+                   (x, count, ld, C, shift, sum, sumsq))
+
+// out[n*ldo + c] = (x[n*ld + c] - mean[c]) * rstd[c] over `count` rows.
+LINVIS_SIMD_INLINE void normalise_rows_body(const float* x, int64_t count, int64_t ld, int64_t C,
+                                            const float* __restrict mean, const float* __restrict rstd, float* out,
+                                            int64_t ldo) {
+    for (int64_t n = 0; n < count; ++n) {
+        const float* __restrict r = x + n * ld;
+        float* __restrict o = out + n * ldo;
+        for (int64_t c = 0; c < C; ++c) o[c] = (r[c] - mean[c]) * rstd[c];
+    }
+}
+LINVIS_SIMD_CLONES(normalise_rows,
+                   (const float* x, int64_t count, int64_t ld, int64_t C, const float* mean, const float* rstd,
+                    float* out, int64_t ldo),
+                   (x, count, ld, C, mean, rstd, out, ldo))
+
+// Per (sample, channel) mean and 1/sqrt(var + eps) over the N tokens (biased variance). One pass: the sums of
+// e = k - k(first token) and of e^2 in double, var = E[e^2] - E[e]^2. The shift keeps the two terms near the
+// variance's size, so the subtraction loses nothing a float result would show; two passes read k twice.
 void key_stats(const Tokens& k, const Dims& s, double eps, float* mean, float* rstd) {
     const GridTasks g(s.B, s.H, s.W, kTokenBlock);
-    std::vector<double> parts(g.count() * s.C);
-    std::vector<double> mu(s.B * s.C);
-    for (int pass = 0; pass < 2; ++pass) {
-        std::fill(parts.begin(), parts.end(), 0.0);
-        at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
-            for (int64_t task = begin; task < end; ++task) {
-                const int64_t b = g.sample(task);
-                double* acc = parts.data() + task * s.C;
-                const double* m = mu.data() + b * s.C;
-                for (int64_t n = g.y0(task) * s.W; n < g.y1(task) * s.W; ++n) {
-                    const float* r = k.row(b, n);
-                    if (pass == 0)
-                        for (int64_t c = 0; c < s.C; ++c) acc[c] += r[c];
-                    else
-                        for (int64_t c = 0; c < s.C; ++c) acc[c] += (r[c] - m[c]) * (r[c] - m[c]);
-                }
+    std::vector<double> sums(g.count() * s.C, 0.0), squares(g.count() * s.C, 0.0);
+    at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = g.sample(task), n0 = g.y0(task) * s.W;
+            shifted_moments(k.row(b, n0), g.y1(task) * s.W - n0, k.sn, s.C, k.row(b, 0), sums.data() + task * s.C,
+                            squares.data() + task * s.C);
+        }
+    });
+    const double inv_n = 1.0 / static_cast<double>(s.N);
+    for (int64_t b = 0; b < s.B; ++b) {
+        const float* shift = k.row(b, 0);
+        for (int64_t c = 0; c < s.C; ++c) {
+            double sum = 0.0, sq = 0.0;
+            for (int64_t ch = 0; ch < g.chunks; ++ch) {  // task order: the same result for any thread count
+                sum += sums[(b * g.chunks + ch) * s.C + c];
+                sq += squares[(b * g.chunks + ch) * s.C + c];
             }
-        });
-        for (int64_t b = 0; b < s.B; ++b)
-            for (int64_t c = 0; c < s.C; ++c) {
-                double sum = 0.0;
-                for (int64_t ch = 0; ch < g.chunks; ++ch) sum += parts[(b * g.chunks + ch) * s.C + c];
-                if (pass == 0) {
-                    mu[b * s.C + c] = sum / static_cast<double>(s.N);
-                    mean[b * s.C + c] = static_cast<float>(mu[b * s.C + c]);
-                } else {
-                    rstd[b * s.C + c] = static_cast<float>(1.0 / std::sqrt(sum / static_cast<double>(s.N) + eps));
-                }
-            }
+            const double e_mean = sum * inv_n, var = std::max(sq * inv_n - e_mean * e_mean, 0.0);
+            mean[b * s.C + c] = static_cast<float>(shift[c] + e_mean);
+            rstd[b * s.C + c] = static_cast<float>(1.0 / std::sqrt(var + eps));
+        }
     }
 }
 
-// q2 = q + dwconv(q) + bias, (B, N, C); also used for the normalised keys.
+// q2 = q + dwconv(q) + bias, (B, N, C); also used for the normalised keys. The residual is the stencil's
+// centre tap plus one and the bias its starting value, so q2 is written in one pass.
 void query_locality(const Tokens& q, const std::vector<float>& qtaps, const float* qbias, const Dims& s,
                     const Tokens& q2) {
+    std::vector<float> taps = qtaps;
+    for (int64_t c = 0; c < s.C; ++c) taps[4 * s.C + c] += 1.0f;
     const GridTasks g(s.B, s.H, s.W, kTokenBlock);
     at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {
             const int64_t b = g.sample(task);
-            stencil_apply(image_of(q, b, s), qtaps.data(), false, mut_image_of(q2, b, s), g.y0(task), g.y1(task),
-                          false);
-            for (int64_t n = g.y0(task) * s.W; n < g.y1(task) * s.W; ++n) {
-                const float* qr = q.row(b, n);
-                float* qo = q2.row(b, n);
-                for (int64_t c = 0; c < s.C; ++c) qo[c] = qr[c] + (qo[c] + qbias[c]);
-            }
+            stencil_apply(image_of(q, b, s), taps.data(), false, mut_image_of(q2, b, s), g.y0(task), g.y1(task),
+                          false, qbias);
         }
     });
 }
@@ -133,12 +158,9 @@ void key_locality(const Tokens& k, const float* mean, const float* rstd, const s
     const GridTasks g(s.B, s.H, s.W, kTokenBlock);
     at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t b = g.sample(task);
-            for (int64_t n = g.y0(task) * s.W; n < g.y1(task) * s.W; ++n) {
-                const float* r = k.row(b, n);
-                float* o = kn.row(b, n);
-                for (int64_t c = 0; c < s.C; ++c) o[c] = (r[c] - mean[b * s.C + c]) * rstd[b * s.C + c];
-            }
+            const int64_t b = g.sample(task), n0 = g.y0(task) * s.W;
+            normalise_rows(k.row(b, n0), g.y1(task) * s.W - n0, k.sn, s.C, mean + b * s.C, rstd + b * s.C,
+                           kn.row(b, n0), kn.sn);
         }
     });
     query_locality(kn, ktaps, kbias, s, k2);  // the same residual depthwise conv, on normalised keys

@@ -9,8 +9,8 @@
 namespace linvis::ops::fused_detail {
 namespace {
 
-// The stencil bodies are written once and compiled for every target by LINVIS_SIMD_CLONES, so the
-// compiler vectorises the channel loops for each instruction set.
+// The float64 stencil and the stencil reductions are written once and compiled for every target by
+// LINVIS_SIMD_CLONES, so the compiler vectorises the channel loops for each instruction set.
 template <typename T>
 LINVIS_SIMD_INLINE void stencil_apply_body(const ImageOf<T>& src, const T* taps, bool transpose,
                                            const MutImageOf<T>& dst, int64_t y0, int64_t y1, bool accumulate) {
@@ -56,10 +56,20 @@ LINVIS_SIMD_INLINE void stencil_reduce_body(const ImageOf<T>& a, const ImageOf<T
 
 }  // namespace
 
-LINVIS_SIMD_CLONES(stencil_apply,
-                   (const Image& src, const float* taps, bool transpose, const MutImage& dst, int64_t y0, int64_t y1,
-                    bool accumulate),
-                   (src, taps, transpose, dst, y0, y1, accumulate))
+// float: one register-blocked row kernel of the SIMD layer per output row.
+void stencil_apply(const Image& src, const float* taps, bool transpose, const MutImage& dst, int64_t y0, int64_t y1,
+                   bool accumulate, const float* bias) {
+    const simd::Kernels& k = simd::kernels();
+    const int64_t f = transpose ? -1 : 1;
+    for (int64_t y = y0; y < y1; ++y) {
+        const float* rows[3];
+        for (int64_t r = 0; r < 3; ++r) {
+            const int64_t ys = y + f * (r - 1);
+            rows[r] = ys >= 0 && ys < src.H ? src.at(ys, 0) : nullptr;
+        }
+        k.stencil3x3_row(rows, src.sx, src.W, src.C, taps, transpose, bias, dst.at(y, 0), dst.sx, accumulate);
+    }
+}
 LINVIS_SIMD_CLONES(stencil_reduce, (const Image& a, const Image& b, float* acc, int64_t y0, int64_t y1),
                    (a, b, acc, y0, y1))
 LINVIS_SIMD_CLONES(stencil_apply,

@@ -53,10 +53,11 @@ struct GridTasks {
 // 3x3 per-channel stencil over rows [y0, y1):
 //   dst(y, x, c) (+)= sum_{dy,dx in -1..1} taps[(dy+1)*3 + dx+1][c] * src(y + f*dy, x + f*dx, c)
 // with f = +1 (cross-correlation, conv2d) or -1 (its transpose), zero outside the image.
-// taps: 9 x C (tap-major). accumulate: add to dst instead of overwriting.
+// taps: 9 x C (tap-major). accumulate: add to dst instead of overwriting; bias (float only, may be null):
+// added to every pixel. dst must not overlap src.
 // float and double (the float64 path of ops::depthwise_conv2d_tokens).
 void stencil_apply(const Image& src, const float* taps, bool transpose, const MutImage& dst, int64_t y0, int64_t y1,
-                   bool accumulate);
+                   bool accumulate, const float* bias = nullptr);
 void stencil_apply(const ImageOf<double>& src, const double* taps, bool transpose, const MutImageOf<double>& dst,
                    int64_t y0, int64_t y1, bool accumulate);
 // acc[tap][c] += sum_{y in [y0,y1), x} a(y + dy, x + dx, c) * b(y, x, c) (zero outside): the 3x3
