@@ -166,30 +166,36 @@ struct Bf16GemmMode {
 };
 }  // namespace
 
-// out += x W^T: oneDNN's sgemm accumulates onto out; graphs, aliasing and other dtypes go through an add.
+// out += x W^T (+ b): oneDNN accumulates onto out (sgemm without a bias, the matmul primitive's sum post-op with
+// one); graphs, aliasing and other dtypes go through an add.
 TEST(Flops, LinearAddAccumulatesOntoOut) {
     torch::manual_seed(11);
-    const auto judge = [](const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w) {
-        return out.to(torch::kFloat64) + torch::nn::functional::linear(x.to(torch::kFloat64), w.to(torch::kFloat64));
+    const auto judge = [](const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w,
+                          const torch::Tensor& b = {}) {
+        return out.to(torch::kFloat64) + torch::nn::functional::linear(x.to(torch::kFloat64), w.to(torch::kFloat64),
+                                                                       b.defined() ? b.to(torch::kFloat64) : b);
     };
     const auto relative = [](const torch::Tensor& a, const torch::Tensor& b) {
         return ((a.to(torch::kFloat64) - b).norm() / b.norm()).item<double>();
     };
     {
         torch::NoGradGuard no_grad;
-        // Plain, a transposed x, a transposed weight, and (2-D) a single row.
-        for (int variant = 0; variant < 4; ++variant) {
-            torch::Tensor x = variant == 3 ? torch::randn({1, 96}) : torch::randn({2, 300, 96});
-            if (variant == 1) x = x.transpose(1, 2).contiguous().transpose(1, 2);
-            const torch::Tensor w = variant == 2 ? torch::randn({96, 80}).t() : torch::randn({80, 96});
-            const std::vector<int64_t> out_shape = variant == 3 ? std::vector<int64_t>{1, 80}
-                                                                : std::vector<int64_t>{2, 300, 80};
+        // Plain, a transposed x, a transposed weight, and (2-D) a single row; each without and with a bias.
+        for (int variant = 0; variant < 8; ++variant) {
+            const bool with_bias = variant >= 4;
+            const int shape = variant % 4;
+            torch::Tensor x = shape == 3 ? torch::randn({1, 96}) : torch::randn({2, 300, 96});
+            if (shape == 1) x = x.transpose(1, 2).contiguous().transpose(1, 2);
+            const torch::Tensor w = shape == 2 ? torch::randn({96, 80}).t() : torch::randn({80, 96});
+            const torch::Tensor b = with_bias ? torch::randn({80}) : torch::Tensor();
+            const std::vector<int64_t> out_shape = shape == 3 ? std::vector<int64_t>{1, 80}
+                                                              : std::vector<int64_t>{2, 300, 80};
             torch::Tensor out = torch::randn(out_shape);
-            const torch::Tensor expected = judge(out, x, w);
+            const torch::Tensor expected = judge(out, x, w, b);
             const void* storage = out.data_ptr();
             const int64_t macs = [&] {
                 linvis::flops::Counter counter;
-                const torch::Tensor returned = linvis::flops::linear_add_(out, x, w);
+                const torch::Tensor returned = linvis::flops::linear_add_(out, x, w, b);
                 EXPECT_EQ(returned.data_ptr(), storage) << "variant " << variant;
                 return counter.macs();
             }();

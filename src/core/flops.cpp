@@ -255,17 +255,31 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const 
     });
 }
 
-torch::Tensor linear_add_(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight) {
-    const bool in_place = backend(x, weight, {}) == Backend::Sgemm && !records_graph(x, weight, {}) &&
-                          !records_graph(out, weight, {}) && out.scalar_type() == torch::kFloat32 &&
+torch::Tensor linear_add_(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+                          const torch::Tensor& bias) {
+    const bool in_place = backend(x, weight, bias) == Backend::Sgemm && !records_graph(x, weight, bias) &&
+                          !records_graph(out, weight, bias) && out.scalar_type() == torch::kFloat32 &&
                           out.device().is_cpu() && out.is_contiguous() && out.dim() == x.dim() &&
                           out.sizes().slice(0, out.dim() - 1) == x.sizes().slice(0, x.dim() - 1) &&
                           out.size(-1) == weight.size(0) && !out.storage().is_alias_of(x.storage()) &&
-                          !out.storage().is_alias_of(weight.storage());
-    if (!in_place) return out.add_(flops::linear(x, weight, torch::Tensor()));
+                          !out.storage().is_alias_of(weight.storage()) &&
+                          !(bias.defined() && out.storage().is_alias_of(bias.storage()));
+    if (!in_place) return out.add_(flops::linear(x, weight, bias));
     const int64_t K = x.size(-1), N = weight.size(0), M = x.numel() / K;
     if (counting()) add(M * N * K);
-    const SgemmOperand A = sgemm_operand(x.reshape({M, K}));
+    const torch::Tensor a = x.reshape({M, K});
+    if (bias.defined()) {
+        // The matmul primitive adds out and the bias to each tile of the product (its sum post-op).
+        torch::Tensor c = out.view({M, N});
+        if (onednn::matmul(a, weight.t(), bias, c, Activation::None, /*accumulate=*/true)) return out;
+        torch::Tensor product;  // no kernel for this case: a fresh product, counted above
+        {
+            const Uncounted uncounted;
+            product = flops::linear(x, weight, bias);
+        }
+        return out.add_(product);
+    }
+    const SgemmOperand A = sgemm_operand(a);
     const SgemmOperand B = sgemm_operand(weight.t());
     sgemm(A.trans, B.trans, M, N, K, A.t.data_ptr<float>(), A.ld, B.t.data_ptr<float>(), B.ld, out.data_ptr<float>(),
           /*accumulate=*/true);

@@ -54,7 +54,8 @@ Operand operand(const torch::Tensor& t) {
 // Everything a primitive depends on.
 using Key = std::tuple<int64_t, int64_t, int64_t,  // M, N, K
                        int64_t, int64_t, int64_t, int64_t,  // strides of a and b
-                       int, int, int, int>;  // bias dtype (-1: none), dst dtype, activation, src dtype
+                       int, int, int, int, bool>;  // bias dtype (-1: none), dst dtype, activation, src dtype,
+                                                   // accumulate
 
 struct Entry {
     bool supported = false;
@@ -64,7 +65,7 @@ struct Entry {
 };
 
 Entry create(int64_t M, int64_t N, int64_t K, const Operand& a, const Operand& b, int bias_dt, dt dst_dt,
-             Activation activation, dt src_dt) {
+             Activation activation, dt src_dt, bool accumulate) {
     Entry entry;
     const dnnl::memory::desc a_md({M, K}, src_dt, {a.s0, a.s1});
     const dnnl::memory::desc b_md({K, N}, src_dt, {b.s0, b.s1});
@@ -73,14 +74,15 @@ Entry create(int64_t M, int64_t N, int64_t K, const Operand& a, const Operand& b
     const dnnl::memory::desc c_md({M, N}, dst_dt, {N, 1});
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);  // the caller's buffer: concurrent calls stay apart
+    dnnl::post_ops ops;
+    if (accumulate) ops.append_sum(1.0f);
     if (activation != Activation::None) {
-        dnnl::post_ops ops;
         const dnnl::algorithm algorithm = activation == Activation::GeluErf    ? dnnl::algorithm::eltwise_gelu_erf
                                           : activation == Activation::GeluTanh ? dnnl::algorithm::eltwise_gelu_tanh
                                                                                : dnnl::algorithm::eltwise_relu;
         ops.append_eltwise(1.0f, algorithm, 0.0f, 0.0f);
-        attr.set_post_ops(ops);
     }
+    if (ops.len() > 0) attr.set_post_ops(ops);
     try {
         const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, bias_md, c_md), attr, cpu_engine());
         entry.implementation = pd.impl_info_str();
@@ -141,7 +143,7 @@ Cache& cache() {
 const Entry& probe() {
     static const Entry entry = [] {
         const Operand a{torch::Tensor(), 64, 1}, b{torch::Tensor(), 64, 1};
-        return create(64, 64, 64, a, b, -1, dt::bf16, Activation::None, dt::bf16);
+        return create(64, 64, 64, a, b, -1, dt::bf16, Activation::None, dt::bf16, false);
     }();
     return entry;
 }
@@ -155,7 +157,7 @@ std::string bf16_matmul_implementation() { return probe().supported ? probe().im
 size_t cached_primitives() { return cache().size(); }
 
 bool matmul(const torch::Tensor& a_in, const torch::Tensor& b_in, const torch::Tensor& bias, torch::Tensor& out,
-            Activation activation) {
+            Activation activation, bool accumulate) {
     LINVIS_CHECK(a_in.dim() == 2 && b_in.dim() == 2 && a_in.size(1) == b_in.size(0),
                  "oneDNN matmul: operands: expected (M x K) . (K x N), got ", a_in.sizes(), " . ", b_in.sizes());
     const torch::ScalarType type = a_in.scalar_type();
@@ -171,8 +173,9 @@ bool matmul(const torch::Tensor& a_in, const torch::Tensor& b_in, const torch::T
     const int bias_dt = bias.defined() ? static_cast<int>(to_dnnl(bias.scalar_type())) : -1;
     const dt dst_dt = to_dnnl(out.scalar_type());
     const Key key{M, N, K, a.s0, a.s1, b.s0, b.s1, bias_dt, static_cast<int>(dst_dt), static_cast<int>(activation),
-                  static_cast<int>(src_dt)};
-    const Entry entry = cache().get(key, [&] { return create(M, N, K, a, b, bias_dt, dst_dt, activation, src_dt); });
+                  static_cast<int>(src_dt), accumulate};
+    const Entry entry =
+        cache().get(key, [&] { return create(M, N, K, a, b, bias_dt, dst_dt, activation, src_dt, accumulate); });
     if (!entry.supported) return false;
     const torch::Tensor bias_c = bias.defined() ? bias.contiguous() : bias;
     dnnl::engine& engine = cpu_engine();

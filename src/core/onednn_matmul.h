@@ -20,12 +20,13 @@ enum class Activation { None, GeluErf, GeluTanh, Relu };
 // AVX512-BF16 native dot products). Queried once by creating a small primitive.
 bool bf16_matmul_available();
 
-// out (M x N, contiguous, bf16 or float32) = a (M x K) . b (K x N) [+ bias (N)], then `activation`; a and b
+// out (M x N, contiguous, bf16 or float32) = [out +] a (M x K) . b (K x N) [+ bias (N)], then `activation`; a and b
 // both bf16 or both float32, bias bf16 or float32, any of them row- or column-major (other layouts are copied).
-// Returns false without touching `out` when oneDNN has no non-reference implementation for this case (bf16
-// operands: when bf16_matmul_available() is false).
+// accumulate: out's values are added to each tile of the product in cache (oneDNN's sum post-op; a residual
+// stream taking a branch's last product). Returns false without touching `out` when oneDNN has no non-reference
+// implementation for this case (bf16 operands: when bf16_matmul_available() is false).
 bool matmul(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias, torch::Tensor& out,
-            Activation activation = Activation::None);
+            Activation activation = Activation::None, bool accumulate = false);
 
 // The implementation oneDNN picked for the small probe product ("brg:avx512_core_bf16", ...), or "none".
 std::string bf16_matmul_implementation();

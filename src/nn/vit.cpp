@@ -228,6 +228,14 @@ MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool with_dwc, ops::Impl impl_) : 
     fc2 = register_module("fc2", vit_linear(hidden, dim));
 }
 
+torch::Tensor MlpImpl::add_to_(const torch::Tensor& residual, const NormedInput& x) {
+    const ops::Impl passes = elementwise_impl(impl);
+    if (dwc || x.records_graph() || !can_overwrite({residual, fc1->weight, fc1->bias, fc2->weight, fc2->bias}))
+        return residual.add_(forward(x));
+    return flops::linear_add_(residual, linear_gelu(x.value(), fc1->weight, fc1->bias, ops::GeluForm::Erf, passes),
+                              fc2->weight, fc2->bias);
+}
+
 torch::Tensor MlpImpl::forward(const NormedInput& x, int64_t height, int64_t width) {
     const ops::Impl passes = elementwise_impl(impl);
     if (!dwc) return nn::gelu_mlp(x, fc1, fc2, ops::GeluForm::Erf, passes);
@@ -306,7 +314,17 @@ torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x_in, int64_t h
     if (cpe)
         x = ops::depthwise_conv2d_tokens(x, height, width, cpe->weight, cpe->bias, ops::DwEpilogue::Residual,
                                          options_.impl);
-    x = add_into(drop_path(attn->forward(NormedInput(norm1, x), height, width), options_.drop_path, is_training()), x);
+    // Inference: each branch's last product accumulates onto the residual stream in the GEMM, into a tensor this
+    // block made (the positional conv's output for the mixer, the mixer's sum for the MLP), never into its input.
+    const bool in_place = can_overwrite({x, norm1->weight, norm2->weight, mlp->fc2->weight}) &&
+                          !drop_path_active(options_.drop_path, is_training()) && !mlp->dwc;
+    if (in_place && cpe) {
+        x = attn->add_to_(x, NormedInput(norm1, x), height, width);
+    } else {
+        torch::Tensor branch = attn->forward(NormedInput(norm1, x), height, width);
+        x = add_into(drop_path(branch, options_.drop_path, is_training()), x);
+    }
+    if (in_place) return mlp->add_to_(x, NormedInput(norm2, x));
     return add_into(drop_path(mlp->forward(NormedInput(norm2, x)), options_.drop_path, is_training()), x);
 }
 

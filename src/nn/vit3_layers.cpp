@@ -27,7 +27,7 @@ Vit3TttImpl::Vit3TttImpl(int64_t dim_, int64_t num_heads_, bool qkv_bias, ops::I
 }
 
 torch::Tensor Vit3TttImpl::forward_with_rope(const NormedInput& in, int64_t height, int64_t width,
-                                             const torch::Tensor& rope_rotations) {
+                                             const torch::Tensor& rope_rotations, const torch::Tensor& residual) {
     const torch::Tensor& x = in.input();
     LINVIS_CHECK(x.dim() == 3 && x.size(2) == dim && x.size(1) == height * width, "Vit3Ttt: expected x (B, ",
                  height * width, ", ", dim, "), got ", shape_string(x.sizes()));
@@ -47,9 +47,11 @@ torch::Tensor Vit3TttImpl::forward_with_rope(const NormedInput& in, int64_t heig
         const auto mix = [heads, H, W, rope, mix_impl](const std::vector<torch::Tensor>& in) {
             return ops::vit3_ttt_mix(in[0], in[1], in[2], in[3], heads, H, W, rope, mix_impl);
         };
-        return recompute_into_linear(mix, {products, w1, w2, w3}, proj->weight, proj->bias);
+        torch::Tensor out = recompute_into_linear(mix, {products, w1, w2, w3}, proj->weight, proj->bias);
+        return residual.defined() ? residual.add_(out) : out;
     }
     torch::Tensor mixed = ops::vit3_ttt_mix(products, w1, w2, w3, num_heads, height, width, rope, impl);
+    if (residual.defined()) return flops::linear_add_(residual, mixed, proj->weight, proj->bias);
     return flops::linear(mixed, proj->weight, proj->bias);
 }
 

@@ -64,11 +64,13 @@ bool counting();
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const torch::Tensor& bias = {});
 
-// out += x W^T in place (no bias; a residual stream taking a branch's last product). Outside a graph, for float32
-// CPU operands with out contiguous and not sharing memory with x or weight, oneDNN's sgemm accumulates the product
-// onto out (beta = 1) while each tile is in cache, instead of writing a fresh product and adding it in another
-// pass; every other case is out.add_(linear(x, weight)). Returns out.
-torch::Tensor linear_add_(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight);
+// out += x W^T (+ b) in place (a residual stream taking a branch's last product). Outside a graph, for float32
+// CPU operands with out contiguous and not sharing memory with x, weight or bias, oneDNN accumulates the product
+// onto out while each tile is in cache (without a bias its sgemm with beta = 1, with one its matmul primitive's
+// sum post-op), instead of writing a fresh product and adding it in another pass; every other case is
+// out.add_(linear(x, weight, bias)). Returns out.
+torch::Tensor linear_add_(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+                          const torch::Tensor& bias = {});
 
 // The gradients of y = linear(x, weight, bias) from dy (y's shape), each only where `needs` (dx, dweight, dbias)
 // asks: dx = dy . W, dW = dy^T . x (over all rows of x), db = dy summed over rows; through oneDNN where linear()

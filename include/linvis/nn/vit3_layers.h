@@ -22,8 +22,12 @@ public:
     torch::Tensor forward(const NormedInput& x, int64_t height, int64_t width) override {
         return forward_with_rope(x, height, width, {});
     }
+    torch::Tensor add_to_(const torch::Tensor& residual, const NormedInput& x, int64_t height, int64_t width) override {
+        return forward_with_rope(x, height, width, {}, residual);
+    }
+    // With `residual` (inference, see Mixer::add_to_): residual += the output, proj's product accumulated onto it.
     torch::Tensor forward_with_rope(const NormedInput& x, int64_t height, int64_t width,
-                                    const torch::Tensor& rope_rotations);
+                                    const torch::Tensor& rope_rotations, const torch::Tensor& residual = {});
     // Inference: x.input() += forward_with_rope(x, ...), in place, a band of grid rows at a time
     // (ops::Vit3TttInBands; nn::add_in_bands_), so that neither the qkv product nor the mix's output exists whole:
     // the bands' keys and values in a first pass, their queries, the mix and the projection in a second. Bands hold
