@@ -17,8 +17,11 @@ using linvis::models::ModelConfig;
 
 linvis::models::ModelPtr small_model(const std::string& name) {
     torch::manual_seed(11);
-    auto model = linvis::models::create_model(
-        name, ModelConfig().set("img_size", int64_t{64}).set("depth", int64_t{2}).set("num_classes", int64_t{5}));
+    ModelConfig config = ModelConfig().set("img_size", int64_t{64}).set("num_classes", int64_t{5});
+    // Two blocks (H-ViT3: one per stage) keep the models small.
+    if (name == "hvit3_tiny") config.set("depths", std::string("1,1,1,1"));
+    else config.set("depth", int64_t{2});
+    auto model = linvis::models::create_model(name, config);
     model->eval();
     return model;
 }
@@ -100,6 +103,6 @@ TEST_P(InPlaceInferenceFamily, TrainingGradientsUnchangedByInferencePasses) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, InPlaceInferenceFamily,
-                         ::testing::Values("deit_tiny", "vit3_tiny", "t5_tiny", "vittt_tiny", "vil_tiny"));
+                         ::testing::Values("deit_tiny", "vit3_tiny", "hvit3_tiny", "t5_tiny", "vittt_tiny", "vil_tiny"));
 
 }  // namespace

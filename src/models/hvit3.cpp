@@ -72,8 +72,13 @@ public:
         } else {
             x = ops::depthwise_conv2d_tokens(x, H, W, cpe->weight, cpe->bias, ops::DwEpilogue::Residual, impl);
         }
+        // Inference on the whole map: x is the block's own tensor (the CPE's output), so proj's and fc2's products
+        // accumulate onto it in the GEMM (nn::Mixer::add_to_).
+        const bool in_place = inference && lnn::can_overwrite({x, attn->proj->weight, mlp->fc2->weight});
         if (mixer_in_bands)
             x = attn->residual_in_bands_(lnn::NormedInput(norm1, x), H, W, rope->table(H, W), kBandBytes);
+        else if (in_place)
+            x = attn->forward_with_rope(lnn::NormedInput(norm1, x), H, W, rope->table(H, W), /*residual=*/x);
         else
             x = lnn::add_into(lnn::drop_path(attn->forward_with_rope(lnn::NormedInput(norm1, x), H, W,
                                                                      rope->table(H, W)),
@@ -81,6 +86,7 @@ public:
                               x);
         if (inference && bytes_per_channel * 2 * mlp->fc1->weight.size(0) > kBandBytes)
             return mlp->residual_in_bands_(lnn::NormedInput(norm2, x), H, W, kBandBytes);
+        if (in_place) return mlp->add_to_(x, lnn::NormedInput(norm2, x), H, W);
         x = lnn::add_into(
             lnn::drop_path(mlp->forward(lnn::NormedInput(norm2, x), H, W), drop_path_rate, is_training()), x);
         return x;

@@ -228,12 +228,16 @@ MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool with_dwc, ops::Impl impl_) : 
     fc2 = register_module("fc2", vit_linear(hidden, dim));
 }
 
-torch::Tensor MlpImpl::add_to_(const torch::Tensor& residual, const NormedInput& x) {
+torch::Tensor MlpImpl::add_to_(const torch::Tensor& residual, const NormedInput& x, int64_t height, int64_t width) {
     const ops::Impl passes = elementwise_impl(impl);
-    if (dwc || x.records_graph() || !can_overwrite({residual, fc1->weight, fc1->bias, fc2->weight, fc2->bias}))
-        return residual.add_(forward(x));
-    return flops::linear_add_(residual, linear_gelu(x.value(), fc1->weight, fc1->bias, ops::GeluForm::Erf, passes),
-                              fc2->weight, fc2->bias);
+    if (x.records_graph() || !can_overwrite({residual, fc1->weight, fc1->bias, fc2->weight, fc2->bias}))
+        return residual.add_(forward(x, height, width));
+    torch::Tensor y = linear_gelu(x.value(), fc1->weight, fc1->bias, ops::GeluForm::Erf, passes);
+    if (dwc) {
+        y = ops::depthwise_conv2d_tokens(y, height, width, dwc->weight, dwc->bias, ops::DwEpilogue::Residual, impl);
+        y = ops::gelu_(std::move(y), passes, ops::GeluForm::Erf);
+    }
+    return flops::linear_add_(residual, y, fc2->weight, fc2->bias);
 }
 
 torch::Tensor MlpImpl::forward(const NormedInput& x, int64_t height, int64_t width) {
@@ -317,14 +321,14 @@ torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x_in, int64_t h
     // Inference: each branch's last product accumulates onto the residual stream in the GEMM, into a tensor this
     // block made (the positional conv's output for the mixer, the mixer's sum for the MLP), never into its input.
     const bool in_place = can_overwrite({x, norm1->weight, norm2->weight, mlp->fc2->weight}) &&
-                          !drop_path_active(options_.drop_path, is_training()) && !mlp->dwc;
+                          !drop_path_active(options_.drop_path, is_training());
     if (in_place && cpe) {
         x = attn->add_to_(x, NormedInput(norm1, x), height, width);
     } else {
         torch::Tensor branch = attn->forward(NormedInput(norm1, x), height, width);
         x = add_into(drop_path(branch, options_.drop_path, is_training()), x);
     }
-    if (in_place) return mlp->add_to_(x, NormedInput(norm2, x));
+    if (in_place) return mlp->add_to_(x, NormedInput(norm2, x), height, width);
     return add_into(drop_path(mlp->forward(NormedInput(norm2, x)), options_.drop_path, is_training()), x);
 }
 

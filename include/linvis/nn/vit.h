@@ -98,9 +98,9 @@ public:
     MlpImpl(int64_t dim, int64_t hidden, bool with_dwc = false, ops::Impl impl = ops::Impl::Auto);
     // x: the block's normalised input (NormedInput: fc1 takes it through layer_norm_linear in a graph).
     torch::Tensor forward(const NormedInput& x, int64_t height = 0, int64_t width = 0);
-    // Inference without the depthwise conv: residual += forward(x), in place, fc2's product accumulated onto
-    // residual in the GEMM (flops::linear_add_); residual is a tensor the caller owns, outside any graph. Returns it.
-    torch::Tensor add_to_(const torch::Tensor& residual, const NormedInput& x);
+    // Inference: residual += forward(x, height, width), in place, fc2's product accumulated onto residual in the
+    // GEMM (flops::linear_add_); residual is a tensor the caller owns, outside any graph. Returns it.
+    torch::Tensor add_to_(const torch::Tensor& residual, const NormedInput& x, int64_t height = 0, int64_t width = 0);
     // Inference with the depthwise conv (H-ViT³'s conv MLP): x.input() += forward(x, ...), in place, a band of grid
     // rows at a time (nn::add_in_bands_), so that the hidden layer (4x the tokens' width, twice around the conv)
     // never exists whole. Each band's hidden rows include one halo row above and below for the 3x3 conv; bands hold
