@@ -103,6 +103,7 @@ TEST_P(InPlaceInferenceFamily, TrainingGradientsUnchangedByInferencePasses) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, InPlaceInferenceFamily,
-                         ::testing::Values("deit_tiny", "vit3_tiny", "hvit3_tiny", "t5_tiny", "vittt_tiny", "vil_tiny"));
+                         ::testing::Values("deit_tiny", "vit3_tiny", "hvit3_tiny", "t5_tiny", "vittt_tiny",
+                                           "vil_tiny"));
 
 }  // namespace
