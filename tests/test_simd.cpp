@@ -167,6 +167,47 @@ TEST(SimdLayer, Stencil3x3RowMatchesConv2dOnEveryTarget) {
     });
 }
 
+// The stencil row's tap gradient: acc (9, C) += the correlation of row b with a's three rows, against a float64 sum
+// of the definition; rows missing as above, acc starting from random values, a sentinel after it.
+void check_stencil_reduce_row(const simd::Kernels& k, int64_t C, int64_t W, int live) {
+    const std::string what = "C" + std::to_string(C) + " W" + std::to_string(W) + " rows " + std::to_string(live);
+    const int64_t a_sx = C + 3, b_sx = C + 1;
+    torch::Tensor a = torch::full({3, W, a_sx}, std::nan(""));
+    a.narrow(2, 0, C).copy_(torch::randn({3, W, C}));
+    torch::Tensor b = torch::full({W, b_sx}, std::nan(""));
+    b.narrow(1, 0, C).copy_(torch::randn({W, C}));
+    // acc is (9, C) row-major with 4 sentinel floats after it.
+    torch::Tensor acc = torch::full({9 * C + 4}, 12345.0f), start = torch::randn({9, C});
+    acc.narrow(0, 0, 9 * C).copy_(start.reshape({9 * C}));
+    const float* rows[3];
+    for (int r = 0; r < 3; ++r) rows[r] = (live >> r & 1) != 0 ? a[r].data_ptr<float>() : nullptr;
+    k.stencil3x3_reduce_row(rows, a_sx, b.data_ptr<float>(), b_sx, W, C, acc.data_ptr<float>());
+    torch::Tensor expected = start.to(torch::kFloat64).clone();
+    const torch::Tensor a64 = a.narrow(2, 0, C).to(torch::kFloat64), b64 = b.narrow(1, 0, C).to(torch::kFloat64);
+    for (int r = 0; r < 3; ++r) {
+        if ((live >> r & 1) == 0) continue;
+        for (int j = 0; j < 3; ++j)
+            for (int64_t x = 0; x < W; ++x) {
+                const int64_t xs = x + j - 1;
+                if (xs >= 0 && xs < W) expected[r * 3 + j] += a64[r][xs] * b64[x];
+            }
+    }
+    const torch::Tensor got = acc.narrow(0, 0, 9 * C).reshape({9, C}).to(torch::kFloat64);
+    EXPECT_TRUE(torch::allclose(got, expected, 1e-5, 1e-5))
+        << what << ": max error " << (got - expected).abs().max().item<double>();
+    EXPECT_TRUE(torch::all(acc.narrow(0, 9 * C, 4) == 12345.0f).item<bool>()) << what << ": wrote beyond acc";
+}
+
+TEST(SimdLayer, Stencil3x3ReduceRowMatchesTheDefinitionOnEveryTarget) {
+    torch::manual_seed(6);
+    for_each_simd_target([](const SimdTarget& t) {
+        const simd::Kernels& k = simd::kernels(t.target);
+        for (const int64_t C : {1, 7, 16, 24, 40})
+            for (const int64_t W : {1, 2, 5})
+                for (int live = 1; live < 8; ++live) check_stencil_reduce_row(k, C, W, live);
+    });
+}
+
 // bfloat16 <-> float32 against LibTorch's conversion, bit for bit but NaN's payload: random values of every magnitude, and the
 // cases the rounding rule decides (ties to even both ways, a carry into the exponent, the largest float that
 // rounds to infinity, subnormals, signed zeros, infinities, NaNs of either sign and payload).

@@ -176,9 +176,59 @@ void stencil3x3_row(const float* const* rows, int64_t sx, int64_t W, int64_t C, 
                                 hn::FirstN(d, static_cast<size_t>(C - c0)));
 }
 
+// One channel chunk of stencil3x3_reduce_row (kFull and mask as in stencil3x3_chunk). Registers: 9 sums, 3 x 3 source
+// columns, b's vector (19 on AVX-512).
+template <bool kFull>
+HWY_INLINE void stencil3x3_reduce_chunk(const float* const* a_rows, int64_t a_sx, const float* b, int64_t b_sx,
+                                        int64_t W, int64_t C, float* acc, int64_t c0, hn::Mask<FloatTag> mask) {
+    const FloatTag d;
+    const auto load = [&](const float* p) { return kFull ? hn::LoadU(d, p) : hn::MaskedLoad(mask, d, p); };
+    const bool live[3] = {a_rows[0] != nullptr, a_rows[1] != nullptr, a_rows[2] != nullptr};
+    const auto column = [&](int r, int64_t x) {
+        return live[r] && x < W ? load(a_rows[r] + x * a_sx + c0) : hn::Zero(d);
+    };
+    FloatVec sum[9];
+    for (int i = 0; i < 9; ++i) sum[i] = hn::Zero(d);
+    FloatVec win[3][3];  // win[r][j]: row r's column x + j - 1
+    for (int r = 0; r < 3; ++r) {
+        win[r][0] = hn::Zero(d);
+        win[r][1] = column(r, 0);
+    }
+    for (int64_t x = 0; x < W; ++x) {
+        const FloatVec bv = load(b + x * b_sx + c0);
+        for (int r = 0; r < 3; ++r) {
+            win[r][2] = column(r, x + 1);
+            if (!live[r]) continue;
+            sum[r * 3] = hn::MulAdd(win[r][0], bv, sum[r * 3]);
+            sum[r * 3 + 1] = hn::MulAdd(win[r][1], bv, sum[r * 3 + 1]);
+            sum[r * 3 + 2] = hn::MulAdd(win[r][2], bv, sum[r * 3 + 2]);
+            win[r][0] = win[r][1];
+            win[r][1] = win[r][2];
+        }
+    }
+    for (int i = 0; i < 9; ++i) {
+        float* t = acc + i * C + c0;
+        const FloatVec total = hn::Add(load(t), sum[i]);
+        if (kFull) hn::StoreU(total, d, t);
+        else hn::BlendedStore(total, mask, d, t);
+    }
+}
+
+void stencil3x3_reduce_row(const float* const* a_rows, int64_t a_sx, const float* b, int64_t b_sx, int64_t W,
+                           int64_t C, float* acc) {
+    const FloatTag d;
+    const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+    int64_t c0 = 0;
+    for (; c0 + N <= C; c0 += N) stencil3x3_reduce_chunk<true>(a_rows, a_sx, b, b_sx, W, C, acc, c0, hn::FirstN(d, N));
+    if (c0 < C)
+        stencil3x3_reduce_chunk<false>(a_rows, a_sx, b, b_sx, W, C, acc, c0,
+                                       hn::FirstN(d, static_cast<size_t>(C - c0)));
+}
+
 const Kernels& table() {
-    static const Kernels k{kTarget,  gemm_f32, gemm_f64,   sigmoid,        gelu_erf,      gelu_tanh,
-                           silu_mul, exp_sub,  widen_bf16, narrow_to_bf16, stencil3x3_row};
+    static const Kernels k{kTarget,        gemm_f32,       gemm_f64,   sigmoid,   gelu_erf,
+                           gelu_tanh,      silu_mul,       exp_sub,    widen_bf16, narrow_to_bf16,
+                           stencil3x3_row, stencil3x3_reduce_row};
     return k;
 }
 

@@ -69,6 +69,13 @@ struct Kernels {
     // vector is loaded once per row (a sliding window of three columns). out must not overlap the rows.
     void (*stencil3x3_row)(const float* const* rows, int64_t sx, int64_t W, int64_t C, const float* taps,
                            bool flip_x, const float* bias, float* out, int64_t out_sx, bool accumulate) = nullptr;
+    // The 3x3 per-channel correlation of one row b with its neighbourhood in a (the taps' gradient of
+    // stencil3x3_row for output gradient b):
+    //   acc[(r*3 + j)*C + c] += sum_{x < W} a_rows[r][(x + j - 1)*a_sx + c] * b[x*b_sx + c]
+    // with a null row, or a column outside [0, W), contributing 0. The nine sums of a channel vector stay in
+    // registers over the row; acc is read and written once per call.
+    void (*stencil3x3_reduce_row)(const float* const* a_rows, int64_t a_sx, const float* b, int64_t b_sx, int64_t W,
+                                  int64_t C, float* acc) = nullptr;
 };
 
 // The kernels of active_target(), or of a given (supported) target.

@@ -9,8 +9,8 @@
 namespace linvis::ops::fused_detail {
 namespace {
 
-// The float64 stencil and the stencil reductions are written once and compiled for every target by
-// LINVIS_SIMD_CLONES, so the compiler vectorises the channel loops for each instruction set.
+// The float64 stencil and its reduction are written once and compiled for every target by LINVIS_SIMD_CLONES, so
+// the compiler vectorises the channel loops for each instruction set.
 template <typename T>
 LINVIS_SIMD_INLINE void stencil_apply_body(const ImageOf<T>& src, const T* taps, bool transpose,
                                            const MutImageOf<T>& dst, int64_t y0, int64_t y1, bool accumulate) {
@@ -70,8 +70,18 @@ void stencil_apply(const Image& src, const float* taps, bool transpose, const Mu
         k.stencil3x3_row(rows, src.sx, src.W, src.C, taps, transpose, bias, dst.at(y, 0), dst.sx, accumulate);
     }
 }
-LINVIS_SIMD_CLONES(stencil_reduce, (const Image& a, const Image& b, float* acc, int64_t y0, int64_t y1),
-                   (a, b, acc, y0, y1))
+// float: the SIMD layer's register-blocked row reduction per row of b.
+void stencil_reduce(const Image& a, const Image& b, float* acc, int64_t y0, int64_t y1) {
+    const simd::Kernels& k = simd::kernels();
+    for (int64_t y = y0; y < y1; ++y) {
+        const float* rows[3];
+        for (int64_t r = 0; r < 3; ++r) {
+            const int64_t ys = y + r - 1;
+            rows[r] = ys >= 0 && ys < a.H ? a.at(ys, 0) : nullptr;
+        }
+        k.stencil3x3_reduce_row(rows, a.sx, b.at(y, 0), b.sx, a.W, a.C, acc);
+    }
+}
 LINVIS_SIMD_CLONES(stencil_apply,
                    (const ImageOf<double>& src, const double* taps, bool transpose, const MutImageOf<double>& dst,
                     int64_t y0, int64_t y1, bool accumulate),
