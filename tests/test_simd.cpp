@@ -152,18 +152,25 @@ void check_stencil_row(const simd::Kernels& k, int64_t C, int64_t W, int live, b
     EXPECT_TRUE(torch::all(out.narrow(1, C, 2) == 12345.0f).item<bool>()) << what << ": wrote beyond C";
 }
 
-// Every combination of missing rows, taps flipped along x (the transposed convolution), a bias with accumulation,
-// channel counts with and without a vector tail and widths down to 1.
-TEST(SimdLayer, Stencil3x3RowMatchesConv2dOnEveryTarget) {
-    torch::manual_seed(5);
-    for_each_simd_target([](const SimdTarget& t) {
+// check(kernels, C, W, live) on every target for channel counts with and without a vector tail, widths down to 1
+// and every combination of missing rows.
+template <class Check>
+void for_each_stencil_case(Check check) {
+    for_each_simd_target([&](const SimdTarget& t) {
         const simd::Kernels& k = simd::kernels(t.target);
         for (const int64_t C : {1, 7, 16, 24, 40})
             for (const int64_t W : {1, 2, 5})
-                for (int live = 1; live < 8; ++live)
-                    for (const bool flip : {false, true})
-                        for (const bool bias_and_accumulate : {false, true})
-                            check_stencil_row(k, C, W, live, flip, bias_and_accumulate);
+                for (int live = 1; live < 8; ++live) check(k, C, W, live);
+    });
+}
+
+// Each case also with taps flipped along x (the transposed convolution) and with a bias and accumulation.
+TEST(SimdLayer, Stencil3x3RowMatchesConv2dOnEveryTarget) {
+    torch::manual_seed(5);
+    for_each_stencil_case([](const simd::Kernels& k, int64_t C, int64_t W, int live) {
+        for (const bool flip : {false, true})
+            for (const bool bias_and_accumulate : {false, true})
+                check_stencil_row(k, C, W, live, flip, bias_and_accumulate);
     });
 }
 
@@ -200,12 +207,7 @@ void check_stencil_reduce_row(const simd::Kernels& k, int64_t C, int64_t W, int 
 
 TEST(SimdLayer, Stencil3x3ReduceRowMatchesTheDefinitionOnEveryTarget) {
     torch::manual_seed(6);
-    for_each_simd_target([](const SimdTarget& t) {
-        const simd::Kernels& k = simd::kernels(t.target);
-        for (const int64_t C : {1, 7, 16, 24, 40})
-            for (const int64_t W : {1, 2, 5})
-                for (int live = 1; live < 8; ++live) check_stencil_reduce_row(k, C, W, live);
-    });
+    for_each_stencil_case(check_stencil_reduce_row);
 }
 
 // bfloat16 <-> float32 against LibTorch's conversion, bit for bit but NaN's payload: random values of every magnitude, and the
