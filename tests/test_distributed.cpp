@@ -214,7 +214,11 @@ std::vector<nlohmann::json> metrics(const fs::path& dir) {
 // biases wherever the ReLUs pass everything (a channel bias then reaches the norm as a shift too).
 // AdamW turns the rounding noise of those gradients into steps of +-lr, so these biases, and the
 // running means they shift, differ between any two runs whose sums round differently; what the
-// network computes with them is compared through the losses.
+// network computes with them is compared through the losses. The same holds for the merging convs'
+// weights, scale-invariant under the norm (no radial gradient) and, where a ReLU passes almost nothing,
+// driven by noise alone: a rounding change of the depthwise-conv kernels alone (one process both times,
+// 2026-11-28) moved one channel of layers.0.downsample.conv.1 by 1.2e-3 while every other entry of that
+// tensor stayed within 1.1e-4, and every weight outside the mergings within 2.6e-4.
 // Likewise the features_only backbone's output LayerNorms norm{i} of a segmentation model: each feeds
 // only a 1x1 conv + BatchNorm of the decode head, which removes a per-channel shift, so their biases
 // get zero gradients too.
@@ -222,7 +226,7 @@ bool noise_driven(const std::string& name) {
     if (name.rfind("backbone.norm", 0) == 0 && name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0)
         return true;
     if (name.find(".downsample.conv.") == std::string::npos) return false;
-    for (const std::string suffix : {".conv.bias", ".norm.running_mean"})
+    for (const std::string suffix : {".conv.bias", ".conv.weight", ".norm.running_mean"})
         if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
             return true;
     return false;
