@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -31,7 +32,8 @@ using torch::Tensor;
 // ------------------------------------------------------------------ row loops (per SIMD target)
 // Written once for float and double; LINVIS_SIMD_CLONES compiles each for every target.
 
-// dst[i*C + c] = (bias ? bias[c] : 0) + (src ? src[i*ss + c] : 0) for n rows of C.
+// dst[i*C + c] = (bias ? bias[c] : 0) + (src ? src[i*ss + c] : 0) for n rows of C (float64: float writes its rows
+// in the stencil's pass).
 template <typename T>
 LINVIS_SIMD_INLINE void init_rows_body(T* dst, const T* bias, const T* src, int64_t ss, int64_t n, int64_t C) {
     for (int64_t i = 0; i < n; ++i) {
@@ -134,8 +136,6 @@ LINVIS_SIMD_INLINE void sum_rows_body(const T* g, int64_t n, int64_t C, T* acc) 
 }
 
 #define LINVIS_DW_CLONES(T)                                                                                     \
-    LINVIS_SIMD_CLONES(init_rows, (T * dst, const T* bias, const T* src, int64_t ss, int64_t n, int64_t C),      \
-                       (dst, bias, src, ss, n, C))                                                              \
     LINVIS_SIMD_CLONES(silu, (const T* z, T* out, int64_t n, SigmoidFn<T> sigmoid), (z, out, n, sigmoid))       \
     LINVIS_SIMD_CLONES(silu_grad, (const T* g, const T* z, T* dz, int64_t n, SigmoidFn<T> sigmoid),             \
                        (g, z, dz, n, sigmoid))                                                                  \
@@ -150,6 +150,8 @@ LINVIS_SIMD_INLINE void sum_rows_body(const T* g, int64_t n, int64_t C, T* acc) 
 LINVIS_DW_CLONES(float)
 LINVIS_DW_CLONES(double)
 #undef LINVIS_DW_CLONES
+LINVIS_SIMD_CLONES(init_rows, (double* dst, const double* bias, const double* src, int64_t ss, int64_t n, int64_t C),
+                   (dst, bias, src, ss, n, C))
 
 // ------------------------------------------------------------------ helpers
 
@@ -213,19 +215,34 @@ decltype(auto) dispatch(const Tensor& x, F&& f) {
 // ------------------------------------------------------------------ 3x3 on the grid
 
 // z (contiguous (B, H*W, C)) = conv(x) + bias (+ x for Residual); out = silu(z) for Silu (out may be z).
+// float: one stencil pass writes z, the residual as the centre tap + 1 and the bias as the sum's start; float64:
+// the rows start as bias (+ x) and the stencil accumulates onto them.
 template <typename T>
 void dw2d_forward(const Tensor& x, int64_t H, int64_t W, const T* taps, const T* bias, DwEpilogue epi,
                   const Tensor& z, const Tensor& out) {
     const int64_t B = x.size(0), C = x.size(2);
     const GridTasks g(B, H, W, kTokenBlock);
     const SigmoidFn<T> sigmoid = sigmoid_of(T{});
+    constexpr bool kOnePass = std::is_same_v<T, float>;
+    std::vector<T> centre_plus_one;
+    if (kOnePass && epi == DwEpilogue::Residual) {
+        centre_plus_one.assign(taps, taps + 9 * C);
+        for (int64_t c = 0; c < C; ++c) centre_plus_one[4 * C + c] += T(1);
+        taps = centre_plus_one.data();
+    }
     at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {
             const int64_t b = g.sample(task), y0 = g.y0(task), y1 = g.y1(task), n = (y1 - y0) * W;
             T* zr = z.data_ptr<T>() + (b * H * W + y0 * W) * C;
-            const T* xr = x.data_ptr<T>() + b * x.stride(0) + y0 * W * x.stride(1);
-            init_rows(zr, bias, epi == DwEpilogue::Residual ? xr : nullptr, x.stride(1), n, C);
-            fused_detail::stencil_apply(image_of<T>(x, b, H, W), taps, false, mut_image_of<T>(z, b, H, W), y0, y1, true);
+            if constexpr (kOnePass) {
+                fused_detail::stencil_apply(image_of<T>(x, b, H, W), taps, false, mut_image_of<T>(z, b, H, W), y0, y1,
+                                            false, bias);
+            } else {
+                const T* xr = x.data_ptr<T>() + b * x.stride(0) + y0 * W * x.stride(1);
+                init_rows(zr, bias, epi == DwEpilogue::Residual ? xr : nullptr, x.stride(1), n, C);
+                fused_detail::stencil_apply(image_of<T>(x, b, H, W), taps, false, mut_image_of<T>(z, b, H, W), y0, y1,
+                                            true);
+            }
             if (epi == DwEpilogue::Silu)
                 silu(static_cast<const T*>(zr), out.data_ptr<T>() + (b * H * W + y0 * W) * C, n * C, sigmoid);
         }
