@@ -225,10 +225,11 @@ void dw2d_forward(const Tensor& x, int64_t H, int64_t W, const T* taps, const T*
     const SigmoidFn<T> sigmoid = sigmoid_of(T{});
     constexpr bool kOnePass = std::is_same_v<T, float>;
     std::vector<T> centre_plus_one;
-    if (kOnePass && epi == DwEpilogue::Residual) {
-        centre_plus_one.assign(taps, taps + 9 * C);
-        for (int64_t c = 0; c < C; ++c) centre_plus_one[4 * C + c] += T(1);
-        taps = centre_plus_one.data();
+    if constexpr (kOnePass) {
+        if (epi == DwEpilogue::Residual) {
+            centre_plus_one = fused_detail::residual_taps(taps, C);
+            taps = centre_plus_one.data();
+        }
     }
     at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {

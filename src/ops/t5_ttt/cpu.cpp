@@ -140,8 +140,7 @@ void key_stats(const Tokens& k, const Dims& s, double eps, float* mean, float* r
 // centre tap plus one and the bias its starting value, so q2 is written in one pass.
 void query_locality(const Tokens& q, const std::vector<float>& qtaps, const float* qbias, const Dims& s,
                     const Tokens& q2) {
-    std::vector<float> taps = qtaps;
-    for (int64_t c = 0; c < s.C; ++c) taps[4 * s.C + c] += 1.0f;
+    const std::vector<float> taps = residual_taps(qtaps.data(), s.C);
     const GridTasks g(s.B, s.H, s.W, kTokenBlock);
     at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {

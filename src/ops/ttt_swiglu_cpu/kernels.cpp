@@ -56,6 +56,12 @@ LINVIS_SIMD_INLINE void stencil_reduce_body(const ImageOf<T>& a, const ImageOf<T
 
 }  // namespace
 
+std::vector<float> residual_taps(const float* taps, int64_t C) {
+    std::vector<float> out(taps, taps + 9 * C);
+    for (int64_t c = 0; c < C; ++c) out[4 * C + c] += 1.0f;
+    return out;
+}
+
 // float: one register-blocked row kernel of the SIMD layer per output row.
 void stencil_apply(const Image& src, const float* taps, bool transpose, const MutImage& dst, int64_t y0, int64_t y1,
                    bool accumulate, const float* bias) {

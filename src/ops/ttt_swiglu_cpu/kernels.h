@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "ops/simd/simd.h"
 
@@ -58,6 +59,9 @@ struct GridTasks {
 // float and double (the float64 path of ops::depthwise_conv2d_tokens).
 void stencil_apply(const Image& src, const float* taps, bool transpose, const MutImage& dst, int64_t y0, int64_t y1,
                    bool accumulate, const float* bias = nullptr);
+// The taps (9 x C, tap-major) of x + stencil(x): the centre tap plus one, so that a residual 3x3 conv is one
+// stencil_apply pass.
+std::vector<float> residual_taps(const float* taps, int64_t C);
 void stencil_apply(const ImageOf<double>& src, const double* taps, bool transpose, const MutImageOf<double>& dst,
                    int64_t y0, int64_t y1, bool accumulate);
 // acc[tap][c] += sum_{y in [y0,y1), x} a(y + dy, x + dx, c) * b(y, x, c) (zero outside): the 3x3
