@@ -3,7 +3,8 @@
 // and v in float64, float32 and bfloat16; N != M, token counts that are not multiples of the tiles (at most
 // 128 queries x 512 keys forward, 128 x 256 backward, query blocks split evenly): 1, 3, 5, 7, 65, 129, 197,
 // 257, 300, 513, 1025, one key (its own test); head dims 8, 16, 32, 64, 72 and dv != d;
-// several samples and heads; large logits (the online softmax's rescaling); float32 on every SIMD target the
+// several samples and heads; q, k, v as strided views of one qkv tensor (deit's layout); large logits (the
+// online softmax's rescaling); float32 on every SIMD target the
 // CPU runs (LINVIS_SIMD=avx512|avx2|scalar: the row loops' clones); the same bits on 1 and 2 threads.
 //
 // Not checked here: that the fused forward keeps no (N, M) tensor for the backward. LibTorch's C++ API does
@@ -106,6 +107,35 @@ TEST(AttentionFused, MatchesReferenceFloat32EveryTarget) {
     linvis::testing::for_each_simd_target([](const linvis::testing::SimdTarget&) {
         all_shapes_f32();
         compare({1, 2, 197, 197, 64, 64}, torch::kFloat64, 1e-10, 1e-12);
+    });
+}
+
+// q, k and v as deit takes them: strided views of one qkv product (B, N, 3, h, d), rows 3 h d floats apart,
+// with more keys than one forward tile (so the forward reads v through its transposed copy) and with fewer
+// (v read in place), on every SIMD target, forward and gradients against the reference.
+TEST(AttentionFused, ViewsOfOneQkvTensor) {
+    linvis::testing::for_each_simd_target([](const linvis::testing::SimdTarget& target) {
+        for (const int64_t tokens : {197, 600}) {
+            for (const torch::ScalarType type : {torch::kFloat32, torch::kFloat64}) {
+                torch::manual_seed(tokens);
+                const torch::Tensor qkv = torch::randn({2, tokens, 3, 3, 32}, torch::TensorOptions().dtype(type));
+                const torch::Tensor probe = torch::randn({2, 3, tokens, 32}, torch::TensorOptions().dtype(type));
+                const auto fused = [&](Impl impl) {
+                    torch::Tensor x = qkv.clone().requires_grad_();
+                    const torch::Tensor heads = x.permute({2, 0, 3, 1, 4});  // (3, B, h, N, d), views
+                    const torch::Tensor out = softmax_attention(heads[0], heads[1], heads[2], 0.2, {}, impl);
+                    (out * probe).sum().backward();
+                    return std::vector<torch::Tensor>{out.detach(), x.grad()};
+                };
+                EXPECT_GT(qkv.permute({2, 0, 3, 1, 4})[2].stride(2), 32);  // v's rows are strided
+                const auto ref = fused(Impl::Reference), got = fused(Impl::Fused);
+                const double tol = type == torch::kFloat32 ? 1e-5 : 1e-12;
+                for (int i = 0; i < 2; ++i)
+                    EXPECT_TRUE(all_close(got[i], ref[i], tol * 10, tol * ref[i].abs().max().item<double>()))
+                        << (i == 0 ? "out" : "dqkv") << " " << tokens << " tokens " << c10::toString(type) << " "
+                        << target.env;
+            }
+        }
     });
 }
 
