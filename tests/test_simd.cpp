@@ -210,6 +210,25 @@ TEST(SimdLayer, Stencil3x3ReduceRowMatchesTheDefinitionOnEveryTarget) {
     for_each_stencil_case(check_stencil_reduce_row);
 }
 
+// The transpose against LibTorch's: square blocks of every target's width, ragged edges in both directions,
+// strided source rows and destination rows, and nothing written outside the destination's cols x rows.
+TEST(SimdLayer, TransposeMatchesLibTorchOnEveryTarget) {
+    torch::manual_seed(8);
+    for_each_simd_target([&](const SimdTarget& t) {
+        const simd::Kernels& k = simd::kernels(t.target);
+        for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{1, 1}, {3, 5}, {16, 16}, {17, 33}, {64, 64},
+                                         {70, 19}, {8, 48}}) {
+            const int64_t lds = cols + 3, ldd = rows + 5;
+            const torch::Tensor src = torch::randn({rows, lds});
+            torch::Tensor dst = torch::full({cols, ldd}, 12345.0f);
+            k.transpose(src.data_ptr<float>(), rows, cols, lds, dst.data_ptr<float>(), ldd);
+            const std::string what = std::string(t.env) + " " + std::to_string(rows) + " x " + std::to_string(cols);
+            EXPECT_TRUE(torch::equal(dst.narrow(1, 0, rows), src.narrow(1, 0, cols).t())) << what;
+            EXPECT_TRUE(torch::all(dst.narrow(1, rows, ldd - rows) == 12345.0f).item<bool>()) << what << ": wrote past";
+        }
+    });
+}
+
 // bfloat16 <-> float32 against LibTorch's conversion, bit for bit but NaN's payload: random values of every magnitude, and the
 // cases the rounding rule decides (ties to even both ways, a carry into the exponent, the largest float that
 // rounds to infinity, subnormals, signed zeros, infinities, NaNs of either sign and payload).

@@ -76,6 +76,9 @@ struct Kernels {
     // registers over the row; acc is read and written once per call.
     void (*stencil3x3_reduce_row)(const float* const* a_rows, int64_t a_sx, const float* b, int64_t b_sx, int64_t W,
                                   int64_t C, float* acc) = nullptr;
+    // dst[j*ldd + i] = src[i*lds + j] for i < rows, j < cols: blocks of one vector's width square transposed in
+    // registers, the edges element by element. dst must not overlap src.
+    void (*transpose)(const float* src, int64_t rows, int64_t cols, int64_t lds, float* dst, int64_t ldd) = nullptr;
 };
 
 // The kernels of active_target(), or of a given (supported) target.

@@ -136,8 +136,7 @@ void reduce_partials(const float* parts, int64_t bh_count, int64_t parts_per_hea
 }
 
 void transpose(const float* in, int64_t rows, int64_t cols, int64_t ld, float* out) {
-    for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = 0; j < cols; ++j) out[j * rows + i] = in[i * ld + j];
+    kernels().transpose(in, rows, cols, ld, out, rows);
 }
 
 }  // namespace linvis::ops::fused_detail
