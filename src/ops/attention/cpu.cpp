@@ -7,8 +7,8 @@
 // Forward: per (sample*head, query block) the block's q^T is copied once; per key tile S^T = k_j q^T
 // (keys x queries, k read in place as the GEMM's A, so deit's q, k, v views of one qkv tensor are never
 // copied), the online softmax runs along the queries (contiguous: 16 queries' maxima and sums stay in
-// registers over the tile's keys), and O^T += v_j^T P^T. The scale is applied in the softmax loops, the
-// reference's order ((q k^T) * scale). One at::parallel_for and nothing else per call.
+// registers over the tile's keys), and O^T += v_j^T P^T. The copied q^T holds q * scale (as the backward's
+// q, so both compute the same logits), and each exponential e^(s - m) is 2^((s - m) log2 e) (exp2_approx).
 // Backward (FlashAttention-2 order, row-major tiles): q * scale, and k, v as transposed key blocks, are laid
 // out once per call; tasks are (sample*head, key segment).
 //
@@ -66,34 +66,58 @@ LINVIS_INLINE float exp_approx(float x) {
 }
 LINVIS_INLINE double exp_approx(double x) { return std::exp(x); }
 
-// One forward tile, transposed: s (n keys x rows queries, row stride ld) holds the raw logits q k^T of the
-// block's queries (columns); they become exp(scale s - m_new), and per query the running maximum m and
-// normaliser l are updated and its accumulated output column of o (dv x rows, row stride ld) is rescaled
-// by exp(m_old - m_new). Every loop runs along the queries, contiguous, so it vectorises. `first`: the
+// 2^x for float: n = round(x) (the 1.5 * 2^23 trick), f = x - n in [-1/2, 1/2], 2^f by its degree-6 Taylor
+// polynomial (truncation below 1.2e-7 relative) and 2^n through the exponent bits: exp_approx's polynomial
+// without its two-constant reduction of x / ln 2 (4 fewer operations). Branch-free; arguments below -126
+// (including -inf) give 2^-126 = 1.2e-38, which is 0 next to the 1 every softmax column holds, and above 127
+// give 2^127.
+LINVIS_INLINE float exp2_approx(float x) {
+    x = x < -126.0f ? -126.0f : x;
+    x = x > 127.0f ? 127.0f : x;
+    const float fn = (x + 12582912.0f) - 12582912.0f;
+    const float f = x - fn;
+    float p = 1.5403530393381609e-4f;  // ln(2)^k / k!, k = 6 down to 1
+    p = p * f + 1.3333558146428443e-3f;
+    p = p * f + 9.6181291076284772e-3f;
+    p = p * f + 5.5504108664821580e-2f;
+    p = p * f + 2.4022650695910071e-1f;
+    p = p * f + 6.9314718055994531e-1f;
+    const float y = p * f + 1.0f;
+    const int bits = (static_cast<int>(fn) + 127) << 23;
+    return y * __builtin_bit_cast(float, bits);
+}
+LINVIS_INLINE double exp2_approx(double x) { return std::exp2(x); }
+
+// One forward tile, transposed: s (n keys x rows queries, row stride ld) holds the logits (q * scale) k^T of
+// the block's queries (columns); they become exp(s - m_new), and per query the running maximum m and
+// normaliser l are updated and its accumulated output column of o (dv x rows, row stride ld) is rescaled by
+// exp(m_old - m_new). exp(x) is 2^(x log2 e): the rounding of x log2 e costs |x| 6e-8 relative, below 1.2e-6
+// for the exponentials that count next to the maximum's 1 (x > -20). Every loop runs along the queries, contiguous, so it vectorises. `first`: the
 // block's first key tile (m, l and o hold nothing yet). alpha: scratch of ld.
 constexpr int64_t kColumns = 16;
 template <typename T>
-LINVIS_INLINE void online_softmax_cols(T* s, int64_t n, int64_t rows, int64_t ld, T scale, T* m, T* l, T* o,
-                                       int64_t dv, bool first, T* alpha) {
+constexpr T kLog2e = T(1.4426950408889634);
+template <typename T>
+LINVIS_INLINE void online_softmax_cols(T* s, int64_t n, int64_t rows, int64_t ld, T* m, T* l, T* o, int64_t dv,
+                                       bool first, T* alpha) {
     // kColumns queries at a time, their maxima and sums in registers over the n keys; the last group may
     // run past `rows` into the tile's padding (ld >= rows rounded up to kColumns; finite values, unused).
     for (int64_t i0 = 0; i0 < rows; i0 += kColumns) {
         T mx[kColumns], sum[kColumns];
 #pragma omp simd
-        for (int64_t i = 0; i < kColumns; ++i) mx[i] = s[i0 + i] * scale;
+        for (int64_t i = 0; i < kColumns; ++i) mx[i] = s[i0 + i];
         for (int64_t j = 1; j < n; ++j) {
             const T* sj = s + j * ld + i0;
 #pragma omp simd
             for (int64_t i = 0; i < kColumns; ++i) {
-                const T x = sj[i] * scale;  // a plain select: GCC vectorises it, not std::max
-                mx[i] = x > mx[i] ? x : mx[i];
+                mx[i] = sj[i] > mx[i] ? sj[i] : mx[i];  // a plain select: GCC vectorises it, not std::max
             }
         }
         T* mi = m + i0;
 #pragma omp simd
         for (int64_t i = 0; i < kColumns; ++i) {
             const T m_new = first || mx[i] > mi[i] ? mx[i] : mi[i];
-            alpha[i0 + i] = first ? T(0) : exp_approx(mi[i] - m_new);
+            alpha[i0 + i] = first ? T(0) : exp2_approx((mi[i] - m_new) * kLog2e<T>);
             mi[i] = m_new;
             sum[i] = 0;
         }
@@ -101,7 +125,7 @@ LINVIS_INLINE void online_softmax_cols(T* s, int64_t n, int64_t rows, int64_t ld
             T* sj = s + j * ld + i0;
 #pragma omp simd
             for (int64_t i = 0; i < kColumns; ++i) {
-                const T e = exp_approx(sj[i] * scale - mi[i]);
+                const T e = exp2_approx((sj[i] - mi[i]) * kLog2e<T>);
                 sj[i] = e;
                 sum[i] += e;
             }
@@ -136,8 +160,8 @@ LINVIS_INLINE void backward_rows(T* s, T* dp, int64_t rows, int64_t n, int64_t l
 
 // The tile loops for every SIMD target (templates, so LINVIS_SIMD_CLONES is written out) and the choice.
 #define LINVIS_FORWARD_PARAMS \
-    T *s, int64_t n, int64_t rows, int64_t ld, T scale, T *m, T *l, T *o, int64_t dv, bool first, T *alpha
-#define LINVIS_FORWARD_ARGS s, n, rows, ld, scale, m, l, o, dv, first, alpha
+    T *s, int64_t n, int64_t rows, int64_t ld, T *m, T *l, T *o, int64_t dv, bool first, T *alpha
+#define LINVIS_FORWARD_ARGS s, n, rows, ld, m, l, o, dv, first, alpha
 template <typename T>
 void forward_cols_scalar(LINVIS_FORWARD_PARAMS) {
     online_softmax_cols(LINVIS_FORWARD_ARGS);
@@ -293,7 +317,7 @@ void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
             const int64_t rows = std::min(rows_max, N - i0);
             const T* qi = Q.at(bh) + i0 * Q.row;
             for (int64_t r = 0; r < rows; ++r)
-                for (int64_t x = 0; x < d; ++x) qt[x * QB + r] = qi[r * Q.row + x];
+                for (int64_t x = 0; x < d; ++x) qt[x * QB + r] = qi[r * Q.row + x] * sc;
             const T* kb = K.at(bh);
             // v_j^T as the GEMM's A: rows along the keys in v^T, or v's columns read in place.
             const T* va = transpose_v ? vt_p + bh * dv * M : V.at(bh);
@@ -302,8 +326,7 @@ void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
                 const int64_t cols = std::min(KB, M - j0);
                 const bool first = j0 == 0;
                 simd::gemm(kern, cols, rows, d, kb + j0 * K.row, K.row, 1, qt, QB, st, QB, false);
-                forward_cols<T>(target, st, cols, rows, QB, sc, m, l, ot, dv, first,
-                                alpha);
+                forward_cols<T>(target, st, cols, rows, QB, m, l, ot, dv, first, alpha);
                 simd::gemm(kern, dv, rows, cols, va + j0 * va_key, va_row, va_key, st, QB, ot, QB,
                            /*accumulate=*/!first);
             }
