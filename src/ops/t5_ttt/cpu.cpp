@@ -45,8 +45,15 @@ struct Dims {
     int64_t blocks = 1;           // ceil(N / block)
     int64_t per_group = 1;        // blocks per group
     int64_t groups = 1;           // ceil(blocks / per_group)
+    // Tasks are taken token-major, (sample*head) fastest: the heads of one block (or group) of tokens run one
+    // after another on one thread while the rows they all read are in cache (as the ViT3 kernel's, see
+    // SwigluDims). A reduction task's d x d partial sums stay at part_of(task) = (sample*head, group), so their
+    // fixed-order sum does not depend on the task order.
+    int64_t head_of(int64_t task) const { return task % (B * h); }
+    int64_t block_of(int64_t task) const { return task / (B * h); }  // a read-out task's block
+    int64_t part_of(int64_t task) const { return head_of(task) * groups + task / (B * h); }
     // The blocks [group_begin, group_end) of reduction task `task` (one group of one (sample, head)).
-    int64_t group_begin(int64_t task) const { return (task % groups) * per_group; }
+    int64_t group_begin(int64_t task) const { return task / (B * h) * per_group; }
     int64_t group_end(int64_t task) const { return std::min(blocks, group_begin(task) + per_group); }
 };
 
@@ -320,14 +327,14 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
         for (int i = 0; i < 8; ++i) a[i] = buf[i];
         for (int64_t task = begin; task < end; ++task)
           for (int64_t blk = s.group_begin(task); blk < s.group_end(task); ++blk) {
-            const int64_t bh = task / s.groups, b = bh / s.h, hh = bh % s.h;
+            const int64_t bh = s.head_of(task), b = bh / s.h, hh = bh % s.h, part = s.part_of(task);
             const bool acc = blk % s.per_group != 0;  // first block of the group overwrites the partial
             const int64_t n0 = blk * s.block, T = std::min(s.block, s.N - n0);
             inner_block(kr, K2, V, hw, b, hh, n0, T, s, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
             const float* kbk = K2.head_row(b, hh, n0, d);
-            kr.gemm(d, d, T, kbk, 1, K2.sn, a[6], d, pa.get() + task * dd, d, acc);
-            kr.gemm(d, d, T, kbk, 1, K2.sn, a[7], d, pb.get() + task * dd, d, acc);
-            kr.gemm(d, d, T, a[4], 1, d, a[3], d, pc.get() + task * dd, d, acc);
+            kr.gemm(d, d, T, kbk, 1, K2.sn, a[6], d, pa.get() + part * dd, d, acc);
+            kr.gemm(d, d, T, kbk, 1, K2.sn, a[7], d, pb.get() + part * dd, d, acc);
+            kr.gemm(d, d, T, a[4], 1, d, a[3], d, pc.get() + part * dd, d, acc);
         }
     });
     k2 = Tensor();  // only the read-out (q2) is still needed
@@ -350,7 +357,7 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
         const BlockScratch buf(4, s.block, d);
         float *y1 = buf[0], *y2 = buf[1], *sg = buf[2], *hb = buf[3];
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t bh = task / s.blocks, blk = task % s.blocks, b = bh / s.h, hh = bh % s.h;
+            const int64_t bh = s.head_of(task), blk = s.block_of(task), b = bh / s.h, hh = bh % s.h;
             const int64_t n0 = blk * s.block, T = std::min(s.block, s.N - n0);
             const float* qr = Q2.head_row(b, hh, n0, d);
             kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + bh * dd, d, y1, d, false);
@@ -405,7 +412,7 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
         float *y1 = a[0], *y2 = a[1], *sg = a[2], *hbuf = a[3], *dh = a[4], *dy2 = a[5];
         for (int64_t task = begin; task < end; ++task)
           for (int64_t blk = s.group_begin(task); blk < s.group_end(task); ++blk) {
-            const int64_t bh = task / s.groups, b = bh / s.h, hh = bh % s.h;
+            const int64_t bh = s.head_of(task), b = bh / s.h, hh = bh % s.h, part = s.part_of(task);
             const bool acc = blk % s.per_group != 0;  // first block of the group overwrites the partial
             const int64_t n0 = blk * s.block, T = std::min(s.block, s.N - n0);
             const float* qr = Q2.head_row(b, hh, n0, d);
@@ -414,11 +421,11 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
             kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + (BH + bh) * dd, d, y2, d, false);
             kr.sigmoid(y1, sg, T * d);
             gate(T * d, y1, y2, sg, hbuf);
-            kr.gemm(d, d, T, hbuf, 1, d, gr, dO.sn, pc.get() + task * dd, d, acc);
+            kr.gemm(d, d, T, hbuf, 1, d, gr, dO.sn, pc.get() + part * dd, d, acc);
             kr.gemm(T, d, d, gr, dO.sn, 1, wnT.data() + (2 * BH + bh) * dd, d, dh, d, false);
             gate_backward(T * d, y1, y2, sg, dh, dy2);  // dh becomes dy1
-            kr.gemm(d, d, T, qr, 1, Q2.sn, dh, d, pa.get() + task * dd, d, acc);
-            kr.gemm(d, d, T, qr, 1, Q2.sn, dy2, d, pb.get() + task * dd, d, acc);
+            kr.gemm(d, d, T, qr, 1, Q2.sn, dh, d, pa.get() + part * dd, d, acc);
+            kr.gemm(d, d, T, qr, 1, Q2.sn, dy2, d, pb.get() + part * dd, d, acc);
             float* dq = DQ2.head_row(b, hh, n0, d);
             kr.gemm(T, d, d, dh, d, 1, wnT.data() + bh * dd, d, dq, DQ2.sn, false);
             kr.gemm(T, d, d, dy2, d, 1, wnT.data() + (BH + bh) * dd, d, dq, DQ2.sn, true);
@@ -485,7 +492,7 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
         const float dv_scale = static_cast<float>(-s.scale / static_cast<double>(s.N));
         for (int64_t task = begin; task < end; ++task)
           for (int64_t blk = s.group_begin(task); blk < s.group_end(task); ++blk) {
-            const int64_t bh = task / s.groups, b = bh / s.h, hh = bh % s.h;
+            const int64_t bh = s.head_of(task), b = bh / s.h, hh = bh % s.h, part = s.part_of(task);
             const bool acc = blk % s.per_group != 0;  // first block of the group overwrites the partial
             const int64_t n0 = blk * s.block, T = std::min(s.block, s.N - n0);
             inner_block(kr, K2, V, hw, b, hh, n0, T, s, z1, z2, sg, e, a2, da2f, p1, p2);
@@ -502,9 +509,9 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
             kr.gemm(T, d, d, p2, d, 1, dGT.data() + (BH + bh) * dd, d, dk, DK2.sn, true);
             kr.gemm(T, d, d, dz1, d, 1, hw.w1T.data() + hh * dd, d, dk, DK2.sn, true);
             kr.gemm(T, d, d, dz2, d, 1, hw.w2T.data() + hh * dd, d, dk, DK2.sn, true);
-            kr.gemm(d, d, T, kbk, 1, K2.sn, dz1, d, pa.get() + task * dd, d, acc);
-            kr.gemm(d, d, T, kbk, 1, K2.sn, dz2, d, pb.get() + task * dd, d, acc);
-            kr.gemm(d, d, T, dda2, 1, d, e, d, pc.get() + task * dd, d, acc);
+            kr.gemm(d, d, T, kbk, 1, K2.sn, dz1, d, pa.get() + part * dd, d, acc);
+            kr.gemm(d, d, T, kbk, 1, K2.sn, dz2, d, pb.get() + part * dd, d, acc);
+            kr.gemm(d, d, T, dda2, 1, d, e, d, pc.get() + part * dd, d, acc);
         }
     });
     std::vector<float> direct(3 * BH * dd);
