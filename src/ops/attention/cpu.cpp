@@ -5,10 +5,12 @@
 // SIMD layer (AVX-512, AVX2, scalar; ops/simd/simd.h, LINVIS_SIMD selects a lower one).
 //
 // Forward: per (sample*head, query block) the block's q^T is copied once; per key tile S^T = k_j q^T
-// (keys x queries, k read in place as the GEMM's A, so deit's q, k, v views of one qkv tensor are never
-// copied), the online softmax runs along the queries (contiguous: 16 queries' maxima and sums stay in
-// registers over the tile's keys), and O^T += v_j^T P^T. The copied q^T holds q * scale (as the backward's
-// q, so both compute the same logits), and each exponential e^(s - m) is 2^((s - m) log2 e) (exp2_approx).
+// (keys x queries, k as the GEMM's A), the online softmax runs along the queries (contiguous: 16 queries'
+// maxima and sums stay in registers over the tile's keys), and O^T += v_j^T P^T. With one key tile (a 224-px
+// image) k and v are read in place, deit's q, k, v views of one qkv tensor are never copied; with more, every
+// query block sweeps all keys, so k's rows are copied contiguous and v transposed once per call. The copied
+// q^T holds q * scale (as the backward's q, so both compute the same logits), and each exponential e^(s - m)
+// is 2^((s - m) log2 e) (exp2_approx).
 // Backward (FlashAttention-2 order, row-major tiles): q * scale, and k, v as transposed key blocks, are laid
 // out once per call; tasks are (sample*head, key segment).
 //
@@ -92,8 +94,9 @@ LINVIS_INLINE double exp2_approx(double x) { return std::exp2(x); }
 // the block's queries (columns); they become exp(s - m_new), and per query the running maximum m and
 // normaliser l are updated and its accumulated output column of o (dv x rows, row stride ld) is rescaled by
 // exp(m_old - m_new). exp(x) is 2^(x log2 e): the rounding of x log2 e costs |x| 6e-8 relative, below 1.2e-6
-// for the exponentials that count next to the maximum's 1 (x > -20). Every loop runs along the queries, contiguous, so it vectorises. `first`: the
-// block's first key tile (m, l and o hold nothing yet). alpha: scratch of ld.
+// for the exponentials that count next to the maximum's 1 (x > -20). Every loop runs along the queries,
+// contiguous, so it vectorises. `first`: the block's first key tile (m, l and o hold nothing yet). alpha:
+// scratch of ld.
 constexpr int64_t kColumns = 16;
 template <typename T>
 constexpr T kLog2e = T(1.4426950408889634);
@@ -284,10 +287,10 @@ torch::Tensor transposed_values(const torch::Tensor& v, const simd::Kernels& ker
 
 // q (B, h, N, d), k (B, h, M, d), v (B, h, M, dv), one floating type T, unit stride along the last dim
 // (any other strides: deit's q, k, v are views of one qkv tensor). Writes out (B*h, N, dv) and the row
-// logsumexp lse (B*h, N), contiguous. v is transposed once (transposed_values) when there is more than one
-// key tile, then one parallel region: per (sample*head, query block) the block's q^T (d x rows) is copied
-// once, then per key tile S^T = k_j q^T (keys x queries; k is read in place as the GEMM's A), the online
-// softmax along the queries, and O^T += v_j^T P^T.
+// logsumexp lse (B*h, N), contiguous. With more than one key tile k's rows are copied contiguous and v
+// transposed once (transposed_values), then one parallel region: per (sample*head, query block) the block's
+// q^T * scale (d x rows) is copied once, then per key tile S^T = k_j q^T (keys x queries, k as the GEMM's A),
+// the online softmax along the queries, and O^T += v_j^T P^T.
 template <typename T>
 void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
              const torch::Tensor& out, const torch::Tensor& lse) {
