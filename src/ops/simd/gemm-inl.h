@@ -79,6 +79,19 @@ struct Vec {
     friend HWY_INLINE Vec operator*(Vec a, Vec b) { return {hn::Mul(a.x, b.x)}; }
 };
 
+// dst[j*ldd + i] = src[i*lds + j] for i < rows, j < cols: W x W blocks through V::transpose_block, the edges
+// element by element (the table's float transpose, and the TTT-Linear scan's float and double ones).
+template <class V>
+HWY_INLINE void transpose_blocks(const typename V::T* src, int64_t rows, int64_t cols, int64_t lds,
+                                 typename V::T* dst, int64_t ldd) {
+    constexpr int64_t W = V::W;
+    const int64_t rows_full = W > 1 ? rows / W * W : 0, cols_full = W > 1 ? cols / W * W : 0;
+    for (int64_t i = 0; i < rows_full; i += W)
+        for (int64_t j = 0; j < cols_full; j += W) V::transpose_block(src + i * lds + j, lds, dst + j * ldd + i, ldd);
+    for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = i < rows_full ? cols_full : 0; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
+}
+
 // ---------------------------------------------------------------- register-blocked GEMM
 // C (M x N, row-major, ldc) (+)= A (M x K; A(i, k) = A[i*ars + k*acs]) * B (K x N, row-major, ldb), see
 // GemmInit. Column panels of NV vectors; MR rows x NV vectors of accumulators stay in registers over the

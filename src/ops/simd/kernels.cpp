@@ -226,13 +226,7 @@ void stencil3x3_reduce_row(const float* const* a_rows, int64_t a_sx, const float
 }
 
 void transpose(const float* src, int64_t rows, int64_t cols, int64_t lds, float* dst, int64_t ldd) {
-    using V = Vec<float>;
-    constexpr int64_t W = V::W;
-    const int64_t rows_full = W > 1 ? rows / W * W : 0, cols_full = W > 1 ? cols / W * W : 0;
-    for (int64_t i = 0; i < rows_full; i += W)
-        for (int64_t j = 0; j < cols_full; j += W) V::transpose_block(src + i * lds + j, lds, dst + j * ldd + i, ldd);
-    for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = i < rows_full ? cols_full : 0; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
+    transpose_blocks<Vec<float>>(src, rows, cols, lds, dst, ldd);
 }
 
 const Kernels& table() {

@@ -50,10 +50,11 @@ struct Dims {
     // SwigluDims). A reduction task's d x d partial sums stay at part_of(task) = (sample*head, group), so their
     // fixed-order sum does not depend on the task order.
     int64_t head_of(int64_t task) const { return task % (B * h); }
-    int64_t block_of(int64_t task) const { return task / (B * h); }  // a read-out task's block
-    int64_t part_of(int64_t task) const { return head_of(task) * groups + task / (B * h); }
+    // A read-out task's block, or a reduction task's group.
+    int64_t block_of(int64_t task) const { return task / (B * h); }
+    int64_t part_of(int64_t task) const { return head_of(task) * groups + block_of(task); }
     // The blocks [group_begin, group_end) of reduction task `task` (one group of one (sample, head)).
-    int64_t group_begin(int64_t task) const { return task / (B * h) * per_group; }
+    int64_t group_begin(int64_t task) const { return block_of(task) * per_group; }
     int64_t group_end(int64_t task) const { return std::min(blocks, group_begin(task) + per_group); }
 };
 

@@ -21,15 +21,10 @@ inline void gemm_acc(int64_t M, int64_t N, int64_t Kc, const typename V::T* A, i
     simd::HWY_NAMESPACE::gemm<V>(M, N, Kc, A, ars, acs, B, ldb, C, ldc, init, row);
 }
 
-// dst (cols x rows) = src (rows x cols) transposed; W x W blocks through V::transpose_block.
+// dst (cols x rows) = src (rows x cols) transposed, both contiguous: the SIMD layer's block transpose.
 template <class V>
 inline void transpose(const typename V::T* src, int64_t rows, int64_t cols, typename V::T* dst) {
-    constexpr int64_t W = V::W;
-    const int64_t rows_full = W > 1 ? rows / W * W : 0, cols_full = W > 1 ? cols / W * W : 0;
-    for (int64_t i = 0; i < rows_full; i += W)
-        for (int64_t j = 0; j < cols_full; j += W) V::transpose_block(src + i * cols + j, cols, dst + j * rows + i, rows);
-    for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = (i < rows_full ? cols_full : 0); j < cols; ++j) dst[j * rows + i] = src[i * cols + j];
+    simd::HWY_NAMESPACE::transpose_blocks<V>(src, rows, cols, cols, dst, rows);
 }
 
 // acc (d) += sum over rows of src (rows x d).
