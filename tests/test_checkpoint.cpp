@@ -63,6 +63,21 @@ TEST(ActivationCheckpoint, NoGraphMeansAPlainCall) {
     EXPECT_EQ(calls, 1);
 }
 
+// A training step's checkpointed forward runs without a graph, yet its weights are being trained: its products read
+// them in place rather than packing copies for inference that the next optimizer step makes stale.
+TEST(ActivationCheckpoint, ForwardWithoutAGraphPacksNoWeights) {
+    const torch::Tensor w = torch::randn({96, 64}, torch::requires_grad());
+    const torch::Tensor b = torch::randn({96}, torch::requires_grad());
+    const torch::Tensor x = torch::randn({256, 64}, torch::requires_grad());
+    const linvis::nn::BlockFn product = [&](const torch::Tensor& t) { return linvis::flops::linear(t, w, b); };
+    const int64_t before = linvis::flops::packed_weight_bytes();
+    const torch::Tensor y = linvis::nn::checkpoint(product, x);
+    EXPECT_EQ(linvis::flops::packed_weight_bytes(), before);
+    y.sum().backward();
+    EXPECT_TRUE(linvis::testing::all_close(w.grad(), torch::ones({256, 96}).t().mm(x.detach()), 1e-5, 1e-5));
+    EXPECT_EQ(linvis::flops::packed_weight_bytes(), before);
+}
+
 // A segment with several inputs and outputs (selective recomputation): an input passed twice, one that needs
 // no gradient, an output the loss does not use. Same gradients as the plain graph, none for the input without.
 TEST(ActivationCheckpoint, SegmentWithSeveralInputsAndOutputs) {

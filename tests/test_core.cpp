@@ -1,4 +1,6 @@
 // Core utilities: error messages, FLOP counting, runtime facts (command-line parsing: test_cli_args.cpp).
+#include <cstdlib>
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -220,6 +222,70 @@ TEST(Flops, LinearAddAccumulatesOntoOut) {
     EXPECT_LT(relative(out.detach(), expected), 1e-6);
     EXPECT_TRUE(torch::allclose(x.grad(), w.detach().sum(0).expand({5, 12}), 1e-5, 1e-5));
     EXPECT_TRUE(torch::allclose(w.grad(), x.detach().sum(0).expand({7, 12}), 1e-5, 1e-5));
+}
+
+// Inference keeps each float32 weight of a primitive product (bias, GELU, residual) reordered once into oneDNN's
+// layout. The copy must follow the weight: an in-place change redoes it, a weight freed and another allocated
+// (often at the same address) gets its own, and products in a graph, on inference tensors, or of few rows read the
+// weight in place.
+TEST(Flops, PackedWeightsFollowTheirWeights) {
+    if (std::getenv("LINVIS_GEMM") != nullptr) GTEST_SKIP() << "LINVIS_GEMM sends the products to LibTorch";
+    torch::manual_seed(13);
+    const auto relative = [](const torch::Tensor& a, const torch::Tensor& b) {
+        return ((a.to(torch::kFloat64) - b.to(torch::kFloat64)).norm() / b.to(torch::kFloat64).norm()).item<double>();
+    };
+    const auto judge = [](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+        return torch::nn::functional::linear(x.to(torch::kFloat64), w.to(torch::kFloat64), b.to(torch::kFloat64));
+    };
+    // oneDNN 2.6 has a blocked float32 layout on AVX-512 only: elsewhere (or with the copies turned off) nothing is
+    // packed, and every product must still be right.
+    const char* budget = std::getenv("LINVIS_PACKED_WEIGHTS_MIB");
+    const bool packing = __builtin_cpu_supports("avx512f") && std::getenv("DNNL_MAX_CPU_ISA") == nullptr &&
+                         std::getenv("ONEDNN_MAX_CPU_ISA") == nullptr && (budget == nullptr || std::atoi(budget) > 0);
+    const torch::Tensor x = torch::randn({300, 96});
+    const torch::Tensor b = torch::randn({160});
+    torch::Tensor w = torch::randn({160, 96});
+    torch::NoGradGuard no_grad;
+    const int64_t before = linvis::flops::packed_weight_bytes();
+    EXPECT_LT(relative(linvis::flops::linear(x, w, b), judge(x, w, b)), 1e-6);
+    EXPECT_LT(relative(linvis::flops::linear_gelu(x, w, b), torch::gelu(judge(x, w, b))), 1e-6);
+    const int64_t packed = linvis::flops::packed_weight_bytes() - before;
+    if (packing) EXPECT_GE(packed, 160 * 96 * 4);  // one copy for both products (the same layout) or one each
+    else EXPECT_EQ(packed, 0);
+    // In place (as load_state_dict's copy_ does): the next product sees the new values.
+    w.mul_(-0.5).add_(1.0);
+    EXPECT_LT(relative(linvis::flops::linear(x, w, b), judge(x, w, b)), 1e-6);
+    w.copy_(torch::randn({160, 96}));
+    EXPECT_LT(relative(linvis::flops::linear(x, w, b), judge(x, w, b)), 1e-6);
+    {
+        // A slice of the weight (another offset in the same storage) is another copy (the layout may pad it).
+        const torch::Tensor rows = w.narrow(0, 32, 64);
+        EXPECT_LT(relative(linvis::flops::linear(x, rows, b.narrow(0, 0, 64)), judge(x, rows, b.narrow(0, 0, 64))),
+                  1e-6);
+        EXPECT_GE(linvis::flops::packed_weight_bytes() - before, packed + (packing ? 64 * 96 * 4 : 0));
+    }
+    // Weights freed and others allocated in their place: each product uses its own weight.
+    w = torch::Tensor();
+    for (int i = 0; i < 8; ++i) {
+        const torch::Tensor fresh = torch::randn({160, 96});
+        EXPECT_LT(relative(linvis::flops::linear(x, fresh, b), judge(x, fresh, b)), 1e-6) << "weight " << i;
+    }
+    // The freed weights' copies are released.
+    EXPECT_EQ(linvis::flops::packed_weight_bytes(), before);
+    const torch::Tensor kept = torch::randn({160, 96});
+    // No copy: a product of 63 rows, one in a graph.
+    EXPECT_LT(relative(linvis::flops::linear(x.narrow(0, 0, 63), kept, b), judge(x.narrow(0, 0, 63), kept, b)), 1e-6);
+    {
+        torch::AutoGradMode grad(true);
+        const torch::Tensor trained = kept.clone().requires_grad_();
+        const torch::Tensor in_graph = linvis::flops::linear(x, trained, b);
+        EXPECT_LT(relative(in_graph.detach(), judge(x, kept, b)), 1e-6);
+        // Nor one without a graph of a weight in a live graph (a training step's recomputation).
+        torch::NoGradGuard recompute;
+        EXPECT_LT(relative(linvis::flops::linear(x, trained, b), judge(x, kept, b)), 1e-6);
+        EXPECT_EQ(linvis::flops::packed_weight_bytes(), before);
+    }
+    EXPECT_EQ(linvis::flops::packed_weight_bytes(), before);
 }
 
 TEST(Flops, Bf16LinearOnOnednnMatchesFloat64) {

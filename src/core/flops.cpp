@@ -328,6 +328,12 @@ torch::Tensor linear_relu(const torch::Tensor& x, const torch::Tensor& weight, c
     return linear_activated(x, weight, bias, Activation::Relu);
 }
 
+int64_t packed_weight_bytes() { return static_cast<int64_t>(onednn::packed_weight_bytes()); }
+
+WeightsInTraining::WeightsInTraining() { ++onednn::weights_in_training_depth(); }
+
+WeightsInTraining::~WeightsInTraining() { --onednn::weights_in_training_depth(); }
+
 bool linear_takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
     return takes_onednn(x, weight, bias);
 }

@@ -1,7 +1,9 @@
 #include "core/onednn_matmul.h"
 
 #include <oneapi/dnnl/dnnl.hpp>
+#include <torch/csrc/autograd/variable.h>
 
+#include <cstdlib>
 #include <functional>
 #include <list>
 #include <map>
@@ -54,21 +56,25 @@ Operand operand(const torch::Tensor& t) {
 // Everything a primitive depends on.
 using Key = std::tuple<int64_t, int64_t, int64_t,  // M, N, K
                        int64_t, int64_t, int64_t, int64_t,  // strides of a and b
-                       int, int, int, int, bool>;  // bias dtype (-1: none), dst dtype, activation, src dtype,
-                                                   // accumulate
+                       int, int, int, int, bool, bool>;  // bias dtype (-1: none), dst dtype, activation, src dtype,
+                                                         // accumulate, packed b
 
 struct Entry {
     bool supported = false;
     dnnl::matmul primitive;
     size_t scratchpad_bytes = 0;
     std::string implementation;
+    dnnl::memory::desc packed_weights;  // the layout b is reordered into (created with packed_b)
 };
 
+// packed_b: the primitive reads b in the blocked layout it chooses (format `any`, Entry::packed_weights), into which
+// the caller reorders b (unsupported where that layout is not blocked); otherwise b is read in place with its strides.
 Entry create(int64_t M, int64_t N, int64_t K, const Operand& a, const Operand& b, int bias_dt, dt dst_dt,
-             Activation activation, dt src_dt, bool accumulate) {
+             Activation activation, dt src_dt, bool accumulate, bool packed_b) {
     Entry entry;
     const dnnl::memory::desc a_md({M, K}, src_dt, {a.s0, a.s1});
-    const dnnl::memory::desc b_md({K, N}, src_dt, {b.s0, b.s1});
+    const dnnl::memory::desc b_md = packed_b ? dnnl::memory::desc({K, N}, src_dt, dnnl::memory::format_tag::any)
+                                             : dnnl::memory::desc({K, N}, src_dt, {b.s0, b.s1});
     const dnnl::memory::desc bias_md =
         bias_dt < 0 ? dnnl::memory::desc() : dnnl::memory::desc({1, N}, static_cast<dt>(bias_dt), {N, 1});
     const dnnl::memory::desc c_md({M, N}, dst_dt, {N, 1});
@@ -88,6 +94,11 @@ Entry create(int64_t M, int64_t N, int64_t K, const Operand& a, const Operand& b
         entry.implementation = pd.impl_info_str();
         // The reference implementation is a scalar loop: LibTorch's path is faster.
         if (entry.implementation.rfind("ref", 0) == 0) return entry;
+        if (packed_b) {
+            // A plain layout (oneDNN 2.6's AVX2 matmul) would make the copy a transposition that saves nothing.
+            entry.packed_weights = pd.weights_desc();
+            if (entry.packed_weights.data.format_desc.blocking.inner_nblks == 0) return entry;
+        }
         entry.primitive = dnnl::matmul(pd);
         entry.scratchpad_bytes = pd.scratchpad_desc().get_size();
         entry.supported = true;
@@ -143,12 +154,118 @@ Cache& cache() {
 const Entry& probe() {
     static const Entry entry = [] {
         const Operand a{torch::Tensor(), 64, 1}, b{torch::Tensor(), 64, 1};
-        return create(64, 64, 64, a, b, -1, dt::bf16, Activation::None, dt::bf16, false);
+        return create(64, 64, 64, a, b, -1, dt::bf16, Activation::None, dt::bf16, false, false);
     }();
     return entry;
 }
 
+// ---------------------------------------------------------------- packed weights
+// Float32 inference reads each weight from a copy reordered once into the primitive's blocked layout (policy and
+// the LINVIS_PACKED_WEIGHTS_MIB cap: linvis/core/flops.h). A copy is keyed by its weight's storage and layout and
+// used only while that storage is alive (a weak reference: a new tensor at a freed weight's address is another
+// storage) and unchanged (its version counter, which in-place updates such as load_state_dict's copy_ bump).
+
+struct PackedWeight {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    uint32_t version;
+    dnnl::memory memory;
+    size_t bytes;
+};
+using PackedKey = std::tuple<const c10::StorageImpl*, int64_t, int64_t, int64_t, int64_t, int64_t>;  // offset, s0,
+                                                                                                   // s1, K, N
+
+size_t packed_budget_bytes() {
+    static const size_t budget = [] {
+        const char* value = std::getenv("LINVIS_PACKED_WEIGHTS_MIB");
+        if (value == nullptr) return size_t{256} << 20;
+        char* end = nullptr;
+        const long long mib = std::strtoll(value, &end, 10);
+        LINVIS_CHECK(end != value && *end == '\0' && mib >= 0,
+                     "LINVIS_PACKED_WEIGHTS_MIB: expected a number of MiB >= 0, got '", value, "'");
+        return static_cast<size_t>(mib) << 20;
+    }();
+    return budget;
+}
+
+class PackedWeights {
+public:
+    // b (an operand of shape K x N with strides s0, s1) in `layout`, reordered on first use or after a change;
+    // an empty memory when b is not to be packed (see above) or the budget is spent.
+    dnnl::memory get(const Operand& b, int64_t K, int64_t N, dt type, const dnnl::memory::desc& layout) {
+        const c10::Storage& storage = b.t.storage();
+        const PackedKey key{storage.unsafeGetStorageImpl(), b.t.storage_offset(), b.s0, b.s1, K, N};
+        const uint32_t version = b.t._version();
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = kept_.find(key);
+        if (it != kept_.end() && (it->second.storage.expired() || it->second.memory.get_desc() != layout)) {
+            bytes_ -= it->second.bytes;
+            kept_.erase(it);
+            it = kept_.end();
+        }
+        if (it == kept_.end()) {
+            drop_expired();
+            const size_t bytes = layout.get_size();
+            if (bytes_ + bytes > packed_budget_bytes()) return dnnl::memory();
+            // version + 1: reordered below.
+            PackedWeight packed{storage.getWeakStorageImpl(), version + 1, dnnl::memory(layout, cpu_engine()), bytes};
+            bytes_ += bytes;
+            it = kept_.emplace(key, std::move(packed)).first;
+        }
+        if (it->second.version != version) {
+            dnnl::memory plain(dnnl::memory::desc({K, N}, type, {b.s0, b.s1}), cpu_engine(), b.t.data_ptr());
+            dnnl::reorder(plain, it->second.memory).execute(thread_stream(), plain, it->second.memory);
+            thread_stream().wait();
+            it->second.version = version;
+        }
+        return it->second.memory;
+    }
+    size_t bytes() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        drop_expired();
+        return bytes_;
+    }
+
+private:
+    void drop_expired() {
+        for (auto it = kept_.begin(); it != kept_.end();) {
+            if (!it->second.storage.expired()) {
+                ++it;
+                continue;
+            }
+            bytes_ -= it->second.bytes;
+            it = kept_.erase(it);
+        }
+    }
+    std::mutex mutex_;
+    std::map<PackedKey, PackedWeight> kept_;
+    size_t bytes_ = 0;
+};
+
+PackedWeights& packed_weights() {
+    static PackedWeights p;
+    return p;
+}
+
+// Whether b is a weight to keep packed: a float32 product of more than a few rows (a classifier head's single row
+// gains nothing from the copy) outside a graph, b with a version counter and not in a live graph. A weight in a
+// live graph is being trained (a training step's recomputation in a checkpoint or a backward runs without a graph
+// of its own): the optimizer changes it after the step, so a copy would be redone every step and kept between them.
+bool packs(const torch::Tensor& b, torch::ScalarType type, int64_t M) {
+    if (type != torch::kFloat32 || M < 64 || torch::GradMode::is_enabled() || b.is_inference() ||
+        packed_budget_bytes() == 0 || weights_in_training_depth() > 0)
+        return false;
+    const torch::Tensor leaf = b.is_view() ? torch::Tensor(b._base()) : b;
+    return !(leaf.requires_grad() && torch::autograd::impl::try_get_grad_accumulator(leaf) != nullptr);
+}
+
 }  // namespace
+
+size_t packed_weight_bytes() { return packed_weights().bytes(); }
+
+int& weights_in_training_depth() {
+    thread_local int depth = 0;
+    return depth;
+}
 
 bool bf16_matmul_available() { return probe().supported; }
 
@@ -172,10 +289,18 @@ bool matmul(const torch::Tensor& a_in, const torch::Tensor& b_in, const torch::T
     const Operand a = operand(a_in), b = operand(b_in);
     const int bias_dt = bias.defined() ? static_cast<int>(to_dnnl(bias.scalar_type())) : -1;
     const dt dst_dt = to_dnnl(out.scalar_type());
-    const Key key{M, N, K, a.s0, a.s1, b.s0, b.s1, bias_dt, static_cast<int>(dst_dt), static_cast<int>(activation),
-                  static_cast<int>(src_dt), accumulate};
-    const Entry entry =
-        cache().get(key, [&] { return create(M, N, K, a, b, bias_dt, dst_dt, activation, src_dt, accumulate); });
+    const auto primitive = [&](bool packed_b) {
+        const Key key{M, N, K, a.s0, a.s1, b.s0, b.s1, bias_dt, static_cast<int>(dst_dt), static_cast<int>(activation),
+                      static_cast<int>(src_dt), accumulate, packed_b};
+        return cache().get(key, [&] {
+            return create(M, N, K, a, b, bias_dt, dst_dt, activation, src_dt, accumulate, packed_b);
+        });
+    };
+    const bool pack = packs(b.t, type, M);
+    Entry entry = primitive(pack);
+    dnnl::memory packed_b;
+    if (pack && entry.supported) packed_b = packed_weights().get(b, K, N, src_dt, entry.packed_weights);
+    if (pack && !packed_b) entry = primitive(false);  // no blocked layout here, or the budget is spent
     if (!entry.supported) return false;
     const torch::Tensor bias_c = bias.defined() ? bias.contiguous() : bias;
     dnnl::engine& engine = cpu_engine();
@@ -184,7 +309,7 @@ bool matmul(const torch::Tensor& a_in, const torch::Tensor& b_in, const torch::T
     };
     std::unordered_map<int, dnnl::memory> args{
         {DNNL_ARG_SRC, dnnl::memory(md(M, K, src_dt, a.s0, a.s1), engine, a.t.data_ptr())},
-        {DNNL_ARG_WEIGHTS, dnnl::memory(md(K, N, src_dt, b.s0, b.s1), engine, b.t.data_ptr())},
+        {DNNL_ARG_WEIGHTS, packed_b ? packed_b : dnnl::memory(md(K, N, src_dt, b.s0, b.s1), engine, b.t.data_ptr())},
         {DNNL_ARG_DST, dnnl::memory(md(M, N, dst_dt, N, 1), engine, out.data_ptr())}};
     if (bias.defined())
         args.emplace(DNNL_ARG_BIAS, dnnl::memory(md(1, N, static_cast<dt>(bias_dt), N, 1), engine, bias_c.data_ptr()));

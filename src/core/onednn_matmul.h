@@ -31,6 +31,13 @@ bool matmul(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor&
 // The implementation oneDNN picked for the small probe product ("brg:avx512_core_bf16", ...), or "none".
 std::string bf16_matmul_implementation();
 
+// Bytes of the float32 weights kept reordered into oneDNN's layout for inference (onednn_matmul.cpp, "packed
+// weights"); copies of freed weights are not counted.
+size_t packed_weight_bytes();
+
+// Nesting depth of flops::WeightsInTraining on this thread: while positive, no weight is packed.
+int& weights_in_training_depth();
+
 // Number of primitives in the cache (for tests).
 size_t cached_primitives();
 

@@ -49,6 +49,7 @@ public:
         ctx->save_for_backward(segment_inputs);
         ctx->saved_data["recompute"] = c10::IValue::make_capsule(recompute);
         torch::NoGradGuard no_grad;
+        const flops::WeightsInTraining training;  // the segment's weights need not be inputs (checkpoint(BlockFn))
         return recompute->fn(segment_inputs);
     }
 

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "linvis/core/error.h"
+#include "linvis/core/flops.h"
 #include "linvis/io/atomic_file.h"
 #include "linvis/io/image.h"
 #include "linvis/train/checkpoint.h"
@@ -375,6 +376,7 @@ SegEvalResult SegmentationTrainer::fit(const SegmentationDataset& train, const S
         if (save_weights) save_weights((fs::path(config_.output_dir) / "last.safetensors").string(), *model_);
     };
     auto run_eval = [&](bool final_eval) -> SegEvalResult {
+        const flops::WeightsInTraining training;  // no packed copies kept into the next steps
         SegEvalResult r = evaluate_segmentation(*model_, *eval, 2, config_.eval_limit, config_.progress && main_rank, dist);
         log({{"step", step_}, {"eval_miou", r.miou}, {"eval_pixel_accuracy", r.pixel_accuracy},
              {"eval_loss", r.loss}, {"per_class_iou", r.per_class_iou}, {"final", final_eval}});

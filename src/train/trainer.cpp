@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "linvis/core/error.h"
+#include "linvis/core/flops.h"
 #include "linvis/core/test_hooks.h"
 #include "linvis/train/checkpoint.h"
 #include "linvis/train/distributed.h"
@@ -367,6 +368,7 @@ bool Trainer::fit(BatchSource& train_data, BatchSource* eval_data) {
         const bool eval_now = eval_data != nullptr &&
                               ((epoch + 1) % config_.eval_every == 0 || epoch + 1 == config_.epochs);
         if (eval_now) {
+            const flops::WeightsInTraining training;  // no packed copies kept into the next epoch's steps
             record.eval = evaluate(*model_, *eval_data, config_.bf16, false, dist.get());
             record.has_eval = true;
             if (ema) {

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "linvis/core/flops.h"
+
 namespace linvis::testing {
 
 inline int64_t heap_bytes_in_use() {
@@ -15,12 +17,13 @@ inline int64_t heap_bytes_in_use() {
     return static_cast<int64_t>(m.uordblks + m.hblkhd);
 }
 
-// What fn's result keeps alive (with an autograd graph: the graph's saved tensors and the result itself).
+// What fn's result keeps alive (with an autograd graph: the graph's saved tensors and the result itself), not
+// counting the weights fn's inference products packed for oneDNN (a cache of the weights, flops.h).
 template <typename Fn>
 int64_t bytes_kept_by(Fn&& fn) {
-    const int64_t before = heap_bytes_in_use();
+    const int64_t before = heap_bytes_in_use(), packed_before = flops::packed_weight_bytes();
     const auto kept = fn();
-    return heap_bytes_in_use() - before;
+    return heap_bytes_in_use() - before - (flops::packed_weight_bytes() - packed_before);
 }
 
 }  // namespace linvis::testing
