@@ -40,7 +40,8 @@ With --train every case is a training step instead (forward, cross-entropy again
 gradients dropped), as `linvis bench --train` times it.
 Every case: batch 1, float32, the same thread count, warm-up passes then timed passes, images/s as the median;
 memory as linvis bench defines it: activation = peak resident set size minus the resident size once the
-model and input are built (VmHWM reset after the build).
+model and input are built (VmHWM reset after the build); for linvis less the float32 weights it keeps in oneDNN's
+layout for inference (packed_weight_bytes, weight memory constant in the image size), which the table names.
 Reported per linvis model: images/s over timm DeiT eager and compile (as before), and over its same-architecture
 peer eager and compile (JSON: rows[i].ratios[model]; markdown: the last columns).
 """
@@ -362,7 +363,11 @@ def markdown(rows, meta):
                 lines.append(f"| {res} | linvis {case['model']} | {case.get('status')} | | | | | |")
                 continue
             r = row["ratios"].get(case["model"], {})
-            act = (case["peak_mem_bytes"] - case["base_mem_bytes"]) / 2 ** 20
+            # Weights kept in oneDNN's layout for inference are weight memory, constant in the image size: shown
+            # beside the activations rather than in them.
+            packed = case.get("packed_weight_bytes", 0) / 2 ** 20
+            act = (case["peak_mem_bytes"] - case["base_mem_bytes"]) / 2 ** 20 - packed
+            act_cell = f"{act:.0f}" + (f" (+{packed:.0f} packed weights)" if packed >= 0.5 else "")
             same_eager = fmt(r.get("vs_peer_eager"))
             same_comp = fmt(r.get("vs_peer_compile"))
             model = case["model"]
@@ -376,7 +381,7 @@ def markdown(rows, meta):
                 same_eager = "no peer"
             elif r.get("vs_peer_eager") is None and row["peers"].get(model, {}).get("eager"):
                 same_eager = f"peer eager {row['peers'][model]['eager'].get('status')}"
-            lines.append(f"| {res} | linvis {model} ({case['impl']}) | {case['images_per_s']:.3g} | {act:.0f} | "
+            lines.append(f"| {res} | linvis {model} ({case['impl']}) | {case['images_per_s']:.3g} | {act_cell} | "
                          f"{fmt(r.get('vs_timm_deit_eager'))} | {fmt(r.get('vs_timm_deit_compile'))} | "
                          f"{same_eager} | {same_comp} |")
     return "\n".join(lines) + "\n"

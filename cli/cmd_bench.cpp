@@ -96,14 +96,14 @@ void write_csv(const std::string& path, const std::vector<BenchResult>& results,
     std::ofstream out(path);
     LINVIS_CHECK(out.good(), path, ": cannot open for writing");
     out << "model,res,batch,impl,dtype,mode,status,images_per_s,images_per_s_min,images_per_s_max,latency_ms,"
-           "peak_mem_bytes,base_mem_bytes,gflops,params,check_rel_err,sgemm_gflops\n";
+           "peak_mem_bytes,base_mem_bytes,gflops,params,check_rel_err,sgemm_gflops,packed_weight_bytes\n";
     for (const auto& r : results) {
         const auto& c = r.config;
         out << c.model << ',' << c.res << ',' << c.batch << ',' << c.impl << ',' << c.dtype << ','
             << (c.train ? "train" : "infer") << ',' << r.status << ',' << r.images_per_s << ',' << r.images_per_s_min
             << ',' << r.images_per_s_max << ',' << r.latency_ms << ',' << r.peak_mem_bytes << ','
-            << r.base_mem_bytes << ',' << r.gflops << ',' << r.params << ',' << r.check_rel_err << ',' << sgemm
-            << '\n';
+            << r.base_mem_bytes << ',' << r.gflops << ',' << r.params << ',' << r.check_rel_err << ',' << sgemm << ','
+            << r.packed_weight_bytes << '\n';
     }
 }
 

@@ -183,7 +183,8 @@ TEST(Cli, BenchJsonHasTheRequiredFieldsPerCase) {
     ASSERT_EQ(rows.size(), 2u);
     for (const auto& row : rows) {
         EXPECT_EQ(row["status"], "ok") << row.dump();
-        for (const char* key : {"model", "res", "batch", "impl", "images_per_s", "peak_mem_bytes", "gflops"})
+        for (const char* key : {"model", "res", "batch", "impl", "images_per_s", "peak_mem_bytes", "gflops",
+                                "packed_weight_bytes"})
             EXPECT_TRUE(row.contains(key)) << key;
         EXPECT_GT(row["images_per_s"].get<double>(), 0.0);
         EXPECT_GT(row["peak_mem_bytes"].get<int64_t>(), 0);

@@ -55,6 +55,7 @@ void record_timings(BenchResult& result, const std::vector<double>& times, int64
     result.images_per_s_min = static_cast<double>(batch) / *std::max_element(times.begin(), times.end());
     result.images_per_s_max = static_cast<double>(batch) / *std::min_element(times.begin(), times.end());
     result.peak_mem_bytes = growth.base_bytes() + growth.bytes();
+    result.packed_weight_bytes = flops::packed_weight_bytes();
 }
 
 // One timed unit of work: an inference pass, or a training step's forward and backward.
@@ -468,6 +469,7 @@ nlohmann::json to_json(const BenchResult& r) {
     j["iterations"] = r.iterations;
     j["peak_mem_bytes"] = r.peak_mem_bytes;
     j["base_mem_bytes"] = r.base_mem_bytes;
+    j["packed_weight_bytes"] = r.packed_weight_bytes;
     j["gflops"] = r.gflops;
     j["params"] = r.params;
     j["check_rel_err"] = r.check_rel_err;
@@ -486,6 +488,7 @@ BenchResult bench_result_from_json(const nlohmann::json& j) {
     r.iterations = j.value("iterations", 0);
     r.peak_mem_bytes = j.value("peak_mem_bytes", int64_t{0});
     r.base_mem_bytes = j.value("base_mem_bytes", int64_t{0});
+    r.packed_weight_bytes = j.value("packed_weight_bytes", int64_t{0});
     r.gflops = j.value("gflops", 0.0);
     r.params = j.value("params", int64_t{0});
     r.check_rel_err = j.value("check_rel_err", -1.0);

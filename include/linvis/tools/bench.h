@@ -54,6 +54,7 @@ struct BenchResult {
     int iterations = 0;
     int64_t peak_mem_bytes = 0;    // base_mem_bytes plus the passes' peak growth (PeakRssGrowth)
     int64_t base_mem_bytes = 0;    // resident set after the build and freed memory's release, before the passes
+    int64_t packed_weight_bytes = 0;  // of the peak: weights kept in oneDNN's layout (flops::packed_weight_bytes)
     double gflops = 0.0;           // per image, one FLOP per multiply-add
     int64_t params = 0;
     double check_rel_err = -1.0;   // fused vs reference relative L2 error (fused runs only)
