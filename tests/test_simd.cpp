@@ -59,7 +59,7 @@ TEST(SimdLayer, GemmMatchesMatmulOnEveryTarget) {
         const simd::Kernels& k = simd::kernels(t.target);
         EXPECT_EQ(k.target, t.target);
         for (int64_t M : {1, 3, 5, 13, 17, 30})
-            for (int64_t N : {1, 3, 7, 8, 15, 16, 17, 33, 64, 65, 100})
+            for (int64_t N : {1, 3, 7, 8, 15, 16, 17, 32, 33, 48, 64, 65, 100})
                 for (int64_t K : {0, 1, 6, 19})
                     for (bool transposed : {false, true})
                         for (bool accumulate : {false, true}) check_gemm<float>(k, M, N, K, transposed, accumulate);

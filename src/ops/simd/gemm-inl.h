@@ -40,6 +40,9 @@ struct Vec {
     static HWY_INLINE Mask mask(int n) { return hn::FirstN(D(), static_cast<size_t>(n < 0 ? 0 : n)); }
     static HWY_INLINE Vec load(const S* p, Mask m) { return {hn::MaskedLoad(m, D(), p)}; }
     HWY_INLINE void store(S* p, Mask m) const { hn::BlendedStore(x, m, D(), p); }
+    // Whole vectors: plain loads and stores (AVX2's masked ones, vmaskmovps, cost more than plain ones).
+    static HWY_INLINE Vec load(const S* p) { return {hn::LoadU(D(), p)}; }
+    HWY_INLINE void store(S* p) const { hn::StoreU(x, D(), p); }
     static HWY_INLINE Vec set1(S s) { return {hn::Set(D(), s)}; }
     static HWY_INLINE Vec zero() { return {hn::Zero(D())}; }
     static HWY_INLINE Vec keep(Mask m, Vec a) { return {hn::IfThenElseZero(m, a.x)}; }
@@ -108,23 +111,25 @@ constexpr int rows_per_tile() {
 // Vectors per column panel: 4 (64 floats) on AVX-512, 2 (16 floats) on AVX2 and the portable target.
 constexpr int kPanelVectors = HWY_TARGET == HWY_AVX3 ? 4 : 2;
 
-template <class V, int MR, int NV>
+// kFull: every vector of the panel is whole (mask unused), so B and C move by plain loads and stores.
+template <class V, int MR, int NV, bool kFull>
 HWY_INLINE void gemm_tile(int64_t K, const typename V::T* A, int64_t ars, int64_t acs, const typename V::T* B,
                           int64_t ldb, typename V::T* C, int64_t ldc, const typename V::Mask* mask, GemmInit init,
                           const typename V::T* row) {
+    const auto load = [mask](const typename V::T* p, int v) { return kFull ? V::load(p) : V::load(p, mask[v]); };
     V c[MR][NV];
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
         for (int v = 0; v < NV; ++v)
-            c[r][v] = init == GemmInit::Accumulate ? V::load(C + r * ldc + v * V::W, mask[v])
-                      : init == GemmInit::Row      ? V::load(row + v * V::W, mask[v])
+            c[r][v] = init == GemmInit::Accumulate ? load(C + r * ldc + v * V::W, v)
+                      : init == GemmInit::Row      ? load(row + v * V::W, v)
                                                    : V::zero();
     for (int64_t k = 0; k < K; ++k) {
         const typename V::T* b = B + k * ldb;
         V bv[NV];
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) bv[v] = V::load(b + v * V::W, mask[v]);
+        for (int v = 0; v < NV; ++v) bv[v] = load(b + v * V::W, v);
         const typename V::T* a = A + k * acs;
 #pragma GCC unroll 16
         for (int r = 0; r < MR; ++r) {
@@ -136,20 +141,24 @@ HWY_INLINE void gemm_tile(int64_t K, const typename V::T* A, int64_t ars, int64_
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) c[r][v].store(C + r * ldc + v * V::W, mask[v]);
+        for (int v = 0; v < NV; ++v) {
+            if constexpr (kFull) c[r][v].store(C + r * ldc + v * V::W);
+            else c[r][v].store(C + r * ldc + v * V::W, mask[v]);
+        }
 }
 
 // All M rows of one column panel: MR-row tiles, then 4-row tiles, then single rows.
-template <class V, int NV>
+template <class V, int NV, bool kFull>
 HWY_NOINLINE void gemm_panel(int64_t M, int64_t K, const typename V::T* A, int64_t ars, int64_t acs,
                              const typename V::T* B, int64_t ldb, typename V::T* C, int64_t ldc,
                              const typename V::Mask* mask, GemmInit init, const typename V::T* row) {
     constexpr int MR = rows_per_tile<NV>();
     int64_t i = 0;
     for (; i + MR <= M; i += MR)
-        gemm_tile<V, MR, NV>(K, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, mask, init, row);
-    for (; i + 4 <= M; i += 4) gemm_tile<V, 4, NV>(K, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, mask, init, row);
-    for (; i < M; ++i) gemm_tile<V, 1, NV>(K, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, mask, init, row);
+        gemm_tile<V, MR, NV, kFull>(K, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, mask, init, row);
+    for (; i + 4 <= M; i += 4)
+        gemm_tile<V, 4, NV, kFull>(K, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, mask, init, row);
+    for (; i < M; ++i) gemm_tile<V, 1, NV, kFull>(K, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, mask, init, row);
 }
 
 // The portable target's GEMM: with one-lane vectors, register tiles leave the baseline's vector unit idle,
@@ -189,18 +198,23 @@ void gemm(int64_t M, int64_t N, int64_t K, const typename V::T* A, int64_t ars, 
         const typename V::T* rj = row != nullptr ? row + j0 : nullptr;
         const typename V::T* Bj = B + j0;
         typename V::T* Cj = C + j0;
+        // Panels of whole vectors (every panel of a width that is a multiple of W) skip the masks.
+        const bool whole = width % W == 0;
+        const auto panel = [&](auto vectors) {
+            constexpr int NV = decltype(vectors)::value;
+            if (whole) gemm_panel<V, NV, true>(M, K, A, ars, acs, Bj, ldb, Cj, ldc, mask, init, rj);
+            else gemm_panel<V, NV, false>(M, K, A, ars, acs, Bj, ldb, Cj, ldc, mask, init, rj);
+        };
         if constexpr (kPanelVectors == 4) {
             switch (nv) {
-                case 4: gemm_panel<V, 4>(M, K, A, ars, acs, Bj, ldb, Cj, ldc, mask, init, rj); break;
-                case 3: gemm_panel<V, 3>(M, K, A, ars, acs, Bj, ldb, Cj, ldc, mask, init, rj); break;
-                case 2: gemm_panel<V, 2>(M, K, A, ars, acs, Bj, ldb, Cj, ldc, mask, init, rj); break;
-                default: gemm_panel<V, 1>(M, K, A, ars, acs, Bj, ldb, Cj, ldc, mask, init, rj); break;
+                case 4: panel(std::integral_constant<int, 4>()); break;
+                case 3: panel(std::integral_constant<int, 3>()); break;
+                case 2: panel(std::integral_constant<int, 2>()); break;
+                default: panel(std::integral_constant<int, 1>()); break;
             }
         } else {
-            if (nv == 2)
-                gemm_panel<V, 2>(M, K, A, ars, acs, Bj, ldb, Cj, ldc, mask, init, rj);
-            else
-                gemm_panel<V, 1>(M, K, A, ars, acs, Bj, ldb, Cj, ldc, mask, init, rj);
+            if (nv == 2) panel(std::integral_constant<int, 2>());
+            else panel(std::integral_constant<int, 1>());
         }
     }
 }
