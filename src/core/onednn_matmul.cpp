@@ -167,7 +167,7 @@ const Entry& probe() {
 
 struct PackedWeight {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-    uint32_t version;
+    int64_t version;  // the weight's version counter when copied
     dnnl::memory memory;
     size_t bytes;
 };
@@ -194,7 +194,7 @@ public:
     dnnl::memory get(const Operand& b, int64_t K, int64_t N, dt type, const dnnl::memory::desc& layout) {
         const c10::Storage& storage = b.t.storage();
         const PackedKey key{storage.unsafeGetStorageImpl(), b.t.storage_offset(), b.s0, b.s1, K, N};
-        const uint32_t version = b.t._version();
+        const int64_t version = b.t._version();
         std::lock_guard<std::mutex> lock(mutex_);
         auto it = kept_.find(key);
         if (it != kept_.end() && (it->second.storage.expired() || it->second.memory.get_desc() != layout)) {
