@@ -171,8 +171,8 @@ struct PackedWeight {
     dnnl::memory memory;
     size_t bytes;
 };
-using PackedKey = std::tuple<const c10::StorageImpl*, int64_t, int64_t, int64_t, int64_t, int64_t>;  // offset, s0,
-                                                                                                   // s1, K, N
+// The weight's storage, its offset in it, the operand's strides (s0, s1) and shape (K, N).
+using PackedKey = std::tuple<const c10::StorageImpl*, int64_t, int64_t, int64_t, int64_t, int64_t>;
 
 size_t packed_budget_bytes() {
     static const size_t budget = [] {
