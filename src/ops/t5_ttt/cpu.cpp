@@ -14,8 +14,9 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
-#include "ops/ttt_swiglu_cpu/kernels.h"
+#include "ops/t5_ttt/cpu_parts.h"
 #include "ops/ttt_swiglu_cpu/entry_points.h"
+#include "ops/ttt_swiglu_cpu/kernels.h"
 
 namespace linvis::ops::fused_detail {
 namespace {
@@ -23,155 +24,7 @@ namespace {
 using torch::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-Tensor f32_rows(const Tensor& t) {
-    Tensor x = t.scalar_type() == torch::kFloat32 ? t : t.to(torch::kFloat32);
-    if (x.stride(-1) != 1) x = x.contiguous();
-    return x;
-}
-
-// How a head's tokens are split into tasks. Blocks of at most kTokenBlock tokens, at least kMinBlocks of them:
-// a tiny model has 3 heads, and 3 tasks on 2 cores leave one core idle a third of the time (t5_tiny at 224 px,
-// 2 threads: 2 blocks of 104 tokens ran 4 % faster than 4 of 56). The d x d partial sums of consecutive blocks
-// are reduced in at most kGroupsPerHead groups per head (one task each, added in a fixed order). Both depend on
-// N only, so results do not depend on the thread count.
-constexpr int64_t kMinBlocks = 2;
-constexpr int64_t kGroupsPerHead = 8;
-
-struct Dims {
-    int64_t B, N, C, h, d, H, W;
-    double scale;
-    int64_t block = kTokenBlock;  // tokens per block
-    int64_t blocks = 1;           // ceil(N / block)
-    int64_t per_group = 1;        // blocks per group
-    int64_t groups = 1;           // ceil(blocks / per_group)
-    // Tasks are taken token-major, (sample*head) fastest: the heads of one block (or group) of tokens run one
-    // after another on one thread while the rows they all read are in cache (as the ViT3 kernel's, see
-    // SwigluDims). A reduction task's d x d partial sums stay at part_of(task) = (sample*head, group), so their
-    // fixed-order sum does not depend on the task order.
-    int64_t head_of(int64_t task) const { return task % (B * h); }
-    // A read-out task's block, or a reduction task's group.
-    int64_t block_of(int64_t task) const { return task / (B * h); }
-    int64_t part_of(int64_t task) const { return head_of(task) * groups + block_of(task); }
-    // The blocks [group_begin, group_end) of reduction task `task` (one group of one (sample, head)).
-    int64_t group_begin(int64_t task) const { return block_of(task) * per_group; }
-    int64_t group_end(int64_t task) const { return std::min(blocks, group_begin(task) + per_group); }
-};
-
-// A (B, N, C) float tensor with unit channel stride seen as heads / as images.
-struct Tokens {
-    float* p;
-    int64_t sb, sn;
-    float* row(int64_t b, int64_t n) const { return p + b * sb + n * sn; }
-    float* head_row(int64_t b, int64_t hh, int64_t n, int64_t d) const { return p + b * sb + n * sn + hh * d; }
-};
-Tokens tokens_of(const Tensor& t) { return {const_cast<float*>(t.data_ptr<float>()), t.stride(0), t.stride(1)}; }
-Image image_of(const Tokens& t, int64_t b, const Dims& s) { return {t.row(b, 0), s.W * t.sn, t.sn, s.H, s.W, s.C}; }
-MutImage mut_image_of(const Tokens& t, int64_t b, const Dims& s) {
-    return {t.row(b, 0), s.W * t.sn, t.sn, s.H, s.W, s.C};
-}
-
-
-// (C, 1, 3, 3) conv weight -> (9, C) taps.
-std::vector<float> taps_of(const Tensor& w, int64_t C) {
-    Tensor wf = w.to(torch::kFloat32).contiguous();
-    const float* p = wf.data_ptr<float>();
-    std::vector<float> taps(9 * C);
-    for (int64_t c = 0; c < C; ++c)
-        for (int64_t t = 0; t < 9; ++t) taps[t * C + c] = p[c * 9 + t];
-    return taps;
-}
-
-// sum[c] += e and sumsq[c] += e^2 with e = x[c] - shift[c], over `count` rows (row stride ld), in double.
-LINVIS_SIMD_INLINE void shifted_moments_body(const float* x, int64_t count, int64_t ld, int64_t C,
-                                             const float* __restrict shift, double* __restrict sum,
-                                             double* __restrict sumsq) {
-    for (int64_t n = 0; n < count; ++n) {
-        const float* __restrict r = x + n * ld;
-        for (int64_t c = 0; c < C; ++c) {
-            const double e = static_cast<double>(r[c]) - shift[c];
-            sum[c] += e;
-            sumsq[c] += e * e;
-        }
-    }
-}
-LINVIS_SIMD_CLONES(shifted_moments,
-                   (const float* x, int64_t count, int64_t ld, int64_t C, const float* shift, double* sum,
-                    double* sumsq),
-                   (x, count, ld, C, shift, sum, sumsq))
-
-// out[n*ldo + c] = (x[n*ld + c] - mean[c]) * rstd[c] over `count` rows.
-LINVIS_SIMD_INLINE void normalise_rows_body(const float* x, int64_t count, int64_t ld, int64_t C,
-                                            const float* __restrict mean, const float* __restrict rstd, float* out,
-                                            int64_t ldo) {
-    for (int64_t n = 0; n < count; ++n) {
-        const float* __restrict r = x + n * ld;
-        float* __restrict o = out + n * ldo;
-        for (int64_t c = 0; c < C; ++c) o[c] = (r[c] - mean[c]) * rstd[c];
-    }
-}
-LINVIS_SIMD_CLONES(normalise_rows,
-                   (const float* x, int64_t count, int64_t ld, int64_t C, const float* mean, const float* rstd,
-                    float* out, int64_t ldo),
-                   (x, count, ld, C, mean, rstd, out, ldo))
-
-// Per (sample, channel) mean and 1/sqrt(var + eps) over the N tokens (biased variance). One pass: the sums of
-// e = k - k(first token) and of e^2 in double, var = E[e^2] - E[e]^2. The shift keeps the two terms near the
-// variance's size, so the subtraction loses nothing a float result would show; two passes read k twice.
-void key_stats(const Tokens& k, const Dims& s, double eps, float* mean, float* rstd) {
-    const GridTasks g(s.B, s.H, s.W, kTokenBlock);
-    std::vector<double> sums(g.count() * s.C, 0.0), squares(g.count() * s.C, 0.0);
-    at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
-        for (int64_t task = begin; task < end; ++task) {
-            const int64_t b = g.sample(task), n0 = g.y0(task) * s.W;
-            shifted_moments(k.row(b, n0), g.y1(task) * s.W - n0, k.sn, s.C, k.row(b, 0), sums.data() + task * s.C,
-                            squares.data() + task * s.C);
-        }
-    });
-    const double inv_n = 1.0 / static_cast<double>(s.N);
-    for (int64_t b = 0; b < s.B; ++b) {
-        const float* shift = k.row(b, 0);
-        for (int64_t c = 0; c < s.C; ++c) {
-            double sum = 0.0, sq = 0.0;
-            for (int64_t ch = 0; ch < g.chunks; ++ch) {  // task order: the same result for any thread count
-                sum += sums[(b * g.chunks + ch) * s.C + c];
-                sq += squares[(b * g.chunks + ch) * s.C + c];
-            }
-            const double e_mean = sum * inv_n, var = std::max(sq * inv_n - e_mean * e_mean, 0.0);
-            mean[b * s.C + c] = static_cast<float>(shift[c] + e_mean);
-            rstd[b * s.C + c] = static_cast<float>(1.0 / std::sqrt(var + eps));
-        }
-    }
-}
-
-// q2 = q + dwconv(q) + bias, (B, N, C); also used for the normalised keys. The residual is the stencil's
-// centre tap plus one and the bias its starting value, so q2 is written in one pass.
-void query_locality(const Tokens& q, const std::vector<float>& qtaps, const float* qbias, const Dims& s,
-                    const Tokens& q2) {
-    const std::vector<float> taps = residual_taps(qtaps.data(), s.C);
-    const GridTasks g(s.B, s.H, s.W, kTokenBlock);
-    at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
-        for (int64_t task = begin; task < end; ++task) {
-            const int64_t b = g.sample(task);
-            stencil_apply(image_of(q, b, s), taps.data(), false, mut_image_of(q2, b, s), g.y0(task), g.y1(task),
-                          false, qbias);
-        }
-    });
-}
-
-// kn = (k - mean) * rstd; k2 = kn + dwconv(kn) + bias. All (B, N, C).
-void key_locality(const Tokens& k, const float* mean, const float* rstd, const std::vector<float>& ktaps,
-                  const float* kbias, const Dims& s, const Tokens& kn, const Tokens& k2) {
-    const GridTasks g(s.B, s.H, s.W, kTokenBlock);
-    at::parallel_for(0, g.count(), 1, [&](int64_t begin, int64_t end) {
-        for (int64_t task = begin; task < end; ++task) {
-            const int64_t b = g.sample(task), n0 = g.y0(task) * s.W;
-            normalise_rows(k.row(b, n0), g.y1(task) * s.W - n0, k.sn, s.C, mean + b * s.C, rstd + b * s.C,
-                           kn.row(b, n0), kn.sn);
-        }
-    });
-    query_locality(kn, ktaps, kbias, s, k2);  // the same residual depthwise conv, on normalised keys
-}
+using namespace t5_parts;
 
 
 struct HeadWeights {  // per head (shared over the batch): W1, W2, W3 and transposes
@@ -179,13 +32,9 @@ struct HeadWeights {  // per head (shared over the batch): W1, W2, W3 and transp
 };
 HeadWeights head_weights(const Tensor& w1, const Tensor& w2, const Tensor& w3, int64_t h, int64_t d) {
     HeadWeights hw;
-    auto flat = [](const Tensor& w) {
-        Tensor f = w.to(torch::kFloat32).contiguous();
-        return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
-    };
-    hw.w1 = flat(w1);
-    hw.w2 = flat(w2);
-    hw.w3 = flat(w3);
+    hw.w1 = flat_f32(w1);
+    hw.w2 = flat_f32(w2);
+    hw.w3 = flat_f32(w3);
     hw.w1T.resize(h * d * d);
     hw.w2T.resize(h * d * d);
     hw.w3T.resize(h * d * d);
@@ -271,16 +120,6 @@ LINVIS_SIMD_CLONES(inner_backward, (int64_t count, const float* z1, const float*
                                    float* dda2, float* dz1, float* dz2),
                   (count, z1, z2, sg, da2f, dp1, dp2, da2, dda2, dz1, dz2))
 
-LINVIS_SIMD_INLINE void scale_rows_body(int64_t T, int64_t d, const float* __restrict src, float factor, float* dst,
-                                         int64_t ldd) {
-    for (int64_t t = 0; t < T; ++t) {
-        float* __restrict o = dst + t * ldd;
-        for (int64_t j = 0; j < d; ++j) o[j] = src[t * d + j] * factor;
-    }
-}
-LINVIS_SIMD_CLONES(scale_rows, (int64_t T, int64_t d, const float* src, float factor, float* dst, int64_t ldd),
-                  (T, d, src, factor, dst, ldd))
-
 // The inner forward + loss gradient for one token block of head hh of sample b.
 void inner_block(const Kernels& kr, const Tokens& K2, const Tokens& V, const HeadWeights& hw, int64_t b, int64_t hh,
                  int64_t n0, int64_t T, const Dims& s, float* z1, float* z2, float* sg, float* e, float* a2,
@@ -300,17 +139,12 @@ struct ForwardResult {
     Tensor out, mean, rstd, g;  // g: (3, B, h, d, d)
 };
 
-struct Prepared {
-    Tensor q, k, v;
-    Dims s;
-};
-
 ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
     const Dims& s = in.s;
     const int64_t d = s.d, dd = d * d, BH = s.B * s.h, tasks = BH * s.blocks, rtasks = BH * s.groups;
     const Tokens Q = tokens_of(in.q), K = tokens_of(in.k), V = tokens_of(in.v);
     Tensor mean = torch::empty({s.B, s.C}, torch::kFloat32), rstd = torch::empty({s.B, s.C}, torch::kFloat32);
-    key_stats(K, s, 1.0, mean.data_ptr<float>(), rstd.data_ptr<float>());
+    key_stats(K, s, 1.0, nullptr, mean.data_ptr<float>(), rstd.data_ptr<float>());
     Tensor kn = torch::empty({s.B, s.N, s.C}, torch::kFloat32), k2 = torch::empty_like(kn), q2 = torch::empty_like(kn);
     const Tensor qb = p.q_conv_bias.to(torch::kFloat32).contiguous(), kb = p.k_conv_bias.to(torch::kFloat32).contiguous();
     key_locality(K, mean.data_ptr<float>(), rstd.data_ptr<float>(), taps_of(p.k_conv_weight, s.C),
@@ -326,17 +160,14 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
         const BlockScratch buf(8, s.block, d);
         float* a[8];
         for (int i = 0; i < 8; ++i) a[i] = buf[i];
-        for (int64_t task = begin; task < end; ++task)
-          for (int64_t blk = s.group_begin(task); blk < s.group_end(task); ++blk) {
-            const int64_t bh = s.head_of(task), b = bh / s.h, hh = bh % s.h, part = s.part_of(task);
-            const bool acc = blk % s.per_group != 0;  // first block of the group overwrites the partial
-            const int64_t n0 = blk * s.block, T = std::min(s.block, s.N - n0);
+        for_each_group_block(s, begin, end, [&](int64_t bh, int64_t b, int64_t hh, int64_t part, int64_t n0, int64_t T,
+                                                bool acc) {
             inner_block(kr, K2, V, hw, b, hh, n0, T, s, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
             const float* kbk = K2.head_row(b, hh, n0, d);
             kr.gemm(d, d, T, kbk, 1, K2.sn, a[6], d, pa.get() + part * dd, d, acc);
             kr.gemm(d, d, T, kbk, 1, K2.sn, a[7], d, pb.get() + part * dd, d, acc);
             kr.gemm(d, d, T, a[4], 1, d, a[3], d, pc.get() + part * dd, d, acc);
-        }
+        });
     });
     k2 = Tensor();  // only the read-out (q2) is still needed
     Tensor g = torch::empty({3, s.B, s.h, d, d}, torch::kFloat32);
@@ -411,11 +242,8 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
         float* a[6];
         for (int i = 0; i < 6; ++i) a[i] = buf[i];
         float *y1 = a[0], *y2 = a[1], *sg = a[2], *hbuf = a[3], *dh = a[4], *dy2 = a[5];
-        for (int64_t task = begin; task < end; ++task)
-          for (int64_t blk = s.group_begin(task); blk < s.group_end(task); ++blk) {
-            const int64_t bh = s.head_of(task), b = bh / s.h, hh = bh % s.h, part = s.part_of(task);
-            const bool acc = blk % s.per_group != 0;  // first block of the group overwrites the partial
-            const int64_t n0 = blk * s.block, T = std::min(s.block, s.N - n0);
+        for_each_group_block(s, begin, end, [&](int64_t bh, int64_t b, int64_t hh, int64_t part, int64_t n0, int64_t T,
+                                                bool acc) {
             const float* qr = Q2.head_row(b, hh, n0, d);
             const float* gr = dO.head_row(b, hh, n0, d);
             kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + bh * dd, d, y1, d, false);
@@ -430,50 +258,21 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
             float* dq = DQ2.head_row(b, hh, n0, d);
             kr.gemm(T, d, d, dh, d, 1, wnT.data() + bh * dd, d, dq, DQ2.sn, false);
             kr.gemm(T, d, d, dy2, d, 1, wnT.data() + (BH + bh) * dd, d, dq, DQ2.sn, true);
-        }
+        });
     });
     std::vector<float> dwp(3 * BH * dd);  // dW' per (sample, head)
     reduce_partials(pa.get(), BH, s.groups, dd, dwp.data());
     reduce_partials(pb.get(), BH, s.groups, dd, dwp.data() + BH * dd);
     reduce_partials(pc.get(), BH, s.groups, dd, dwp.data() + 2 * BH * dd);
-    // dG = -dW'; keep dG and dGᵀ.
-    std::vector<float> dG(3 * BH * dd), dGT(3 * BH * dd);
-    for (int64_t i = 0; i < 3 * BH; ++i) {
-        for (int64_t j = 0; j < dd; ++j) dG[i * dd + j] = -dwp[i * dd + j];
-        transpose(dG.data() + i * dd, d, d, d, dGT.data() + i * dd);
-    }
+    std::vector<float> dG, dGT;  // dG = -dW', and its transposes
+    negated_with_transposes(dwp, 3 * BH, d, dG, dGT);
 
     q2 = Tensor();
 
     // q-conv backward right away (frees dq2 before pass C): dq = dq2 + dwconvᵀ(dq2), dqw = corr(q, dq2).
-    const GridTasks gt(s.B, s.H, s.W, kTokenBlock);
     Tensor dq = dest.empty() ? torch::empty({s.B, s.N, C}, torch::kFloat32) : dest[0];
-    const Tokens DQ = tokens_of(dq);
-    std::vector<float> qw_parts(gt.count() * 9 * C, 0.0f);
-    std::vector<double> qred(gt.count() * C, 0.0);
-    at::parallel_for(0, gt.count(), 1, [&](int64_t begin, int64_t end) {
-        for (int64_t task = begin; task < end; ++task) {
-            const int64_t b = gt.sample(task), y0 = gt.y0(task), y1 = gt.y1(task);
-            stencil_apply(image_of(DQ2, b, s), qtaps.data(), true, mut_image_of(DQ, b, s), y0, y1, false);
-            stencil_reduce(image_of(Q, b, s), image_of(DQ2, b, s), qw_parts.data() + task * 9 * C, y0, y1);
-            double* r = qred.data() + task * C;
-            for (int64_t n = y0 * s.W; n < y1 * s.W; ++n) {
-                const float* g2 = DQ2.row(b, n);
-                float* dqr = DQ.row(b, n);
-                for (int64_t c = 0; c < C; ++c) {
-                    dqr[c] += g2[c];
-                    r[c] += g2[c];
-                }
-            }
-        }
-    });
+    const ConvGradients dqconv = residual_conv_backward(Q, DQ2, qtaps, s, tokens_of(dq));
     dq2 = Tensor();
-    Tensor dqw = torch::zeros({C, 1, 3, 3}, torch::kFloat32), dqb = torch::zeros({C}, torch::kFloat32);
-    for (int64_t task = 0; task < gt.count(); ++task)
-        for (int64_t c = 0; c < C; ++c) {
-            for (int64_t t = 0; t < 9; ++t) dqw.data_ptr<float>()[c * 9 + t] += qw_parts[task * 9 * C + t * C + c];
-            dqb.data_ptr<float>()[c] += static_cast<float>(qred[task * C + c]);
-        }
 
     Tensor kn = torch::empty({s.B, s.N, C}, torch::kFloat32), k2 = torch::empty_like(kn);
     key_locality(K, mean.data_ptr<float>(), rstd.data_ptr<float>(), ktaps, kbias.data_ptr<float>(), s, tokens_of(kn),
@@ -491,11 +290,8 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
         float *z1 = a[0], *z2 = a[1], *sg = a[2], *e = a[3], *a2 = a[4], *da2f = a[5], *p1 = a[6], *p2 = a[7],
               *dp1 = a[8], *dp2 = a[9], *da2 = a[10], *de = a[11], *dda2 = a[12], *dz1 = a[13], *dz2 = a[14];
         const float dv_scale = static_cast<float>(-s.scale / static_cast<double>(s.N));
-        for (int64_t task = begin; task < end; ++task)
-          for (int64_t blk = s.group_begin(task); blk < s.group_end(task); ++blk) {
-            const int64_t bh = s.head_of(task), b = bh / s.h, hh = bh % s.h, part = s.part_of(task);
-            const bool acc = blk % s.per_group != 0;  // first block of the group overwrites the partial
-            const int64_t n0 = blk * s.block, T = std::min(s.block, s.N - n0);
+        for_each_group_block(s, begin, end, [&](int64_t bh, int64_t b, int64_t hh, int64_t part, int64_t n0, int64_t T,
+                                                bool acc) {
             inner_block(kr, K2, V, hw, b, hh, n0, T, s, z1, z2, sg, e, a2, da2f, p1, p2);
             const float* kbk = K2.head_row(b, hh, n0, d);
             kr.gemm(T, d, d, kbk, K2.sn, 1, dG.data() + bh * dd, d, dp1, d, false);
@@ -513,83 +309,17 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
             kr.gemm(d, d, T, kbk, 1, K2.sn, dz1, d, pa.get() + part * dd, d, acc);
             kr.gemm(d, d, T, kbk, 1, K2.sn, dz2, d, pb.get() + part * dd, d, acc);
             kr.gemm(d, d, T, dda2, 1, d, e, d, pc.get() + part * dd, d, acc);
-        }
+        });
     });
     std::vector<float> direct(3 * BH * dd);
     reduce_partials(pa.get(), BH, s.groups, dd, direct.data());
     reduce_partials(pb.get(), BH, s.groups, dd, direct.data() + BH * dd);
     reduce_partials(pc.get(), BH, s.groups, dd, direct.data() + 2 * BH * dd);
-    Tensor dw = torch::zeros({3, 1, s.h, d, d}, torch::kFloat32);
-    float* dwq = dw.data_ptr<float>();
-    for (int i = 0; i < 3; ++i)
-        for (int64_t bh = 0; bh < BH; ++bh)
-            for (int64_t j = 0; j < dd; ++j)
-                dwq[(i * s.h + bh % s.h) * dd + j] += dwp[(i * BH + bh) * dd + j] + direct[(i * BH + bh) * dd + j];
+    const Tensor dw = weight_gradients(dwp, direct, 3, s);
 
-    // k-conv backward and instance-norm sums: dkn = dk2 + dwconvᵀ(dk2) into k2's storage (k2 is
-    // dead after pass C); dkw = corr(kn, dk2).
-    Tensor dkn = k2;
-    const Tokens DKN = tokens_of(dkn);
-    std::vector<float> kw_parts(gt.count() * 9 * C, 0.0f);
-    std::vector<double> kred(gt.count() * 3 * C, 0.0);  // per task: Σdk2, Σdkn, Σdkn*kn
-    at::parallel_for(0, gt.count(), 1, [&](int64_t begin, int64_t end) {
-        for (int64_t task = begin; task < end; ++task) {
-            const int64_t b = gt.sample(task), y0 = gt.y0(task), y1 = gt.y1(task);
-            stencil_apply(image_of(DK2, b, s), ktaps.data(), true, mut_image_of(DKN, b, s), y0, y1, false);
-            stencil_reduce(image_of(KN, b, s), image_of(DK2, b, s), kw_parts.data() + task * 9 * C, y0, y1);
-            double* r = kred.data() + task * 3 * C;
-            for (int64_t n = y0 * s.W; n < y1 * s.W; ++n) {
-                const float *k2g = DK2.row(b, n), *knr = KN.row(b, n);
-                float* dknr = DKN.row(b, n);
-                for (int64_t c = 0; c < C; ++c) {
-                    dknr[c] += k2g[c];
-                    r[c] += k2g[c];
-                    r[C + c] += dknr[c];
-                    r[2 * C + c] += static_cast<double>(dknr[c]) * knr[c];
-                }
-            }
-        }
-    });
-    Tensor dkw = torch::zeros({C, 1, 3, 3}, torch::kFloat32), dkb = torch::zeros({C}, torch::kFloat32);
-    std::vector<double> mean_dkn(s.B * C, 0.0), mean_dknkn(s.B * C, 0.0);
-    for (int64_t task = 0; task < gt.count(); ++task) {
-        const int64_t b = gt.sample(task);
-        const double* r = kred.data() + task * 3 * C;
-        for (int64_t c = 0; c < C; ++c) {
-            for (int64_t t = 0; t < 9; ++t) dkw.data_ptr<float>()[c * 9 + t] += kw_parts[task * 9 * C + t * C + c];
-            dkb.data_ptr<float>()[c] += static_cast<float>(r[c]);
-            mean_dkn[b * C + c] += r[C + c] / static_cast<double>(s.N);
-            mean_dknkn[b * C + c] += r[2 * C + c] / static_cast<double>(s.N);
-        }
-    }
-    // Instance norm backward: dk = rstd * (dkn - mean(dkn) - kn * mean(dkn * kn)), written over dk2.
-    const float* rs = rstd.data_ptr<float>();
-    at::parallel_for(0, gt.count(), 1, [&](int64_t begin, int64_t end) {
-        for (int64_t task = begin; task < end; ++task) {
-            const int64_t b = gt.sample(task);
-            for (int64_t n = gt.y0(task) * s.W; n < gt.y1(task) * s.W; ++n) {
-                const float *g = DKN.row(b, n), *knr = KN.row(b, n);
-                float* o = DK2.row(b, n);
-                for (int64_t c = 0; c < C; ++c)
-                    o[c] = rs[b * C + c] * (g[c] - static_cast<float>(mean_dkn[b * C + c]) -
-                                            knr[c] * static_cast<float>(mean_dknkn[b * C + c]));
-            }
-        }
-    });
-    return {dq, dk2, dv, dw[0], dw[1], dw[2], dqw, dqb, dkw, dkb};
-}
-
-Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, int64_t heads, int64_t H, int64_t W) {
-    Prepared in{f32_rows(q), f32_rows(k), f32_rows(v), {}};
-    const int64_t B = q.size(0), N = q.size(1), C = q.size(2), d = C / heads;
-    Dims& s = in.s;
-    s = Dims{B, N, C, heads, d, H, W, std::pow(static_cast<double>(d), -0.5)};
-    const int64_t quarter = (N + kMinBlocks - 1) / kMinBlocks;
-    s.block = std::clamp<int64_t>((quarter + 7) / 8 * 8, 1, kTokenBlock);  // rows in multiples of 8
-    s.blocks = (N + s.block - 1) / s.block;
-    s.per_group = (s.blocks + kGroupsPerHead - 1) / kGroupsPerHead;
-    s.groups = (s.blocks + s.per_group - 1) / s.per_group;
-    return in;
+    // k-conv backward and instance-norm backward: dkn in k2's storage (k2 is dead after pass C), dk over dk2.
+    const ConvGradients dkconv = key_side_backward(K, KN, DK2, tokens_of(k2), ktaps, rstd.data_ptr<float>(), s);
+    return {dq, dk2, dv, dw[0], dw[1], dw[2], dqconv.weight, dqconv.bias, dkconv.weight, dkconv.bias};
 }
 
 class T5AttentionFunction : public torch::autograd::Function<T5AttentionFunction> {
