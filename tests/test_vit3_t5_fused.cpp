@@ -1,5 +1,6 @@
-// Fused CPU ViT³ / T⁵ kernels (src/ops/vit3_ttt/cpu.cpp, src/ops/t5_ttt/cpu.cpp) against the reference ops: outputs and gradients with
-// respect to every input, float32 / bfloat16 / float64 (fallback), on every SIMD target the CPU runs
+// Fused CPU ViT³ / T⁵ / DiT⁵ kernels (src/ops/vit3_ttt/cpu.cpp, src/ops/t5_ttt/cpu.cpp and dit5_cpu.cpp)
+// against the reference ops: outputs and gradients with respect to every input, float32 / bfloat16 / float64
+// (fallback), on every SIMD target the CPU runs
 // (AVX-512, AVX2, scalar: LINVIS_SIMD, tests/support/simd_targets.h), and the models with impl=fused
 // against impl=reference.
 //
@@ -16,6 +17,7 @@
 #include <torch/torch.h>
 
 #include "linvis/core/error.h"
+#include "linvis/models/dit.h"
 #include "linvis/models/registry.h"
 #include "linvis/ops/t5_ttt.h"
 #include "linvis/ops/vit3_ttt.h"
@@ -336,7 +338,8 @@ TEST(Vit3TttFused, BadShapesThrow) {
 
 // ---------------------------------------------------------------- models
 
-void copy_parameters(const linvis::models::ModelPtr& from, const linvis::models::ModelPtr& to) {
+template <class ModelPtr>
+void copy_parameters(const ModelPtr& from, const ModelPtr& to) {
     torch::NoGradGuard no_grad;
     auto dst = to->named_parameters(true);
     for (const auto& item : from->named_parameters(true)) dst[item.key()].copy_(item.value());
@@ -489,6 +492,126 @@ TEST(T5TttFused, Float64FallsBackAndInferenceBuildsNoGraph) {
 
 TEST(T5TttFused, T5TinyModelMatchesReference) {
     check_model("t5_tiny", {{"depth", "2"}, {"img_size", "64"}, {"num_classes", "10"}}, 64);
+}
+
+// ---------------------------------------------------------------- DiT5's TTT branch
+
+// q, k, v (B, N, C) chunks of one qkv buffer plus the eight parameters (w1, w2, qk_scale_ttt, qk_offset_ttt,
+// the q and k convs), the scale around 1 and the offset around 0 so that neither is an identity.
+std::vector<Tensor> dit5_inputs(const T5Case& c, torch::Dtype dtype = torch::kFloat32) {
+    const int64_t N = c.H * c.W, d = c.C / c.heads;
+    Tensor qkv = torch::randn({c.B, N, 3 * c.C}, dtype);
+    auto chunks = qkv.chunk(3, -1);
+    auto p = [&](std::vector<int64_t> shape, double s) { return (s * torch::randn(shape)).to(dtype); };
+    return {chunks[0], chunks[1], chunks[2], p({1, c.heads, d, d}, 0.3), p({1, c.heads, d, d}, 0.3),
+            (1.0 + p({1, 1, c.C, 2}, 0.3)).to(dtype), p({1, 1, c.C, 2}, 0.3), p({c.C, 1, 3, 3}, 0.3), p({c.C}, 0.3),
+            p({c.C, 1, 3, 3}, 0.3), p({c.C}, 0.3)};
+}
+
+Tensor dit5(const std::vector<Tensor>& x, const T5Case& c, Impl impl) {
+    linvis::ops::Dit5TttParams p{x[3], x[4], x[5], x[6], x[7], x[8], x[9], x[10]};
+    return linvis::ops::dit5_ttt_attention(x[0], x[1], x[2], p, c.heads, c.H, c.W, impl);
+}
+
+void check_dit5(const T5Case& c, const std::string& what) {
+    auto x = dit5_inputs(c);
+    Tensor probe = torch::randn({c.B, c.H * c.W, c.C});
+    auto ref = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) { return dit5(l, c, Impl::Reference); });
+    auto fused = run_with_grads(x, probe, [&](const std::vector<Tensor>& l) { return dit5(l, c, Impl::Fused); });
+    expect_all_match(fused, ref, kF32RelTol, what);
+}
+
+// Output and the gradients of all eleven inputs (q, k, v, w1, w2, the affine, both convs) on every SIMD target.
+TEST(Dit5TttFused, MatchesReference) {
+    for_each_simd_target([](const SimdTarget&) {
+        torch::manual_seed(20);
+        check_dit5({1, 4, 5, 16, 2}, "B1 4x5 C16 h2");    // N = 20: blocks of 16 and 4
+        check_dit5({2, 17, 19, 48, 3}, "B2 17x19 C48 h3");  // N = 323: blocks of 168 and 155
+        check_dit5({1, 16, 32, 128, 2}, "B1 16x32 C128 h2");  // d = 64, N = 512: two exact blocks of 256
+        check_dit5({2, 3, 1, 12, 1}, "3x1 grid, one head");  // N = 3: one block
+        check_dit5({1, 48, 48, 16, 2}, "B1 48x48 C16 h2");  // N = 2304: 9 blocks in 5 groups (the last of one block)
+        check_dit5({2, 11, 13, 24, 2}, "B2 11x13 C24 h2");  // d = 12
+    });
+}
+
+TEST(Dit5TttFused, BFloat16ComputesInFloat32) {
+    torch::manual_seed(21);
+    const T5Case c{1, 12, 12, 32, 2};
+    auto x = dit5_inputs(c, torch::kBFloat16);
+    std::vector<Tensor> xf;
+    for (const auto& t : x) xf.push_back(t.to(torch::kFloat32));
+    Tensor probe = torch::randn({1, 144, 32});
+    auto ref = run_with_grads(xf, probe, [&](const std::vector<Tensor>& l) { return dit5(l, c, Impl::Reference); });
+    auto fused = run_with_grads(x, probe.to(torch::kBFloat16),
+                                [&](const std::vector<Tensor>& l) { return dit5(l, c, Impl::Fused); });
+    for (size_t i = 0; i < ref.size(); ++i) {
+        EXPECT_EQ(fused[i].scalar_type(), torch::kBFloat16);
+        EXPECT_LT(relative_error(fused[i], ref[i]), 1e-2) << "tensor " << i;
+    }
+}
+
+TEST(Dit5TttFused, Float64FallsBackAndInferenceBuildsNoGraph) {
+    torch::manual_seed(22);
+    const T5Case c{1, 5, 5, 8, 2};
+    auto x = dit5_inputs(c, torch::kFloat64);
+    {
+        torch::NoGradGuard no_grad;
+        EXPECT_TRUE(torch::equal(dit5(x, c, Impl::Auto), dit5(x, c, Impl::Reference)));
+        EXPECT_THROW(dit5(x, c, Impl::Fused), linvis::Error);  // no float64 kernel, and no silent fallback
+    }
+    auto y = dit5_inputs(c);
+    for (auto& t : y) t = t.detach().requires_grad_(true);
+    {
+        torch::NoGradGuard no_grad;
+        EXPECT_FALSE(dit5(y, c, Impl::Fused).grad_fn());
+    }
+    EXPECT_TRUE(dit5(y, c, Impl::Fused).grad_fn());
+    auto bad = y;
+    bad[7] = torch::randn({8, 1, 3, 2});  // q conv weight
+    EXPECT_THROW(dit5(bad, c, Impl::Fused), linvis::Error);
+    bad = y;
+    bad[6] = torch::randn({1, 1, 8, 1});  // qk_offset_ttt
+    EXPECT_THROW(dit5(bad, c, Impl::Fused), linvis::Error);
+}
+
+// A DiT5 (both mixers fused: the token grid 8 x 8 holds the 5 x 5 neighbourhood) against impl=reference: the
+// output and the gradients of the input and of every parameter.
+TEST(Dit5TttFused, Dit5ModelMatchesReference) {
+    torch::manual_seed(23);
+    std::map<std::string, std::string> options{
+        {"input_size", "16"}, {"hidden_size", "96"}, {"depth", "2"}, {"num_heads", "3"}, {"num_classes", "10"}};
+    std::vector<linvis::models::DiffusionModelPtr> models;
+    for (const char* impl : {"reference", "fused"}) {
+        options["impl"] = impl;
+        models.push_back(linvis::models::create_diffusion_model("dit5_s2", linvis::models::ModelConfig(options)));
+    }
+    {
+        torch::NoGradGuard no_grad;  // move every parameter off its initial value (adaLN and the output start at 0)
+        for (auto& item : models[0]->named_parameters(true)) item.value().add_(0.05 * torch::randn_like(item.value()));
+    }
+    copy_parameters(models[0], models[1]);
+    Tensor x = torch::randn({2, 4, 16, 16}), t = torch::tensor({3, 700}), y = torch::tensor({1, 7});
+    Tensor probe;
+    std::vector<Tensor> outs;
+    for (auto& m : models) {
+        m->eval();  // train mode drops labels at random
+        Tensor xi = x.clone().requires_grad_(true);
+        Tensor out = m->forward(xi, t, y);
+        if (!probe.defined()) probe = torch::randn(out.sizes());
+        (out * probe).sum().backward();
+        outs.push_back(out.detach());
+        outs.push_back(xi.grad());
+    }
+    EXPECT_LT(relative_error(outs[2], outs[0]), kF32RelTol) << "output";
+    EXPECT_LT(relative_error(outs[3], outs[1]), kF32RelTol) << "input gradient";
+    auto pr = models[0]->named_parameters(true), pf = models[1]->named_parameters(true);
+    int checked = 0;
+    for (const auto& item : pr) {
+        if (!item.value().grad().defined()) continue;
+        EXPECT_LT(relative_error(pf[item.key()].grad(), item.value().grad()), 1e-3) << item.key();
+        checked += item.key().find("qk_scale_ttt") != std::string::npos ? 1 : 0;
+    }
+    EXPECT_EQ(checked, 2);  // both blocks' affine was reached
 }
 
 }  // namespace

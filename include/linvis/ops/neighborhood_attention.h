@@ -60,7 +60,7 @@ torch::Tensor neighborhood_attention_2d(const torch::Tensor& q, const torch::Ten
 
 // DiT5 MixedAttention (spec B4) between qkv and proj. q, k, v: (B, N, C) tokens (raw chunks of
 // the shared qkv projection), N = height*width row-major. Returns 0.5*x_na + 0.5*x_ttt (B, N, C):
-//   x_ttt = dit5_ttt_mlp_attention(q, k, v, ...) and
+//   x_ttt = dit5_ttt_attention(q, k, v, ...) and
 //   x_na  = neighborhood attention of the raw q, k, v (no affine, norm or conv), scale d^-0.5,
 //           heads reshaped as (B, h, H, W, d), output back to (B, N, C).
 torch::Tensor dit5_mixed_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

@@ -92,6 +92,9 @@ struct Dit5TttParams {
 // q_t = q*qk_scale[...,0] + qk_offset[...,0]; k_t = k*qk_scale[...,1] + qk_offset[...,1];
 // key instance norm (eps 1.0) of k_t; q2 = q_t + q_conv(q_t); k2 = k~_t + k_conv(k~_t);
 // TTT-MLP (L2 loss) step on (k2, v), s = d^-0.5; x_ttt = silu(q2 W1') W2'. Returns (B, N, C).
+// The fused CPU kernel takes float32 and bfloat16 CPU tensors (q, k, v read in place when their channels are
+// contiguous, as the chunks of qkv are) and never forms the per-head (B, h, N, d) copies, the normalised keys or
+// the inner activations whole; Impl::Auto runs it where the SIMD layer has a vector target (AVX2, AVX-512).
 torch::Tensor dit5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                  const Dit5TttParams& params, int64_t num_heads, int64_t height, int64_t width,
                                  Impl impl = Impl::Auto);

@@ -45,7 +45,7 @@ torch::Tensor neighborhood_attention_2d(const torch::Tensor& q, const torch::Ten
 torch::Tensor dit5_mixed_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                    const Dit5TttParams& params, int64_t num_heads, int64_t height, int64_t width,
                                    int64_t kernel_size, NatSmallGrid small_grid, Impl impl) {
-    // The TTT branch has no fused kernel (Impl::Fused is an error there); the NA branch follows `impl`.
+    // Both branches follow `impl` (each has a reference and a fused CPU kernel).
     torch::Tensor x_ttt = dit5_ttt_attention(q, k, v, params, num_heads, height, width, impl);
     const int64_t B = q.size(0), C = q.size(2), d = C / num_heads;
     auto to_grid = [&](const torch::Tensor& t) {

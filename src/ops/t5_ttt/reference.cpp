@@ -146,29 +146,6 @@ torch::Tensor ttt_mlp(const torch::Tensor& q, const torch::Tensor& k, const torc
     return flops::matmul(torch::silu(flops::matmul(q, w1n)), w2n);
 }
 
-torch::Tensor dit5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                 const Dit5TttParams& p, int64_t num_heads, int64_t height, int64_t width,
-                                 Impl impl) {
-    const char* op = "dit5_ttt_attention";
-    use_fused(impl, op, "this op has no fused kernel", false);
-    const TokenShape s = check_tokens(op, q, k, v, num_heads, height, width);
-    check_shape(op, "w1", p.w1, {1, s.h, s.d, s.d});
-    check_shape(op, "w2", p.w2, {1, s.h, s.d, s.d});
-    check_shape(op, "qk_scale_ttt", p.qk_scale, {1, 1, s.C, 2});
-    check_shape(op, "qk_offset_ttt", p.qk_offset, {1, 1, s.C, 2});
-    const double scale = std::pow(static_cast<double>(s.d), -0.5);
-
-    torch::Tensor q_t = q * p.qk_scale.select(3, 0) + p.qk_offset.select(3, 0);
-    torch::Tensor k_t = k * p.qk_scale.select(3, 1) + p.qk_offset.select(3, 1);
-    torch::Tensor qh = q_t.reshape({s.B, s.N, s.h, s.d}).transpose(1, 2);
-    torch::Tensor vh = v.reshape({s.B, s.N, s.h, s.d}).transpose(1, 2);
-    torch::Tensor kh = key_instance_norm(k_t, 1.0).reshape({s.B, s.h, s.d, s.N}).transpose(2, 3);
-    torch::Tensor q2 = conv_heads(qh, p.q_conv_weight, p.q_conv_bias, s, height, width);
-    torch::Tensor k2 = conv_heads(kh, p.k_conv_weight, p.k_conv_bias, s, height, width);
-    torch::Tensor x = ttt_mlp(q2, k2, vh, p.w1, p.w2, scale);
-    return x.transpose(1, 2).reshape({s.B, s.N, s.C});
-}
-
 namespace reference {
 
 torch::Tensor t5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -185,6 +162,21 @@ torch::Tensor t5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k, c
     return x.transpose(1, 2).reshape({s.B, s.N, s.C});
 }
 
+torch::Tensor dit5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                 const Dit5TttParams& p, int64_t num_heads, int64_t height, int64_t width) {
+    const TokenShape s{q.size(0), q.size(1), q.size(2), num_heads, q.size(2) / num_heads};
+    const double scale = std::pow(static_cast<double>(s.d), -0.5);
+
+    torch::Tensor q_t = q * p.qk_scale.select(3, 0) + p.qk_offset.select(3, 0);
+    torch::Tensor k_t = k * p.qk_scale.select(3, 1) + p.qk_offset.select(3, 1);
+    torch::Tensor qh = q_t.reshape({s.B, s.N, s.h, s.d}).transpose(1, 2);
+    torch::Tensor vh = v.reshape({s.B, s.N, s.h, s.d}).transpose(1, 2);
+    torch::Tensor kh = key_instance_norm(k_t, 1.0).reshape({s.B, s.h, s.d, s.N}).transpose(2, 3);
+    torch::Tensor q2 = conv_heads(qh, p.q_conv_weight, p.q_conv_bias, s, height, width);
+    torch::Tensor k2 = conv_heads(kh, p.k_conv_weight, p.k_conv_bias, s, height, width);
+    torch::Tensor x = ttt_mlp(q2, k2, vh, p.w1, p.w2, scale);
+    return x.transpose(1, 2).reshape({s.B, s.N, s.C});
+}
 
 }  // namespace reference
 

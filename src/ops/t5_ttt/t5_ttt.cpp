@@ -1,5 +1,5 @@
-// linvis::ops::t5_ttt_attention(_qkv): input checks and the choice between the reference and the fused
-// CPU kernels (include/linvis/ops/t5_ttt.h).
+// linvis::ops::t5_ttt_attention(_qkv) and dit5_ttt_attention: input checks and the choice between the reference
+// and the fused CPU kernels (include/linvis/ops/t5_ttt.h).
 #include "linvis/ops/t5_ttt.h"
 
 #include <string>
@@ -48,6 +48,23 @@ torch::Tensor t5_ttt_attention_qkv(const torch::Tensor& qkv, const T5TttParams& 
     for (const auto* w : {&p.q_conv_weight, &p.k_conv_weight}) check_shape(op, "conv weight", *w, {s.C, 1, 3, 3});
     for (const auto* b : {&p.q_conv_bias, &p.k_conv_bias}) check_shape(op, "conv bias", *b, {s.C});
     return fused_detail::t5_ttt_attention_qkv_fused(qkv, p, num_heads, height, width);
+}
+
+torch::Tensor dit5_ttt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                 const Dit5TttParams& p, int64_t num_heads, int64_t height, int64_t width,
+                                 Impl impl) {
+    const char* op = "dit5_ttt_attention";
+    const TokenShape s = check_tokens(op, q, k, v, num_heads, height, width);
+    check_shape(op, "w1", p.w1, {1, s.h, s.d, s.d});
+    check_shape(op, "w2", p.w2, {1, s.h, s.d, s.d});
+    check_shape(op, "qk_scale_ttt", p.qk_scale, {1, 1, s.C, 2});
+    check_shape(op, "qk_offset_ttt", p.qk_offset, {1, 1, s.C, 2});
+    if (use_fused(impl, op, fused_detail::fused_unsupported(q), simd::vectorised())) {
+        for (const auto* w : {&p.q_conv_weight, &p.k_conv_weight}) check_shape(op, "conv weight", *w, {s.C, 1, 3, 3});
+        for (const auto* b : {&p.q_conv_bias, &p.k_conv_bias}) check_shape(op, "conv bias", *b, {s.C});
+        return fused_detail::dit5_ttt_attention_fused(q, k, v, p, num_heads, height, width);
+    }
+    return reference::dit5_ttt_attention(q, k, v, p, num_heads, height, width);
 }
 
 }  // namespace linvis::ops

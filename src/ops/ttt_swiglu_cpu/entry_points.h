@@ -1,4 +1,4 @@
-// Internal entry points of the fused CPU ViT³ / T⁵ kernels (dispatched from the public ops when
+// Internal entry points of the fused CPU ViT³ / T⁵ / DiT⁵ kernels (dispatched from the public ops when
 // impl == Impl::Fused; see docs/perf_vit3_t5.md). Same shapes and semantics as the reference
 // functions they replace. float32 and bfloat16 run fused (bfloat16 converted to float32 on entry,
 // results cast back); other dtypes are handled by the caller (reference path).
@@ -42,6 +42,11 @@ torch::Tensor t5_ttt_attention_fused(const torch::Tensor& q, const torch::Tensor
 // t5_ttt_attention on qkv.chunk(3, -1), with the qkv gradient written as one buffer.
 torch::Tensor t5_ttt_attention_qkv_fused(const torch::Tensor& qkv, const T5TttParams& params, int64_t num_heads,
                                          int64_t height, int64_t width);
+
+// ops::dit5_ttt_attention (DiT⁵'s TTT branch) on float32 / bfloat16 CPU tensors; q, k, v with unit channel stride
+// are read in place (the chunks of the model's qkv).
+torch::Tensor dit5_ttt_attention_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                       const Dit5TttParams& params, int64_t num_heads, int64_t height, int64_t width);
 
 // Token block (rows of one (sample, head)) processed at a time; scratch is O(block * d) per task.
 constexpr int64_t kTokenBlock = 256;
