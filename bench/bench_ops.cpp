@@ -12,8 +12,9 @@
 //   build/bench_ops layer_norm [--threads 2] [--reps 50] [--width 192]
 //
 // ttt_linear: the TTT-Linear scan of vittt_tiny (3 heads of d = 64, mini-batches of 16).
-// vit3_t5: the ViT³ TTT mixer (vit3_ttt_mix, both branches; C = 192, 6 heads of d = 32) and the T⁵ TTT
-//   attention (t5_ttt_attention_qkv; C = 192, 3 heads of d = 64).
+// vit3_t5: the ViT³ TTT mixer (vit3_ttt_mix, both branches; C = 192, 6 heads of d = 32), the T⁵ TTT
+//   attention (t5_ttt_attention_qkv; C = 192, 3 heads of d = 64) and DiT⁵'s TTT branch (dit5_ttt_attention on
+//   the chunks of qkv; the same widths).
 // mlstm: the chunkwise mLSTM of vil_tiny (4 heads, DH = DV = 96, chunks of 64) against the reference
 //   parallel and chunkwise forms; its head-wise q/k/v projection (S x 384, 96 blocks of 4 x 4: fused
 //   kernel vs the official einsum); and, unless --skip-model, the whole vil_tiny at 1024x1024 (fused
@@ -44,6 +45,7 @@
 #include <functional>
 #include <iostream>
 #include <optional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -520,6 +522,11 @@ std::vector<Tensor> vit3_t5_inputs(const std::string& op, int64_t side) {
                 0.02 * torch::randn({1, h, d, d}), 0.02 * torch::randn({d, 1, 3, 3})};
     }
     const int64_t h = 3, d = C / h;
+    if (op == "dit5")  // qkv, w1, w2, qk_scale_ttt, qk_offset_ttt, the q and k convs
+        return {torch::randn({1, N, 3 * C}), 0.02 * torch::randn({1, h, d, d}), 0.02 * torch::randn({1, h, d, d}),
+                1.0 + 0.1 * torch::randn({1, 1, C, 2}), 0.1 * torch::randn({1, 1, C, 2}),
+                0.2 * torch::randn({C, 1, 3, 3}), 0.1 * torch::randn({C}), 0.2 * torch::randn({C, 1, 3, 3}),
+                0.1 * torch::randn({C})};
     return {torch::randn({1, N, 3 * C}), 0.02 * torch::randn({1, h, d, d}), 0.02 * torch::randn({1, h, d, d}),
             0.02 * torch::randn({1, h, d, d}), 0.2 * torch::randn({C, 1, 3, 3}), 0.1 * torch::randn({C}),
             0.2 * torch::randn({C, 1, 3, 3}), 0.1 * torch::randn({C})};
@@ -531,13 +538,21 @@ OpFn vit3_t5_op(const std::string& op, Impl impl, int64_t side) {
             return ops::vit3_ttt_mix(x[0], x[1], x[2], x[3], 6, side, side, {}, impl);
         };
     }
+    if (op == "dit5") {  // DiT5's TTT branch on the chunks of qkv, as the model calls it
+        return [impl, side](const std::vector<Tensor>& x) {
+            const std::vector<Tensor> qkv = x[0].chunk(3, -1);
+            return ops::dit5_ttt_attention(qkv[0], qkv[1], qkv[2],
+                                           ops::Dit5TttParams{x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8]}, 3, side,
+                                           side, impl);
+        };
+    }
     return [impl, side](const std::vector<Tensor>& x) {
         return ops::t5_ttt_attention_qkv(x[0], ops::T5TttParams{x[1], x[2], x[3], x[4], x[5], x[6], x[7]}, 3, side,
                                          side, impl);
     };
 }
 
-// The output cotangent of the check: vit3_ttt_mix returns (1, N, C + d), t5_ttt_attention_qkv (1, N, C).
+// The output cotangent of the check: vit3_ttt_mix returns (1, N, C + d), the T⁵ and DiT⁵ attentions (1, N, C).
 Tensor vit3_t5_probe(const std::string& op, int64_t side) {
     torch::manual_seed(1);
     return torch::randn({1, side * side, kVit3T5Width + (op == "vit3" ? kVit3T5Width / 6 : 0)});
@@ -547,6 +562,7 @@ Tensor vit3_t5_probe(const std::string& op, int64_t side) {
 double vit3_t5_matmul_macs(const std::string& op, bool train, int64_t side) {
     const double N = static_cast<double>(side * side), C = kVit3T5Width;
     if (op == "vit3") return (train ? 22.0 : 6.0) * N * C * (C / 6);
+    if (op == "dit5") return (train ? 25.0 : 7.0) * N * C * (C / 3);
     return (train ? 32.0 : 9.0) * N * C * (C / 3);
 }
 
@@ -565,9 +581,9 @@ double microkernel_gflops(int64_t d) {
 }
 
 int run_vit3_t5(const Vit3T5Options& o, Harness& h) {
-    if (!h.child.empty()) {  // <vit3|t5>_<fwd|train>_<reference|fused>
+    if (!h.child.empty()) {  // <vit3|t5|dit5>_<fwd|train>_<reference|fused>
         const auto parts = split_case(h.child);
-        if (parts.size() != 3 || (parts[0] != "vit3" && parts[0] != "t5")) unknown_case(h.child);
+        if (parts.size() != 3 || (parts[0] != "vit3" && parts[0] != "t5" && parts[0] != "dit5")) unknown_case(h.child);
         // A fixed mmap threshold: every large tensor is its own mapping, returned on free, so the peak
         // RSS is the peak of simultaneously live memory (glibc's adaptive threshold would otherwise
         // keep freed blocks of earlier iterations resident, differently for each implementation).
@@ -595,13 +611,15 @@ int run_vit3_t5(const Vit3T5Options& o, Harness& h) {
                 "SGEMM), d=64 %.1f GFLOP/s (%.0f%%)\n",
                 micro32, 100.0 * micro32 / sgemm1, micro64, 100.0 * micro64 / sgemm1);
 
-    const std::vector<std::vector<std::string>> gradient_names = {
-        {"output", "dqkv", "dw1", "dw2", "dw3"},
-        {"output", "dqkv", "dw1", "dw2", "dw3", "dq_conv_w", "dq_conv_b", "dk_conv_w", "dk_conv_b"}};
+    const std::map<std::string, std::vector<std::string>> gradient_names = {
+        {"vit3", {"output", "dqkv", "dw1", "dw2", "dw3"}},
+        {"t5", {"output", "dqkv", "dw1", "dw2", "dw3", "dq_conv_w", "dq_conv_b", "dk_conv_w", "dk_conv_b"}},
+        {"dit5", {"output", "dqkv", "dw1", "dw2", "dqk_scale", "dqk_offset", "dq_conv_w", "dq_conv_b", "dk_conv_w",
+                  "dk_conv_b"}}};
     std::vector<std::string> table;
-    for (const std::string op : {"vit3", "t5"}) {
+    for (const std::string op : {"vit3", "t5", "dit5"}) {
         const OpFn reference = vit3_t5_op(op, Impl::Reference, o.side);
-        if (!passes({gradient_names[op == "t5"], vit3_t5_inputs(op, o.side), vit3_t5_probe(op, o.side), reference,
+        if (!passes({gradient_names.at(op), vit3_t5_inputs(op, o.side), vit3_t5_probe(op, o.side), reference,
                      reference, vit3_t5_op(op, Impl::Fused, o.side), 1e-4},
                     op)) {
             h.failed = true;
@@ -848,7 +866,7 @@ int main(int argc, char** argv) {
 
     Vit3T5Options vit3_t5;
     CLI::App* vit3_t5_command =
-        app.add_subcommand("vit3_t5", "fused vs reference ViT³ TTT mixer and T⁵ TTT attention");
+        app.add_subcommand("vit3_t5", "fused vs reference ViT³ TTT mixer, T⁵ TTT attention and DiT⁵ TTT branch");
     vit3_t5_command->add_option("--iters", vit3_t5.iters, "timed repetitions (median)")->check(CLI::PositiveNumber);
     vit3_t5_command->add_option("--side", vit3_t5.side, "token grid side (64 = 1024x1024 image, patch 16)")
         ->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
