@@ -4,7 +4,9 @@
     VENV/bin/python bench/check_peer_models.py
 
 * state dicts: entry counts, parameter counts and key shapes as the specs give them for the official modules
-  (spec/vit3_t5_official.md A4, A7, B6; spec/vil_official.md 2, 3.1);
+  (spec/vit3_t5_official.md A4, A7, B6; spec/vil_official.md 2, 3.1; spec/dit_generation.md 1.5, 1.6);
+* DiT and DiT3 against the official code's outputs in ../shared/fixtures (when present), and DiT5's
+  neighbourhood attention against a loop over its clamped windows;
 * H-ViT3's RoPE against the real / imaginary formula, row frequencies first;
 * ViT3's and T5's closed-form inner gradients: the attention output equals one built from the autograd gradients
   of the inner loss (float64);
@@ -30,8 +32,8 @@ def max_rel(a, b):
 
 
 class StateDicts(unittest.TestCase):
-    def check(self, name, entries, params, shapes):
-        model = peer_models.create(name)
+    def check(self, name, entries, params, shapes, img_size=224):
+        model = peer_models.create(name, img_size=img_size)
         sd = model.state_dict()
         self.assertEqual(len(sd), entries)
         self.assertEqual(sum(p.numel() for p in model.parameters()), params)
@@ -64,6 +66,19 @@ class StateDicts(unittest.TestCase):
             "pos_embed": (1, 196, 192), "blocks.0.attn.w3": (1, 3, 64, 64), "blocks.0.attn.qkv.weight": (576, 192),
             "blocks.0.attn.q_conv2d.weight": (192, 1, 3, 3), "blocks.0.attn.k_conv2d.bias": (192,),
             "head.weight": (1000, 192)})
+
+    def test_dit_family(self):
+        # dit_generation.md 1.5 / 1.6: S/2 at 256 px (latent 32), pos_embed included.
+        self.check("dit_s2", 132, 32963360, {
+            "pos_embed": (1, 256, 384), "x_embedder.proj.weight": (384, 4, 2, 2), "t_embedder.mlp.0.weight": (384, 256),
+            "y_embedder.embedding_table.weight": (1001, 384), "blocks.0.attn.qkv.weight": (1152, 384),
+            "blocks.0.adaLN_modulation.1.weight": (2304, 384), "final_layer.linear.weight": (32, 384)}, img_size=32)
+        self.check("dit3_s2", 192, 34788128, {
+            "blocks.0.cpe.weight": (384, 1, 3, 3), "blocks.0.attn.w3": (64, 1, 3, 3),
+            "blocks.0.attn.qkv.weight": (1344, 384), "blocks.0.attn.proj.weight": (384, 448)}, img_size=32)
+        self.check("dit5_s2", 228, 33663776, {
+            "blocks.0.attn.qk_scale_ttt": (1, 1, 384, 2), "blocks.0.attn.q_conv2d.weight": (384, 1, 3, 3),
+            "blocks.0.attn.w2": (1, 6, 64, 64), "blocks.0.attn.qkv.weight": (1152, 384)}, img_size=32)
 
     def test_vil(self):
         p = "blocks.11.rowwise_from_bot_right."
@@ -182,6 +197,41 @@ class Models(unittest.TestCase):
             self.assertEqual(m.state_dict()[key].numel(), 18 * 18 * 192, name)
             with torch.no_grad():
                 self.assertEqual(tuple(m(torch.randn(1, 3, 288, 288)).shape), (1, 1000))
+
+
+class DitFamily(unittest.TestCase):
+    FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "fixtures", "generation")
+
+    def test_official_outputs(self):
+        # The official code's outputs (../shared/fixtures, tiny configs) where they are present. DiT5's fixtures
+        # use a 4 x 4 grid, below NATTEN's 5 x 5 window (a wrapping stand-in), so only DiT and DiT3 are compared;
+        # compare_torch.py checks DiT5 against linvis, which matches its fixtures.
+        if not os.path.isdir(self.FIXTURES):
+            self.skipTest("no ../shared/fixtures/generation")
+        from safetensors.torch import load_file
+        for family in ("dit", "dit3"):
+            model = peer_models.Dit(family, input_size=8, patch=2, dim=96, depth=1, num_heads=3, num_classes=10)
+            model.load_state_dict(load_file(os.path.join(self.FIXTURES, f"{family}_tiny.weights.safetensors")))
+            model.eval()
+            for name, call in (("run", lambda f: model(f["x"], f["t"], f["y"])),
+                               ("cfg1.5", lambda f: model.forward_with_cfg(f["x"], f["t"], f["y"], 1.5))):
+                f = load_file(os.path.join(self.FIXTURES, f"{family}_tiny.{name}.safetensors"))
+                with torch.no_grad():
+                    self.assertLess(max_rel(call(f), f["out"]), 1e-4, f"{family} {name}")
+
+    def test_neighbourhood_windows_are_clamped(self):
+        # Every query sees the 5 x 5 keys of its clamped window (NATTEN, dilation 1): a loop over the grid.
+        torch.manual_seed(0)
+        G, d = 7, 4
+        q, k, v = (torch.randn(1, 1, G, G, d, dtype=torch.float64) for _ in range(3))
+        out = peer_models._neighbourhood_attention(q, k, v)
+        for i in range(G):
+            for j in range(G):
+                y0, x0 = min(max(i - 2, 0), G - 5), min(max(j - 2, 0), G - 5)
+                keys = k[0, 0, y0:y0 + 5, x0:x0 + 5].reshape(25, d)
+                vals = v[0, 0, y0:y0 + 5, x0:x0 + 5].reshape(25, d)
+                expected = torch.softmax(keys @ q[0, 0, i, j], dim=0) @ vals
+                self.assertLess(max_rel(out[0, 0, i, j], expected), 1e-12)
 
 
 if __name__ == "__main__":

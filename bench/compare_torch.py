@@ -12,7 +12,13 @@ Peers (same architecture, same state-dict names, so the same weights load into b
   vil_tiny   -> bench/peer_models.py Vil (NX-AI/vision-lstm VisionLSTM2 vil2-tiny, spec/vil_official.md), with the
                 official (and only) mLSTM backend, the quadratic parallel form: its memory grows as S^2 with the
                 token count S, and a resolution whose estimate exceeds the available memory is skipped, not run;
-  vittt_tiny -> none: it has no official code (spec/vittt.md), so it is compared with timm's DeiT only.
+  vittt_tiny -> none: it has no official code (spec/vittt.md), so it is compared with timm's DeiT only;
+  dit_s2, dit3_s2, dit5_s2 (--task denoise) -> bench/peer_models.py Dit: facebookresearch/DiT's DiT-S/2 with timm's
+                Attention (SDPA), LeapLabTHU/ViTTT's DiTTT-S/2 and LeapLabTHU/Transformer-to-TTT's DiT5-S/2
+                (spec/dit_generation.md), NATTEN's na2d_qk / na2d_av written as the exact pure-PyTorch gather the
+                fixtures used (NATTEN has no wheel for torch 2.15); timed as one guided denoising step,
+                forward_with_cfg with guidance 4 on the batch of 2 (a label and the null label), as
+                `linvis bench --task denoise` times it, --res being the latent side. No timm DeiT reference.
 The peer modules are our own plain PyTorch from the specs (no official code is copied), using the ops the
 official code uses (F.silu, F.conv2d, F.layer_norm, F.instance_norm, F.group_norm, einsum). bench/check_peer_models.py
 checks them on their own (state-dict counts, closed-form inner gradients vs autograd, parallel mLSTM vs the
@@ -25,7 +31,8 @@ out of linvis's own dependencies) and calls this file with that environment's py
         --models deit_tiny,vit3_tiny,hvit3_tiny,vittt_tiny,t5_tiny,vil_tiny --markdown peer.md
 
 What it does:
-  0. correctness, at 224, for timm's DeiT and for every requested model that has a peer: the torch model with
+  0. correctness, at 224 (the generation models: latent side 16, `linvis run` on x, t, y, every parameter moved
+     off its adaLN-Zero init), for timm's DeiT and for every requested model that has a peer: the torch model with
      its random initialisation (peer_models: the official init, then every 1-D parameter - biases, norm
      weights, ViL's skip - moved by N(0, 0.02) so that none sits at an exact 0 or 1) is saved (DeiT: safetensors;
      peers: the official-style torch.save .pth, read by linvis's checkpoint loader), `linvis run --model M`
@@ -63,7 +70,15 @@ PEERS = {
     "hvit3_tiny": "H-ViT3-T (LeapLabTHU/ViTTT) in peer_models.py",
     "t5_tiny": "T5_tiny (LeapLabTHU/Transformer-to-TTT) in peer_models.py",
     "vil_tiny": "ViL-T (NX-AI/vision-lstm VisionLSTM2, parallel mLSTM) in peer_models.py",
+    "dit_s2": "DiT-S/2 (facebookresearch/DiT, timm Attention with SDPA) in peer_models.py",
+    "dit3_s2": "DiTTT-S/2 (LeapLabTHU/ViTTT dittt) in peer_models.py",
+    "dit5_s2": "DiT5-S/2 (LeapLabTHU/Transformer-to-TTT DiT5, NATTEN as a pure-PyTorch gather) in peer_models.py",
 }
+# Generation models: `--task denoise` times one guided denoising step, forward_with_cfg (guidance 4) on the batch
+# doubled with the null label, as `linvis bench --task denoise` does; --res is the latent side.
+DIT_MODELS = ("dit_s2", "dit3_s2", "dit5_s2")
+CFG_SCALE = 4.0
+CHECK_LATENT = 16  # the correctness check's latent side: a grid of 8 x 8 tokens holds DiT5's 5 x 5 window
 NO_PEER_NOTE = {"vittt_tiny": "no official code (spec/vittt.md): DeiT only"}
 
 
@@ -103,7 +118,12 @@ def build_peer(model_name, res, threads):
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import peer_models
         model = peer_models.create(model_name, img_size=res)
-    image = torch.randn(1, 3, res, res, generator=torch.Generator().manual_seed(1))
+    generator = torch.Generator().manual_seed(1)
+    if model_name in DIT_MODELS:
+        # (x, t, y): the latent batch doubled, a label and the null label (1000), one timestep.
+        x = torch.randn(1, 4, res, res, generator=generator).repeat(2, 1, 1, 1)
+        return torch, model, (x, torch.tensor([500, 500]), torch.tensor([7, 1000]))
+    image = torch.randn(1, 3, res, res, generator=generator)
     return torch, model, image
 
 
@@ -111,7 +131,16 @@ def child_time(args):
     """One peer case in this process; prints one JSON line."""
     torch, model, image = build_peer(args.peer, args.res, args.threads)
     compile_s = 0.0
-    if args.train:
+    if args.peer in DIT_MODELS:
+        if args.train:
+            raise SystemExit("--train: the generation models are timed for inference only")
+
+        import peer_models  # build_peer put it on the path
+
+        def step(m):
+            peer_models.guided(m, *image, CFG_SCALE)
+        context = torch.inference_mode()
+    elif args.train:
         # A training step as linvis bench --train times it: forward, cross-entropy, backward, grads dropped.
         label = torch.zeros(1, dtype=torch.long)
 
@@ -164,7 +193,14 @@ def child_export(args):
     from safetensors.torch import save_file
 
     torch, model, image = build_peer(args.peer, args.res, args.threads)
-    if args.peer != "deit_tiny":
+    if args.peer in DIT_MODELS:
+        # adaLN-Zero starts every modulation and the output layer at 0: move every parameter, so that each term
+        # of the computation shows in the output.
+        generator = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=generator))
+    elif args.peer != "deit_tiny":
         # Move every 1-D parameter (biases, norm weights or offsets, ViL's learnable skip) off its exact
         # initial 0 or 1, so that a wrong bias, eps or 1 + weight shows in the logits.
         generator = torch.Generator().manual_seed(2)
@@ -179,21 +215,25 @@ def child_export(args):
                 elif name.endswith("running_var"):
                     b.mul_(torch.exp(0.2 * torch.randn(b.shape, generator=generator)))
     with torch.inference_mode():
-        logits = model(image)
+        if args.peer in DIT_MODELS:
+            inputs, expected = dict(zip(("x", "t", "y"), image)), {"out": model(*image)}
+        else:
+            inputs, expected = {"input": image}, {"logits": model(image)}
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if args.peer == "deit_tiny":
         save_file(state, os.path.join(args.dir, "weights.safetensors"))
     else:
         torch.save(state, os.path.join(args.dir, "weights.pth"))
-    save_file({"input": image.contiguous()}, os.path.join(args.dir, "input.safetensors"))
-    save_file({"logits": logits.contiguous()}, os.path.join(args.dir, "expected.safetensors"))
+    save_file({k: v.contiguous() for k, v in inputs.items()}, os.path.join(args.dir, "input.safetensors"))
+    save_file({k: v.contiguous() for k, v in expected.items()}, os.path.join(args.dir, "expected.safetensors"))
 
 
 def child_compare(args):
     from safetensors.torch import load_file
 
-    expected = load_file(os.path.join(args.dir, "expected.safetensors"))["logits"].double()
-    actual = load_file(os.path.join(args.dir, "actual.safetensors"))["logits"].double()
+    key, expected = next(iter(load_file(os.path.join(args.dir, "expected.safetensors")).items()))  # logits or out
+    expected = expected.double()
+    actual = load_file(os.path.join(args.dir, "actual.safetensors"))[key].double()
     if expected.shape != actual.shape:
         print(json.dumps({"rel_err": float("inf"), "why": f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"}))
         return
@@ -227,12 +267,14 @@ def run_child(extra, args, timeout):
 
 def check_same_outputs(args, model):
     """The peer of `model` and `linvis run --model model` on the same weights and input: {"rel_err": ...}."""
+    res = CHECK_LATENT if model in DIT_MODELS else 224
     with tempfile.TemporaryDirectory() as tmp:
-        run_child(["--child", "export", "--peer", model, "--res", "224", "--dir", tmp], args, 600)
+        run_child(["--child", "export", "--peer", model, "--res", str(res), "--dir", tmp], args, 600)
         weights = "weights.safetensors" if model == "deit_tiny" else "weights.pth"
+        kwargs = ["--model-kwargs", f"input_size={res}"] if model in DIT_MODELS else []
         run = subprocess.run([args.linvis, "run", "--model", model, "--weights", os.path.join(tmp, weights),
                               "--input", os.path.join(tmp, "input.safetensors"), "--output",
-                              os.path.join(tmp, "actual.safetensors"), "--threads", str(args.threads)],
+                              os.path.join(tmp, "actual.safetensors"), "--threads", str(args.threads)] + kwargs,
                              capture_output=True, text=True)
         if run.returncode != 0:
             return {"rel_err": float("inf"), "why": f"linvis run failed: {run.stderr.strip()[-500:]}"}
@@ -247,6 +289,8 @@ def linvis_bench(args, res):
         cmd += ["--impl", args.impl]
     if args.train:
         cmd += ["--train"]
+    if args.task == "denoise":
+        cmd += ["--task", "denoise"]
     if args.model_kwargs:
         cmd += ["--model-kwargs"] + args.model_kwargs.split()
     # linvis bench exits 1 when a case failed, after printing every case (a failed one with its status): the rows
@@ -327,15 +371,20 @@ def fmt(x):
 
 
 def markdown(rows, meta):
+    denoise = meta.get("task") == "denoise"
     what = "training step (forward + cross-entropy + backward)" if meta.get("train") else "inference"
+    if denoise:
+        what = (f"one guided denoising step (forward_with_cfg, guidance {CFG_SCALE:g}, the batch of 2 with the null "
+                f"label), res = the latent side")
     if meta.get("linvis_model_kwargs"):
         what += f", linvis models with {meta['linvis_model_kwargs']}"
     checks = ", ".join(f"{m} {c['rel_err']:.2e}" for m, c in meta["checks"].items())
     lines = [f"Machine: {meta['cpu']} ({meta['isa']}), {meta['threads']} threads, batch 1, float32, {what}, "
              f"{meta['date']}. torch {meta['torch']} + timm {meta['timm']} from PyPI; linvis {meta['linvis_rev']}. "
              f"SGEMM 2048^2 in this run: torch {meta['torch_sgemm']:.0f} GFLOP/s, linvis "
-             f"{meta['linvis_sgemm']:.0f} GFLOP/s. Same weights, same input at 224, linvis vs its torch peer, "
-             f"logits max relative error: {checks}.", "",
+             f"{meta['linvis_sgemm']:.0f} GFLOP/s. Same weights, same input at "
+             f"{'latent side %d' % CHECK_LATENT if denoise else '224'}, linvis vs its torch peer, "
+             f"{'output' if denoise else 'logits'} max relative error: {checks}.", "",
              "Peers (same architecture): " + "; ".join(f"{m}: {p}" for m, p in PEERS.items()) + "; "
              + "; ".join(f"{m}: {n}" for m, n in NO_PEER_NOTE.items()) + ".", "",
              "| res | model | images/s | activation MiB | x timm DeiT eager | x timm DeiT compile "
@@ -390,7 +439,11 @@ def markdown(rows, meta):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--linvis", default="build/linvis")
-    parser.add_argument("--models", default="deit_tiny,vit3_tiny,hvit3_tiny,vittt_tiny,t5_tiny,vil_tiny")
+    parser.add_argument("--models", default="",
+                        help="default: deit_tiny,vit3_tiny,hvit3_tiny,vittt_tiny,t5_tiny,vil_tiny (classify), "
+                             "dit_s2,dit3_s2,dit5_s2 (denoise)")
+    parser.add_argument("--task", choices=["classify", "denoise"], default="classify",
+                        help="denoise: one guided denoising step of the generation models (res: the latent side)")
     parser.add_argument("--impl", default="", help="passed to linvis bench (default: its own, auto)")
     parser.add_argument("--res", default="224,512,1024")
     parser.add_argument("--threads", type=int, default=2)
@@ -417,9 +470,17 @@ def main():
     import timm
     import torch
 
+    denoise = args.task == "denoise"
+    if not args.models:
+        args.models = ",".join(DIT_MODELS) if denoise else "deit_tiny,vit3_tiny,hvit3_tiny,vittt_tiny,t5_tiny,vil_tiny"
     models = [m for m in args.models.split(",") if m]
-    # timm's DeiT is every model's common reference: it is checked (and timed) even if deit_tiny is not asked for.
-    peer_list = ["deit_tiny"] + [m for m in models if m in PEERS and m != "deit_tiny"]
+    if denoise != all(m in DIT_MODELS for m in models):
+        parser.error(f"--task denoise takes the generation models ({', '.join(DIT_MODELS)}) and only them")
+    if denoise and args.train:
+        parser.error("--task denoise times inference only")
+    # timm's DeiT is every classifier's common reference: it is checked (and timed) even if deit_tiny is not asked
+    # for. The generation models are compared with their own peers only.
+    peer_list = ([] if denoise else ["deit_tiny"]) + [m for m in models if m in PEERS and m != "deit_tiny"]
     checks, failed = {}, []
     for model in peer_list:
         print(f"check: linvis {model} vs {PEERS[model]}", file=sys.stderr)
@@ -436,8 +497,8 @@ def main():
     meta = {"cpu": cpu_model(), "isa": linvis_isa(args.linvis), "threads": args.threads,
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "timm": timm.__version__,
             "linvis_rev": rev or "unknown", "torch_sgemm": sgemm_gflops(args.threads),
-            "linvis_sgemm": linvis_sgemm(args), "check_rel_err": checks["deit_tiny"]["rel_err"],
-            "checks": checks, "check_failed": failed, "train": bool(args.train),
+            "linvis_sgemm": linvis_sgemm(args), "check_rel_err": checks.get("deit_tiny", {}).get("rel_err"),
+            "checks": checks, "check_failed": failed, "train": bool(args.train), "task": args.task,
             "linvis_model_kwargs": args.model_kwargs, "peers": PEERS, "no_peer": NO_PEER_NOTE}
     rows = []
     for res in [int(r) for r in args.res.split(",")]:
@@ -450,8 +511,8 @@ def main():
             for mode in ["eager"] + ([] if args.no_compile else ["compile"]):
                 print(f"res {res}: {PEERS[model]} {mode}", file=sys.stderr)
                 row["peers"][model][mode] = time_peer(args, model, res, mode)
-        row["timm_eager"] = row["peers"]["deit_tiny"]["eager"]
-        row["timm_compile"] = row["peers"]["deit_tiny"].get("compile")
+        row["timm_eager"] = row["peers"].get("deit_tiny", {}).get("eager")
+        row["timm_compile"] = row["peers"].get("deit_tiny", {}).get("compile")
         row["ratios"] = ratios(row, models)
         rows.append(row)
     table = markdown(rows, meta)

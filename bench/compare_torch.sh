@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # linvis against the same architectures on torch 2.x from PyPI (timm's DeiT, and bench/peer_models.py for
-# vit3_tiny, hvit3_tiny, t5_tiny and vil_tiny), eager and torch.compile, in one run (see bench/compare_torch.py).
+# vit3_tiny, hvit3_tiny, t5_tiny, vil_tiny and, with --task denoise, dit_s2, dit3_s2 and dit5_s2), eager and
+# torch.compile, in one run (see bench/compare_torch.py).
 # Makes (once) a virtual environment with torch and timm - outside linvis's own dependencies - and runs
 # the comparison with it. Extra arguments go to compare_torch.py, e.g.
 #   bench/compare_torch.sh --res 224,512,1024,2048 --markdown docs/results/peer.md

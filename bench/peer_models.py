@@ -1,5 +1,5 @@
-"""The official architectures of linvis's vit3_tiny, hvit3_tiny, t5_tiny and vil_tiny as plain PyTorch (torch 2.x)
-modules.
+"""The official architectures of linvis's vit3_tiny, hvit3_tiny, t5_tiny, vil_tiny and of the generation models
+dit_s2, dit3_s2 and dit5_s2 as plain PyTorch (torch 2.x) modules.
 
 Written for bench/compare_torch.py from the layer-by-layer descriptions in the project's specs, not copied from
 the official repositories:
@@ -7,7 +7,10 @@ the official repositories:
   * H-ViT3-T: LeapLabTHU/ViTTT vittt/models/h_vittt.py (spec/vit3_t5_official.md A2, A4, A7);
   * T5_tiny: LeapLabTHU/Transformer-to-TTT T5/models.py (spec/vit3_t5_official.md B2, B6);
   * ViL-T: NX-AI/vision-lstm vision_lstm/vision_lstm2.py, VisionLSTM2 with the hub names of the released
-    vil2 checkpoints (spec/vil_official.md sections 1 and 3.1).
+    vil2 checkpoints (spec/vil_official.md sections 1 and 3.1);
+  * DiT-S/2, DiTTT-S/2, DiT5-S/2: facebookresearch/DiT models.py (timm's Attention and Mlp, as it imports them),
+    LeapLabTHU/ViTTT dittt/models.py, LeapLabTHU/Transformer-to-TTT DiT5/models.py with NATTEN's neighbourhood
+    attention as a pure-PyTorch gather (spec/dit_generation.md 1.1-1.6).
 Each computes what the official module computes with the same ops in the same order (F.silu where the official
 code calls silu, z * sigmoid(z) where it writes that, F.instance_norm, F.group_norm, grouped F.conv2d for the
 per-sample kernels, torch.einsum for ViL's headwise projections), and its state_dict has the official key names
@@ -629,8 +632,231 @@ class Vil(nn.Module):
         return self.head(self.legacy_norm(x))
 
 
+# ---------------------------------------------------------------------------------------------------- DiT family
+
+
+def _sincos_1d(dim, pos):
+    # dit_generation.md 1.1: omega_k = 1 / 10000^(k / (dim/2)), all sines first, then all cosines (float64).
+    omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float64) / (dim / 2.0))
+    out = pos.reshape(-1).to(torch.float64)[:, None] * omega[None, :]
+    return torch.cat([torch.sin(out), torch.cos(out)], dim=1)
+
+
+def _sincos_2d(dim, grid):
+    # Token n = i*G + j: the first half from the column j, the second from the row i.
+    i, j = torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="ij")
+    return torch.cat([_sincos_1d(dim // 2, j), _sincos_1d(dim // 2, i)], dim=1).float()
+
+
+def _modulate(x, shift, scale):
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, dim, freq_dim=256):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, t):
+        half = self.freq_dim // 2
+        freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32) / half)
+        args = t[:, None].float() * freqs[None]
+        return self.mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1))
+
+
+class LabelEmbedder(nn.Module):
+    """Eval mode only (no label dropout); row num_classes is the guidance's null label."""
+
+    def __init__(self, num_classes, dim):
+        super().__init__()
+        self.embedding_table = nn.Embedding(num_classes + 1, dim)
+
+    def forward(self, y):
+        return self.embedding_table(y)
+
+
+def _neighbourhood_attention(q, k, v, kernel=5):
+    """NATTEN's na2d_qk / softmax / na2d_av (dilation 1, no RPB) on heads-first (B, h, G, G, d) tensors, written
+    as the exact pure-PyTorch stand-in the fixtures used (../shared/fixtures/README.md): windows clamped inside
+    the grid, start(i) = min(max(i - kernel//2, 0), G - kernel), neighbour index ky*kernel + kx."""
+    G = q.shape[2]
+    start = torch.clamp(torch.arange(G) - kernel // 2, min=0, max=G - kernel)
+    idx = start[:, None] + torch.arange(kernel)[None, :]  # (G, kernel)
+    rows = idx[:, None, :, None].expand(G, G, kernel, kernel)
+    cols = idx[None, :, None, :].expand(G, G, kernel, kernel)
+    k_nb = k[:, :, rows, cols]  # (B, h, G, G, kernel, kernel, d)
+    v_nb = v[:, :, rows, cols]
+    logits = (q[:, :, :, :, None, None, :] * k_nb).sum(-1).flatten(-2)
+    attn = logits.softmax(dim=-1).reshape(logits.shape[:-1] + (kernel, kernel))
+    return (attn[..., None] * v_nb).sum(dim=(-3, -2))
+
+
+class Dit5Attention(nn.Module):
+    """DiT5/models.py MixedAttention (dit_generation.md 1.4): 0.5 x neighbourhood attention of the raw q, k, v +
+    0.5 x a TTT-MLP branch (per-channel scale/offset, key instance norm eps 1.0, residual depthwise convs, one
+    step of f(x) = silu(x W1) W2 on the L2 loss), then proj."""
+
+    def __init__(self, dim, num_heads):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        d = self.head_dim
+        self.scale = d ** -0.5
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.w1 = nn.Parameter(0.02 * torch.randn(1, num_heads, d, d))
+        self.w2 = nn.Parameter(0.02 * torch.randn(1, num_heads, d, d))
+        self.qk_scale_ttt = nn.Parameter(torch.ones(1, 1, dim, 2))
+        self.qk_offset_ttt = nn.Parameter(torch.zeros(1, 1, dim, 2))
+        self.q_conv2d = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=True)
+        self.k_conv2d = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=True)
+
+    def _local(self, t, conv, B, G):
+        nh, d = self.num_heads, self.head_dim
+        m = t.transpose(-2, -1).reshape(B, nh * d, G, G)
+        m = m + conv(m)
+        return m.reshape(B, nh, d, G * G).transpose(-2, -1)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        G = int(math.sqrt(N))
+        nh, d = self.num_heads, self.head_dim
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        # TTT branch
+        qt = q * self.qk_scale_ttt[..., 0] + self.qk_offset_ttt[..., 0]
+        kt = k * self.qk_scale_ttt[..., 1] + self.qk_offset_ttt[..., 1]
+        qh = qt.reshape(B, N, nh, d).transpose(1, 2)
+        vh = v.reshape(B, N, nh, d).transpose(1, 2)
+        kh = F.instance_norm(kt.transpose(1, 2).unsqueeze(-1), eps=1.0).reshape(B, nh, d, N).transpose(-2, -1)
+        q2 = self._local(qh, self.q_conv2d, B, G)
+        k2 = self._local(kh, self.k_conv2d, B, G)
+        z = k2 @ self.w1
+        sig = torch.sigmoid(z)
+        a = z * sig
+        y = a @ self.w2
+        e = (y - vh) / float(N) * self.scale
+        g1 = k2.transpose(-2, -1) @ ((e @ self.w2.transpose(-2, -1)) * (sig * (1.0 + z * (1.0 - sig))))
+        g2 = a.transpose(-2, -1) @ e
+        x_ttt = F.silu(q2 @ (self.w1 - g1)) @ (self.w2 - g2)
+        x_ttt = x_ttt.transpose(1, 2).reshape(B, N, C)
+        # Neighbourhood attention branch on the raw q, k, v, heads first (B, h, G, G, d).
+        grid = [t.reshape(B, G, G, nh, d).permute(0, 3, 1, 2, 4) for t in (q, k, v)]
+        x_na = _neighbourhood_attention(grid[0] * self.scale, grid[1], grid[2])
+        x_na = x_na.permute(0, 2, 3, 1, 4).reshape(B, N, C)
+        return self.proj(0.5 * x_na + 0.5 * x_ttt)
+
+
+class DitBlock(nn.Module):
+    """adaLN-Zero block (dit_generation.md 1.1) with the family's mixer; DiT3 adds the cpe before it."""
+
+    def __init__(self, family, dim, num_heads):
+        super().__init__()
+        from timm.models.vision_transformer import Attention, Mlp as TimmMlp
+
+        self.family = family
+        if family == "dit3":
+            self.cpe = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=True)
+        self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        if family == "dit":
+            self.attn = Attention(dim, num_heads=num_heads, qkv_bias=True)  # timm's, as models.py imports it
+        elif family == "dit3":
+            self.attn = Vit3TTT(dim, num_heads, qkv_bias=True)
+        else:
+            self.attn = Dit5Attention(dim, num_heads)
+        self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.mlp = TimmMlp(in_features=dim, hidden_features=4 * dim, act_layer=lambda: nn.GELU(approximate="tanh"),
+                           drop=0)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+
+    def forward(self, x, c):
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        if self.family == "dit3":
+            B, N, C = x.shape
+            G = int(math.sqrt(N))
+            x = x + self.cpe(x.transpose(1, 2).reshape(B, C, G, G)).flatten(2).transpose(1, 2)
+        u = _modulate(self.norm1(x), shift_msa, scale_msa)
+        if self.family == "dit3":
+            G = int(math.sqrt(x.shape[1]))
+            mixed = self.attn(u, G, G)
+        else:
+            mixed = self.attn(u)
+        x = x + gate_msa.unsqueeze(1) * mixed
+        return x + gate_mlp.unsqueeze(1) * self.mlp(_modulate(self.norm2(x), shift_mlp, scale_mlp))
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, dim, patch, out_channels):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(dim, patch * patch * out_channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim))
+
+    def forward(self, x, c):
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(_modulate(self.norm_final(x), shift, scale))
+
+
+class Dit(nn.Module):
+    """facebookresearch/DiT models.py DiT (learn_sigma: 8 output channels) with the DiT, DiT3 (LeapLabTHU/ViTTT
+    dittt) or DiT5 (LeapLabTHU/Transformer-to-TTT DiT5) block; state-dict names as the official modules'."""
+
+    def __init__(self, family, input_size=32, patch=2, dim=384, depth=12, num_heads=6, num_classes=1000):
+        super().__init__()
+        self.patch, self.out_channels = patch, 8
+        self.x_embedder = PatchEmbed(dim, patch=patch, in_chans=4)
+        self.t_embedder = TimestepEmbedder(dim)
+        self.y_embedder = LabelEmbedder(num_classes, dim)
+        grid = input_size // patch
+        self.pos_embed = nn.Parameter(_sincos_2d(dim, grid).unsqueeze(0), requires_grad=False)
+        self.blocks = nn.ModuleList([DitBlock(family, dim, num_heads) for _ in range(depth)])
+        self.final_layer = FinalLayer(dim, patch, self.out_channels)
+        for m in self.modules():  # initialize_weights: xavier-uniform Linears, zero biases
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        for block in self.blocks:  # adaLN-Zero
+            nn.init.zeros_(block.adaLN_modulation[-1].weight)
+            nn.init.zeros_(block.adaLN_modulation[-1].bias)
+        for m in (self.final_layer.adaLN_modulation[-1], self.final_layer.linear):
+            nn.init.zeros_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    def forward(self, x, t, y):
+        x = self.x_embedder(x) + self.pos_embed
+        c = self.t_embedder(t) + self.y_embedder(y)
+        for block in self.blocks:
+            x = block(x, c)
+        x = self.final_layer(x, c)
+        B, N, _ = x.shape
+        G, p, oc = int(math.sqrt(N)), self.patch, self.out_channels
+        x = x.reshape(B, G, G, p, p, oc).permute(0, 5, 1, 3, 2, 4)
+        return x.reshape(B, oc, G * p, G * p)
+
+    def forward_with_cfg(self, x, t, y, cfg_scale):
+        return guided(self.forward, x, t, y, cfg_scale)
+
+
+def guided(forward, x, t, y, cfg_scale):
+    """DiT's forward_with_cfg around `forward` (the model, or the model compiled): the first half of the batch run
+    twice (with y's labels, then its null labels), channels 0-2 guided, the rest as the model gives them."""
+    half = x[: len(x) // 2]
+    out = forward(torch.cat([half, half], dim=0), t, y)
+    eps, rest = out[:, :3], out[:, 3:]
+    cond, uncond = torch.split(eps, len(eps) // 2, dim=0)
+    half_eps = uncond + cfg_scale * (cond - uncond)
+    return torch.cat([torch.cat([half_eps, half_eps], dim=0), rest], dim=1)
+
+
+DIT_PEERS = ("dit_s2", "dit3_s2", "dit5_s2")
+
+
 def create(name, img_size=224):
-    """A peer model by its linvis name, randomly initialised as the official code initialises it, in eval mode."""
+    """A peer model by its linvis name, randomly initialised as the official code initialises it, in eval mode.
+    For the DiT family img_size is the latent side L (input_size)."""
+    if name in DIT_PEERS:
+        return Dit(name.split("_")[0], input_size=img_size).eval()
     if name == "vit3_tiny":
         model = Vit3(img_size=img_size)
     elif name == "hvit3_tiny":
@@ -640,5 +866,5 @@ def create(name, img_size=224):
     elif name == "vil_tiny":
         model = Vil(img_size=img_size)
     else:
-        raise ValueError(f"peer_models: no peer for model '{name}' (have {', '.join(PEER_MODELS)})")
+        raise ValueError(f"peer_models: no peer for model '{name}' (have {', '.join(PEER_MODELS + DIT_PEERS)})")
     return model.eval()
