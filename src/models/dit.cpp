@@ -50,6 +50,18 @@ torch::nn::Sequential silu_linear(int64_t in, int64_t out) {
     return torch::nn::Sequential(torch::nn::SiLU(), torch::nn::Linear(in, out));
 }
 
+torch::nn::Linear seq_linear(const torch::nn::Sequential& s, size_t index) {
+    return torch::nn::Linear(std::dynamic_pointer_cast<torch::nn::LinearImpl>(s->ptr(index)));
+}
+
+// A silu_linear Sequential applied to x with its product on flops::linear, as every other product: through the
+// Sequential, LibTorch's linear handed these few rows (one per sample) to OpenBLAS, whose own threads then woke
+// and yielded beside the OpenMP pool (perf, dit3_s2 guided step at L = 64: 8 % of the samples in the kernel's
+// scheduler and sched_yield, 1.4 % after; the step's speed moved within the machine's noise).
+torch::Tensor silu_then_linear(const torch::nn::Sequential& s, const torch::Tensor& x) {
+    return linear(seq_linear(s, 1), torch::silu(x));
+}
+
 // ---------------------------------------------------------------- mixers
 
 class DitMixer : public torch::nn::Module {
@@ -174,7 +186,7 @@ public:
     }
     torch::Tensor forward(torch::Tensor x, const torch::Tensor& cond, int64_t grid) {
         if (dit3_) x = ops::depthwise_conv2d_tokens(x, grid, grid, cpe->weight, cpe->bias, ops::DwEpilogue::Residual, impl_);
-        std::vector<torch::Tensor> m = adaLN_modulation->forward(cond).chunk(6, 1);
+        std::vector<torch::Tensor> m = silu_then_linear(adaLN_modulation, cond).chunk(6, 1);
         x = x + m[2].unsqueeze(1) * attn->forward(modulate(layer_norm_no_affine(x), m[0], m[1]), grid);
         x = x + m[5].unsqueeze(1) * mlp->forward(modulate(layer_norm_no_affine(x), m[3], m[4]));
         return x;
@@ -195,7 +207,9 @@ public:
         mlp = register_module("mlp", torch::nn::Sequential(torch::nn::Linear(256, C), torch::nn::SiLU(),
                                                            torch::nn::Linear(C, C)));
     }
-    torch::Tensor forward(const torch::Tensor& t) { return mlp->forward(dit_timestep_embedding(t, 256)); }
+    torch::Tensor forward(const torch::Tensor& t) {
+        return linear(seq_linear(mlp, 2), torch::silu(linear(seq_linear(mlp, 0), dit_timestep_embedding(t, 256))));
+    }
     torch::nn::Sequential mlp{nullptr};
 };
 
@@ -226,16 +240,12 @@ public:
         adaLN_modulation = register_module("adaLN_modulation", silu_linear(C, 2 * C));
     }
     torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cond) {
-        std::vector<torch::Tensor> m = adaLN_modulation->forward(cond).chunk(2, 1);
+        std::vector<torch::Tensor> m = silu_then_linear(adaLN_modulation, cond).chunk(2, 1);
         return models::linear(linear, modulate(layer_norm_no_affine(x), m[0], m[1]));
     }
     torch::nn::Linear linear{nullptr};
     torch::nn::Sequential adaLN_modulation{nullptr};
 };
-
-torch::nn::Linear seq_linear(const torch::nn::Sequential& s, size_t index) {
-    return torch::nn::Linear(std::dynamic_pointer_cast<torch::nn::LinearImpl>(s->ptr(index)));
-}
 
 class DitModel : public DiffusionModel {
 public:
