@@ -129,8 +129,8 @@ class InnerGradients(unittest.TestCase):
             # key instance norm written out: (k - mean_N) / sqrt(biased var_N + 1)
             k = (k - k.mean(dim=1, keepdim=True)) / torch.sqrt(k.var(dim=1, unbiased=False, keepdim=True) + 1.0)
             heads = lambda t: t.reshape(B, N, 3, d).transpose(1, 2)  # noqa: E731
-            q2 = m._local(heads(q), m.q_conv2d, B, 4, 4)
-            k2 = m._local(heads(k), m.k_conv2d, B, 4, 4)
+            q2 = peer_models._residual_conv_heads(heads(q), m.q_conv2d, 4, 4)
+            k2 = peer_models._residual_conv_heads(heads(k), m.k_conv2d, 4, 4)
             v = heads(v)
         Ws = [p.detach().expand(B, -1, -1, -1).clone().requires_grad_() for p in (m.w1, m.w2, m.w3)]
         f = lambda t, W: (F.silu(t @ W[0]) * (t @ W[1])) @ W[2]  # noqa: E731

@@ -328,6 +328,14 @@ class HVit3(nn.Module):
 # ---------------------------------------------------------------------------------------------------- T5
 
 
+def _residual_conv_heads(t, conv, H, W):
+    """T5 / DiT5: heads (B, h, N, d) -> (B, C, H, W) in the original channel order -> t + conv(t) -> heads."""
+    B, nh, N, d = t.shape
+    m = t.transpose(-2, -1).reshape(B, nh * d, H, W)
+    m = m + conv(m)
+    return m.reshape(B, nh, d, H * W).transpose(-2, -1)
+
+
 class T5Attention(nn.Module):
     """T5/models.py Attention: key instance norm (eps 1.0), residual depthwise convs on q and k, a TTT-SwiGLU
     inner model f(x) = (silu(x W1) * (x W2)) W3 trained one step on the inner-product loss, applied to q (B2)."""
@@ -348,13 +356,6 @@ class T5Attention(nn.Module):
         self.q_conv2d = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=True)
         self.k_conv2d = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=True)
 
-    def _local(self, t, conv, B, H, W):
-        # heads (B, h, N, d) -> (B, C, H, W) in the original channel order -> t + conv(t) -> heads
-        nh, d = self.num_heads, self.head_dim
-        m = t.transpose(-2, -1).reshape(B, nh * d, H, W)
-        m = m + conv(m)
-        return m.reshape(B, nh, d, H * W).transpose(-2, -1)
-
     def forward(self, x):
         B, N, C = x.shape
         H = W = int(math.sqrt(N))
@@ -364,8 +365,8 @@ class T5Attention(nn.Module):
         k = F.instance_norm(k.transpose(1, 2).unsqueeze(-1), eps=1.0)
         k = k.reshape(B, nh, d, N).transpose(-2, -1)
         v = v.reshape(B, N, nh, d).transpose(1, 2)
-        q2 = self._local(q, self.q_conv2d, B, H, W)
-        k2 = self._local(k, self.k_conv2d, B, H, W)
+        q2 = _residual_conv_heads(q, self.q_conv2d, H, W)
+        k2 = _residual_conv_heads(k, self.k_conv2d, H, W)
 
         z1 = k2 @ self.w1
         z2 = k2 @ self.w2
@@ -712,12 +713,6 @@ class Dit5Attention(nn.Module):
         self.q_conv2d = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=True)
         self.k_conv2d = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=True)
 
-    def _local(self, t, conv, B, G):
-        nh, d = self.num_heads, self.head_dim
-        m = t.transpose(-2, -1).reshape(B, nh * d, G, G)
-        m = m + conv(m)
-        return m.reshape(B, nh, d, G * G).transpose(-2, -1)
-
     def forward(self, x):
         B, N, C = x.shape
         G = int(math.sqrt(N))
@@ -729,8 +724,8 @@ class Dit5Attention(nn.Module):
         qh = qt.reshape(B, N, nh, d).transpose(1, 2)
         vh = v.reshape(B, N, nh, d).transpose(1, 2)
         kh = F.instance_norm(kt.transpose(1, 2).unsqueeze(-1), eps=1.0).reshape(B, nh, d, N).transpose(-2, -1)
-        q2 = self._local(qh, self.q_conv2d, B, G)
-        k2 = self._local(kh, self.k_conv2d, B, G)
+        q2 = _residual_conv_heads(qh, self.q_conv2d, G, G)
+        k2 = _residual_conv_heads(kh, self.k_conv2d, G, G)
         z = k2 @ self.w1
         sig = torch.sigmoid(z)
         a = z * sig
