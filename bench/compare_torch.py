@@ -16,7 +16,7 @@ Peers (same architecture, same state-dict names, so the same weights load into b
   dit_s2, dit3_s2, dit5_s2 (--task denoise) -> bench/peer_models.py Dit: facebookresearch/DiT's DiT-S/2 with timm's
                 Attention (SDPA), LeapLabTHU/ViTTT's DiTTT-S/2 and LeapLabTHU/Transformer-to-TTT's DiT5-S/2
                 (spec/dit_generation.md), NATTEN's na2d_qk / na2d_av written as the exact pure-PyTorch gather the
-                fixtures used (NATTEN has no wheel for torch 2.15); timed as one guided denoising step,
+                fixtures used (the peer environment installs no NATTEN); timed as one guided denoising step,
                 forward_with_cfg with guidance 4 on the batch of 2 (a label and the null label), as
                 `linvis bench --task denoise` times it, --res being the latent side. No timm DeiT reference.
 The peer modules are our own plain PyTorch from the specs (no official code is copied), using the ops the
