@@ -250,4 +250,132 @@ TEST(LayerNormOp, Bfloat16IsNormalisedInFloat32) {
     EXPECT_TRUE(torch::allclose(y.to(torch::kFloat32), expected, 4e-3, 1e-4));
 }
 
+// ---------------------------------------------------------------- modulated_layer_norm (DiT's adaLN)
+
+// shift and scale (B, C) as DiT's blocks have them: two of the six column chunks of one (B, 6C) product, so each
+// is a strided view; scale around 0 (1 + scale the weight), shift a few tenths, different per sample.
+struct Modulation {
+    torch::Tensor shift, scale;
+};
+
+Modulation modulation_of(int64_t B, int64_t C) {
+    const std::vector<torch::Tensor> m = (torch::randn({B, 6 * C}) * 0.4).chunk(6, 1);
+    return {m[0], m[1]};
+}
+
+torch::Tensor official_modulate(const torch::Tensor& x, const Modulation& m) {
+    return torch::layer_norm(x, {x.size(2)}, {}, {}, kEps) * (1 + m.scale.unsqueeze(1)) + m.shift.unsqueeze(1);
+}
+
+TEST(ModulatedLayerNorm, FusedMatchesTheOfficialModulateOnEveryTarget) {
+    for_each_simd_target([](const SimdTarget& t) {
+        torch::manual_seed(21);
+        // (2, 256, 384): dit_s2 at L = 32; (3, 7, 33): samples of 7 rows, so one task's rows span three samples.
+        for (const auto& shape : std::vector<std::vector<int64_t>>{{2, 256, 384}, {3, 7, 33}, {1, 1, 16}, {4, 5, 7}}) {
+            const int64_t B = shape[0], C = shape[2];
+            const torch::Tensor x = torch::randn(shape) * 2.0 + 0.5;
+            const Modulation m = modulation_of(B, C);
+            const torch::Tensor ref = official_modulate(x, m);
+            const torch::Tensor fused = linvis::ops::modulated_layer_norm(x, m.shift, m.scale, kEps, Impl::Fused);
+            ASSERT_EQ(fused.sizes(), x.sizes());
+            for (int64_t b = 0; b < B; ++b) {
+                // Per sample a LayerNorm with weight 1 + scale[b] and bias shift[b]: the LayerNorm's tolerance.
+                const torch::Tensor err = (fused[b].to(torch::kFloat64) - ref[b].to(torch::kFloat64)).abs();
+                const torch::Tensor tol = tolerance(x[b], 1 + m.scale[b], m.shift[b], ref[b]);
+                EXPECT_TRUE(torch::all(err <= tol).item<bool>())
+                    << t.env << " shape " << c10::str(x.sizes()) << " sample " << b << ": worst error/tolerance "
+                    << (err / tol).max().item<double>();
+            }
+        }
+    });
+}
+
+TEST(ModulatedLayerNorm, GradientsMatchTheOfficialModulate) {
+    for_each_simd_target([](const SimdTarget& t) {
+        torch::manual_seed(22);
+        const int64_t B = 3, N = 11, C = 33;
+        const torch::Tensor x0 = torch::randn({B, N, C}) * 1.5 + 0.3;
+        const Modulation m0 = modulation_of(B, C);
+        const torch::Tensor g = torch::randn({B, N, C});
+        auto run = [&](Impl impl) {
+            torch::Tensor x = x0.clone().requires_grad_(true);
+            torch::Tensor shift = m0.shift.clone().requires_grad_(true), scale = m0.scale.clone().requires_grad_(true);
+            torch::Tensor y = linvis::ops::modulated_layer_norm(x, shift, scale, kEps, impl);
+            if (impl == Impl::Fused) {
+                // The fused LayerNorm's node under the modulation's one addcmul.
+                EXPECT_NE(y.grad_fn()->name().find("Addcmul"), std::string::npos) << y.grad_fn()->name();
+                bool fused_norm = false;
+                for (const auto& edge : y.grad_fn()->next_edges())
+                    if (edge.function && edge.function->name().find("FusedLayerNorm") != std::string::npos)
+                        fused_norm = true;
+                EXPECT_TRUE(fused_norm) << t.env;
+            }
+            (y * g).sum().backward();
+            return std::vector<torch::Tensor>{x.grad(), shift.grad(), scale.grad()};
+        };
+        const auto ref = run(Impl::Reference);
+        const auto fused = run(Impl::Fused);
+        const char* names[] = {"x", "shift", "scale"};
+        for (int i = 0; i < 3; ++i) {
+            ASSERT_TRUE(fused[i].defined()) << names[i];
+            // The LayerNorm gradients' bound, the shift and scale ones summed over a sample's N rows.
+            const double tol = 4 * kU * (growth(C) + static_cast<double>(N)) * ref[i].abs().max().item<double>();
+            EXPECT_LE((fused[i] - ref[i]).abs().max().item<double>(), tol) << t.env << " d" << names[i];
+        }
+    });
+}
+
+TEST(ModulatedLayerNorm, AutoIsFusedOnVectorTargetsAndTheReferenceElsewhere) {
+    torch::manual_seed(23);
+    const torch::Tensor x = torch::randn({2, 9, 24}) * 3 + 1;
+    const Modulation m = modulation_of(2, 24);
+    for_each_simd_target([&](const SimdTarget& t) {
+        const Impl expected = linvis::ops::simd::vectorised() ? Impl::Fused : Impl::Reference;
+        EXPECT_TRUE(torch::equal(linvis::ops::modulated_layer_norm(x, m.shift, m.scale, kEps, Impl::Auto),
+                                 linvis::ops::modulated_layer_norm(x, m.shift, m.scale, kEps, expected)))
+            << t.env;
+    });
+    // Inputs the kernel does not take: the official ops under Auto, an error naming the reason under Fused.
+    struct Case {
+        torch::Tensor x;
+        Modulation m;
+        const char* reason;
+    };
+    const std::vector<Case> cases = {
+        {x.to(torch::kFloat64), {m.shift.to(torch::kFloat64), m.scale.to(torch::kFloat64)}, "Double"},
+        {x.transpose(1, 2).contiguous().transpose(1, 2), m, "last dim is not contiguous"},
+        {x, {m.shift.to(torch::kFloat64), m.scale}, "shift is Double"},
+    };
+    for (const Case& c : cases) {
+        const torch::Tensor expected = official_modulate(c.x, c.m);
+        EXPECT_TRUE(torch::allclose(linvis::ops::modulated_layer_norm(c.x, c.m.shift, c.m.scale, kEps, Impl::Auto),
+                                    expected))
+            << c.reason;
+        try {
+            linvis::ops::modulated_layer_norm(c.x, c.m.shift, c.m.scale, kEps, Impl::Fused);
+            ADD_FAILURE() << "Fused took an input it should not: " << c.reason;
+        } catch (const linvis::Error& e) {
+            EXPECT_NE(std::string(e.what()).find(c.reason), std::string::npos) << e.what();
+        }
+    }
+}
+
+TEST(ModulatedLayerNorm, BadShapesNameTheTensor) {
+    const torch::Tensor x = torch::randn({2, 9, 24});
+    const auto message = [&](const torch::Tensor& xx, const torch::Tensor& shift, const torch::Tensor& scale) {
+        try {
+            linvis::ops::modulated_layer_norm(xx, shift, scale, kEps);
+        } catch (const linvis::Error& e) {
+            return std::string(e.what());
+        }
+        return std::string("no error");
+    };
+    EXPECT_NE(message(x, torch::randn({2, 24}), torch::randn({3, 24})).find("scale: expected (2, 24), got [3, 24]"),
+              std::string::npos);
+    EXPECT_NE(message(x, torch::randn({2, 23}), torch::randn({2, 24})).find("shift: expected (2, 24)"),
+              std::string::npos);
+    EXPECT_NE(message(torch::randn({9, 24}), torch::randn({2, 24}), torch::randn({2, 24})).find("x: expected (B, N, C)"),
+              std::string::npos);
+}
+
 }  // namespace

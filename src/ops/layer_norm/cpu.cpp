@@ -7,6 +7,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -113,6 +114,9 @@ std::string affine_unsupported(const char* name, const torch::Tensor& t, int64_t
     return "";
 }
 
+// Blocks of about 16 Ki values: a (197, 192) input is two tasks, (4096, 192) is split over the threads.
+int64_t rows_per_task(int64_t n) { return std::max<int64_t>(1, ((int64_t{1} << 14) + n - 1) / n); }
+
 }  // namespace
 
 std::string layer_norm_unsupported(const torch::Tensor& x, torch::IntArrayRef normalized_shape,
@@ -150,12 +154,37 @@ LayerNormOut layer_norm_forward(const torch::Tensor& x, const torch::Tensor& wei
     const float* pw = weight.defined() ? weight.data_ptr<float>() : nullptr;
     const float* pb = bias.defined() ? bias.data_ptr<float>() : nullptr;
     const float e = static_cast<float>(eps);
-    // Blocks of about 16 Ki values: a (197, 192) input is two tasks, (4096, 192) is split over the threads.
-    const int64_t grain = std::max<int64_t>(1, ((int64_t{1} << 14) + n - 1) / n);
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, rows_per_task(n), [&](int64_t begin, int64_t end) {
         layer_norm_rows(px + begin * ldx, ldx, py + begin * n, end - begin, n, pw, pb, e, pm + begin, ps + begin);
     });
     return out;
+}
+
+torch::Tensor layer_norm_per_sample_affine(const torch::Tensor& x, const torch::Tensor& weight,
+                                           const torch::Tensor& bias, double eps) {
+    const int64_t n = x.size(-1);
+    const int64_t tokens = x.size(1);
+    const int64_t rows = x.numel() / n;
+    const int64_t ldx = row_stride(x);
+    torch::Tensor y = torch::empty(x.sizes(), x.options());
+    if (rows == 0) return y;
+    const float* px = x.data_ptr<float>();
+    float* py = y.data_ptr<float>();
+    const float* pw = weight.data_ptr<float>();
+    const float* pb = bias.data_ptr<float>();
+    const float e = static_cast<float>(eps);
+    at::parallel_for(0, rows, rows_per_task(n), [&](int64_t begin, int64_t end) {
+        std::vector<float> mean(static_cast<size_t>(end - begin)), rstd(mean.size());  // not needed outside a graph
+        // A task's rows may span samples: each run of one sample's rows with that sample's affine row.
+        for (int64_t r = begin; r < end;) {
+            const int64_t sample = r / tokens;
+            const int64_t stop = std::min(end, (sample + 1) * tokens);
+            layer_norm_rows(px + r * ldx, ldx, py + r * n, stop - r, n, pw + sample * n, pb + sample * n, e,
+                            mean.data() + (r - begin), rstd.data() + (r - begin));
+            r = stop;
+        }
+    });
+    return y;
 }
 
 }  // namespace linvis::ops::cpu

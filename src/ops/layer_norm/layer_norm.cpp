@@ -174,4 +174,26 @@ torch::Tensor layer_norm(const torch::Tensor& x, torch::IntArrayRef normalized_s
     return torch::layer_norm(x, normalized_shape, weight, bias, eps);
 }
 
+torch::Tensor modulated_layer_norm(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
+                                   double eps, Impl impl) {
+    LINVIS_CHECK(x.dim() == 3, "modulated_layer_norm: x: expected (B, N, C), got ", shape_string(x.sizes()));
+    const int64_t B = x.size(0), C = x.size(2);
+    std::string unsupported = cpu::layer_norm_unsupported(x, {C}, {}, {});
+    const auto check_row_parameters = [&](const char* name, const torch::Tensor& t) {
+        LINVIS_CHECK(t.defined() && t.dim() == 2 && t.size(0) == B && t.size(1) == C, "modulated_layer_norm: ", name,
+                     ": expected (", B, ", ", C, "), got ",
+                     t.defined() ? shape_string(t.sizes()) : std::string("undefined"));
+        if (unsupported.empty() && (!t.device().is_cpu() || t.scalar_type() != torch::kFloat32))
+            unsupported = std::string(name) + " is " + c10::toString(t.scalar_type()) + " on " + t.device().str() +
+                          ", the kernel takes float32 on the CPU";
+    };
+    check_row_parameters("shift", shift);
+    check_row_parameters("scale", scale);
+    if (!use_fused(impl, "modulated_layer_norm", unsupported, simd::vectorised()))
+        return torch::layer_norm(x, {C}, {}, {}, eps) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1);
+    if (records_graph({x, shift, scale}))
+        return torch::addcmul(shift.unsqueeze(1), fused_layer_norm(x, {}, {}, eps), 1 + scale.unsqueeze(1));
+    return cpu::layer_norm_per_sample_affine(x, (1 + scale).contiguous(), shift.contiguous(), eps);
+}
+
 }  // namespace linvis::ops
