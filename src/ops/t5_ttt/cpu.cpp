@@ -14,6 +14,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "ops/records_graph.h"
 #include "ops/t5_ttt/cpu_parts.h"
 #include "ops/ttt_swiglu_cpu/entry_points.h"
 #include "ops/ttt_swiglu_cpu/kernels.h"
@@ -390,12 +391,7 @@ public:
 
 Tensor t5_ttt_attention_qkv_fused(const Tensor& qkv, const T5TttParams& p, int64_t num_heads, int64_t height,
                                   int64_t width) {
-    bool grad = false;
-    if (torch::GradMode::is_enabled())
-        for (const Tensor* t : {&qkv, &p.w1, &p.w2, &p.w3, &p.q_conv_weight, &p.q_conv_bias, &p.k_conv_weight,
-                                &p.k_conv_bias})
-            grad = grad || t->requires_grad();
-    if (grad)
+    if (records_graph({qkv, p.w1, p.w2, p.w3, p.q_conv_weight, p.q_conv_bias, p.k_conv_weight, p.k_conv_bias}))
         return T5QkvFunction::apply(qkv, p.w1, p.w2, p.w3, p.q_conv_weight, p.q_conv_bias, p.k_conv_weight,
                                     p.k_conv_bias, num_heads, height, width);
     torch::NoGradGuard no_grad;
@@ -404,12 +400,7 @@ Tensor t5_ttt_attention_qkv_fused(const Tensor& qkv, const T5TttParams& p, int64
 
 Tensor t5_ttt_attention_fused(const Tensor& q, const Tensor& k, const Tensor& v, const T5TttParams& p,
                               int64_t num_heads, int64_t height, int64_t width) {
-    bool grad = false;
-    if (torch::GradMode::is_enabled())
-        for (const Tensor* t : {&q, &k, &v, &p.w1, &p.w2, &p.w3, &p.q_conv_weight, &p.q_conv_bias, &p.k_conv_weight,
-                                &p.k_conv_bias})
-            grad = grad || t->requires_grad();
-    if (grad)
+    if (records_graph({q, k, v, p.w1, p.w2, p.w3, p.q_conv_weight, p.q_conv_bias, p.k_conv_weight, p.k_conv_bias}))
         return T5AttentionFunction::apply(q, k, v, p.w1, p.w2, p.w3, p.q_conv_weight, p.q_conv_bias, p.k_conv_weight,
                                           p.k_conv_bias, num_heads, height, width);
     torch::NoGradGuard no_grad;

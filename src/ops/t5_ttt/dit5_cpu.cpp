@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include "linvis/core/flops.h"
+#include "ops/records_graph.h"
 #include "ops/t5_ttt/cpu_parts.h"
 #include "ops/ttt_swiglu_cpu/entry_points.h"
 #include "ops/ttt_swiglu_cpu/kernels.h"
@@ -416,10 +417,8 @@ public:
 
 Tensor dit5_ttt_attention_fused(const Tensor& q, const Tensor& k, const Tensor& v, const Dit5TttParams& p,
                                 int64_t num_heads, int64_t height, int64_t width) {
-    bool grad = false;
-    if (torch::GradMode::is_enabled())
-        for (const Tensor& t : inputs_of(q, k, v, p)) grad = grad || t.requires_grad();
-    if (grad)
+    if (records_graph({q, k, v, p.w1, p.w2, p.qk_scale, p.qk_offset, p.q_conv_weight, p.q_conv_bias, p.k_conv_weight,
+                       p.k_conv_bias}))
         return Dit5TttFunction::apply(q, k, v, p.w1, p.w2, p.qk_scale, p.qk_offset, p.q_conv_weight, p.q_conv_bias,
                                       p.k_conv_weight, p.k_conv_bias, num_heads, height, width);
     torch::NoGradGuard no_grad;
