@@ -1,7 +1,8 @@
 // The fused CPU neighbourhood-attention kernel (src/ops/neighborhood_attention/cpu.cpp) against the reference
 // (gathers + softmax with autograd): outputs and the gradients of q, k and v, float32 and float64, clamped
-// windows at every border, windows covering a whole short axis, non-square grids, dv != d; with
-// every LINVIS_SIMD target (the kernel has one portable path; every setting must agree).
+// windows at every border, windows covering a whole short axis, non-square grids, dv != d, head dims below, at and
+// above the kernel's 16 partial sums; on every LINVIS_SIMD target; strided views as DiT5 passes them, in a graph
+// and outside one (where no attention weights are kept).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -55,6 +56,8 @@ const Case kCases[] = {
     {1, 2, 3, 9, 6, 6, 5},     // K > H on one axis: that axis is covered whole
     {1, 1, 6, 6, 4, 5, 3},
     {1, 2, 9, 9, 8, 8, 7},
+    {1, 2, 10, 9, 64, 64, 5},  // DiT-S's head dim
+    {1, 1, 6, 7, 20, 36, 3},   // head dims past one block of partial sums, with a remainder
 };
 
 void run_all_cases() {
@@ -68,6 +71,42 @@ TEST(NeighborhoodAttentionFused, MatchesReferenceForwardAndGradients) { run_all_
 
 TEST(NeighborhoodAttentionFused, MatchesReferenceOnEveryTarget) {
     linvis::testing::for_each_simd_target([](const linvis::testing::SimdTarget&) { run_all_cases(); });
+}
+
+// DiT5 hands over q, k and v as (B, N, C) -> (B, heads, H, W, d) permuted views of its projections: the kernel reads
+// them through their strides, in a graph (gradients) and outside one (no graph, the same output).
+TEST(NeighborhoodAttentionFused, StridedViewsInAndOutOfAGraph) {
+    linvis::testing::for_each_simd_target([](const linvis::testing::SimdTarget& t) {
+        torch::manual_seed(31);
+        const int64_t B = 2, heads = 3, H = 6, W = 7, d = 20, C = heads * d;
+        const torch::Tensor qkv = torch::randn({B, H * W, 3 * C});
+        const auto view = [&](int64_t i) {
+            return qkv.narrow(2, i * C, C).reshape({B, H, W, heads, d}).permute({0, 3, 1, 2, 4});
+        };
+        const torch::Tensor probe = torch::randn({B, heads, H, W, d});
+        const double scale = std::pow(static_cast<double>(d), -0.5);
+        std::vector<torch::Tensor> results;
+        for (const Impl impl : {Impl::Reference, Impl::Fused}) {
+            torch::Tensor q = view(0).clone().requires_grad_(), k = view(1).clone().requires_grad_(),
+                          v = view(2).clone().requires_grad_();
+            if (impl == Impl::Fused) {
+                q = view(0).detach().requires_grad_();  // the view itself, strided
+                k = view(1).detach().requires_grad_();
+                v = view(2).detach().requires_grad_();
+                ASSERT_FALSE(q.is_contiguous());
+            }
+            torch::Tensor o = neighborhood_attention_2d(q, k, v, 5, scale, NatSmallGrid::WholeAxis, impl);
+            (o * probe).sum().backward();
+            results.insert(results.end(), {o.detach(), q.grad(), k.grad(), v.grad()});
+        }
+        const char* names[] = {"out", "dq", "dk", "dv"};
+        for (int i = 0; i < 4; ++i) EXPECT_TRUE(all_close(results[4 + i], results[i], 1e-4, 1e-5)) << t.env << names[i];
+        torch::NoGradGuard no_grad;
+        const torch::Tensor inference =
+            neighborhood_attention_2d(view(0), view(1), view(2), 5, scale, NatSmallGrid::WholeAxis, Impl::Fused);
+        EXPECT_FALSE(inference.grad_fn());
+        EXPECT_TRUE(torch::equal(inference, results[4])) << t.env << ": the same kernel with and without a graph";
+    });
 }
 
 TEST(NeighborhoodAttentionFused, Bfloat16ComputedInFloat32) {

@@ -32,8 +32,8 @@ torch::Tensor neighborhood_attention_2d(const torch::Tensor& q, const torch::Ten
             ? "flat-wrap windows on a grid below the kernel (reference only), got " + std::to_string(q.size(2)) + "x" +
                   std::to_string(q.size(3))
             : std::string();
-    // The kernel has no ISA-specific code. It never materialises the (N, K*K, d) neighbour tensors of the
-    // reference, and it was the faster path in both DiT5 measurements of docs/generation.md.
+    // Auto on every target: the kernel never materialises the (N, K*K, d) neighbour tensors of the reference, and
+    // it was the faster path in every DiT5 measurement of docs/generation.md.
     if (use_fused(impl, op, unsupported, /*fused_is_faster=*/true)) {
         const int64_t kk = std::min(kernel_size, q.size(2)) * std::min(kernel_size, q.size(3));
         flops::add(q.size(0) * q.size(1) * q.size(2) * q.size(3) * kk * (q.size(4) + v.size(4)));
