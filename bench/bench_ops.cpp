@@ -10,6 +10,7 @@
 //                                   [--reps 5]
 //   build/bench_ops depthwise_conv [--threads 2] [--reps 20] [--side 64] [--dtype f32|bf16]
 //   build/bench_ops layer_norm [--threads 2] [--reps 50] [--width 192]
+//   build/bench_ops neighborhood_attention [--threads 2] [--reps 20]
 //
 // ttt_linear: the TTT-Linear scan of vittt_tiny (3 heads of d = 64, mini-batches of 16).
 // vit3_t5: the ViT³ TTT mixer (vit3_ttt_mix, both branches; C = 192, 6 heads of d = 32), the T⁵ TTT
@@ -27,6 +28,9 @@
 //   inputs (the models' --dtype bf16), checked as bfloat16 against the float64 truth first.
 // layer_norm: the models' LayerNorm (ops/layer_norm.h) on (rows, 192) with weight and bias, for 197
 //   (a 224-px image and its class token), 4096 (1024 px) and 16384 (2048 px) rows.
+// neighborhood_attention: DiT5-S's 5 x 5 neighbourhood attention (6 heads of d = 64) on a guided step's batch of 2,
+//   on token grids 16, 32 and 64 (latent sides 32, 64 and 128), q, k and v the permuted views of one (2, N, 3C)
+//   projection that DiT5 passes.
 //
 // Each op is first checked on the benchmark inputs: the fused output and every input gradient
 // against a float64 truth, next to the float32 reference's own error. An op that fails prints no
@@ -61,6 +65,7 @@
 #include "linvis/ops/attention.h"
 #include "linvis/ops/depthwise_conv.h"
 #include "linvis/ops/layer_norm.h"
+#include "linvis/ops/neighborhood_attention.h"
 #include "linvis/ops/linear_headwise.h"
 #include "linvis/ops/mlstm.h"
 #include "linvis/ops/t5_ttt.h"
@@ -504,6 +509,63 @@ int run_layer_norm(const LayerNormOptions& o, Harness& h) {
     return h.failed ? 1 : 0;
 }
 
+// ================================================================ neighborhood_attention
+
+struct NeighborhoodOptions {
+    int reps = 20;
+};
+
+constexpr int64_t kNaHeads = 6, kNaHeadDim = 64, kNaKernel = 5;
+const int64_t kNaSides[] = {16, 32, 64};
+
+// q, k, v (2, heads, side, side, d): permuted views of one (2, side^2, 3C) tensor, as DiT5 hands them over.
+std::vector<Tensor> neighborhood_inputs(int64_t side) {
+    torch::manual_seed(0);
+    const int64_t C = kNaHeads * kNaHeadDim;
+    const Tensor qkv = torch::randn({2, side * side, 3 * C});
+    std::vector<Tensor> views;
+    for (int64_t i = 0; i < 3; ++i)
+        views.push_back(
+            qkv.narrow(2, i * C, C).reshape({2, side, side, kNaHeads, kNaHeadDim}).permute({0, 3, 1, 2, 4}));
+    return views;
+}
+
+OpFn neighborhood_op(Impl impl) {
+    return [impl](const std::vector<Tensor>& x) {
+        return ops::neighborhood_attention_2d(x[0], x[1], x[2], kNaKernel, 1.0 / std::sqrt(double(kNaHeadDim)),
+                                              ops::NatSmallGrid::WholeAxis, impl);
+    };
+}
+
+int run_neighborhood_attention(const NeighborhoodOptions& o, Harness& h) {
+    if (!h.child.empty()) {  // <side>_<fwd|train>_<reference|fused>
+        const auto parts = split_case(h.child);
+        if (parts.size() != 3) unknown_case(h.child);
+        const std::vector<Tensor> inputs = neighborhood_inputs(std::stoll(parts[0]));
+        const OpFn op = neighborhood_op(ops::parse_impl(parts[2]));
+        return print_answer(measure_passes(op_pass(op, inputs, Tensor(), parts[1] == "train"), 3, o.reps));
+    }
+    std::printf("neighborhood_attention: batch 2, %lld heads of d = %lld, %lld x %lld windows, threads %d, reps %d, "
+                "SIMD %s (fused kernels: %s), OpenMP wait: %s\n",
+                static_cast<long long>(kNaHeads), static_cast<long long>(kNaHeadDim), static_cast<long long>(kNaKernel),
+                static_cast<long long>(kNaKernel), h.threads, o.reps, runtime::simd_name(runtime::detect_simd()),
+                ops::fused_kernel_target(), runtime::openmp_wait_policy().c_str());
+    std::vector<std::string> cases;
+    for (const int64_t side : kNaSides) cases.push_back(std::to_string(side));
+    print_fused_vs_reference(
+        h, cases,
+        [&](const std::string& side) {
+            torch::manual_seed(1);
+            const int64_t n = std::stoll(side);
+            const Tensor probe = torch::randn({2, kNaHeads, n, n, kNaHeadDim});
+            const OpFn reference = neighborhood_op(Impl::Reference);
+            return OpCheck{{"output", "dq", "dk", "dv"}, neighborhood_inputs(n), probe, reference, reference,
+                           neighborhood_op(Impl::Fused), 1e-5};
+        },
+        "grid side", "%9.3f %9.3f");
+    return h.failed ? 1 : 0;
+}
+
 // ================================================================ vit3_t5
 
 struct Vit3T5Options {
@@ -906,8 +968,14 @@ int main(int argc, char** argv) {
     layer_norm_command->add_option("--width", layer_norm.width, "row length C (the tiny models: 192)")
         ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
 
-    for (CLI::App* command :
-         {ttt_command, vit3_t5_command, mlstm_command, attention_command, depthwise_command, layer_norm_command})
+    NeighborhoodOptions neighborhood;
+    CLI::App* neighborhood_command = app.add_subcommand(
+        "neighborhood_attention", "fused vs reference DiT5-S neighbourhood attention on token grids 16, 32 and 64");
+    neighborhood_command->add_option("--reps", neighborhood.reps, "timed repetitions (median)")
+        ->check(CLI::PositiveNumber);
+
+    for (CLI::App* command : {ttt_command, vit3_t5_command, mlstm_command, attention_command, depthwise_command,
+                              layer_norm_command, neighborhood_command})
         add_harness_options(*command, harness);
     try {
         app.parse(argc, argv);
@@ -923,6 +991,7 @@ int main(int argc, char** argv) {
         if (attention_command->parsed()) status = run_attention(attention, harness);
         if (depthwise_command->parsed()) status = run_depthwise_conv(depthwise, harness);
         if (layer_norm_command->parsed()) status = run_layer_norm(layer_norm, harness);
+        if (neighborhood_command->parsed()) status = run_neighborhood_attention(neighborhood, harness);
         return status;
     } catch (const c10::Error& e) {
         std::fprintf(stderr, "bench_ops: %s\n", e.what_without_backtrace());
