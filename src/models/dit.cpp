@@ -9,6 +9,7 @@
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
+#include "linvis/core/precision.h"
 #include "linvis/models/registry.h"
 #include "linvis/nn/common.h"
 #include "linvis/nn/vit.h"
@@ -25,10 +26,13 @@ constexpr int64_t kNatKernel = 5;
 
 constexpr double kNormEps = 1e-6;
 
-// The official modulate(norm(x), shift, scale) of a block's sub-layer input.
+// The official modulate(norm(x), shift, scale) of a block's sub-layer input; bf16 / f16 normalised in float32 and
+// rounded once, as nn::layer_norm does (LibTorch 1.13's bf16 LayerNorm is slow and keeps its statistics in bf16).
 torch::Tensor modulated_norm(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
                              ops::Impl impl) {
-    return ops::modulated_layer_norm(x, shift, scale, kNormEps, impl);
+    const torch::ScalarType acc = precision::accumulation_dtype(x);
+    if (acc == x.scalar_type()) return ops::modulated_layer_norm(x, shift, scale, kNormEps, impl);
+    return ops::modulated_layer_norm(x.to(acc), shift.to(acc), scale.to(acc), kNormEps, impl).to(x.scalar_type());
 }
 
 // x + gate.unsqueeze(1) * branch, gate (B, C): one addcmul, into x itself where no graph records it (x is the
@@ -216,7 +220,10 @@ public:
                                                            torch::nn::Linear(C, C)));
     }
     torch::Tensor forward(const torch::Tensor& t) {
-        return linear(seq_linear(mlp, 2), torch::silu(linear(seq_linear(mlp, 0), dit_timestep_embedding(t, 256))));
+        // The sinusoids are computed in float32 (as the official code does) and given to the MLP in its dtype.
+        const torch::nn::Linear first = seq_linear(mlp, 0);
+        const torch::Tensor t_freq = dit_timestep_embedding(t, 256).to(first->weight.scalar_type());
+        return linear(seq_linear(mlp, 2), torch::silu(linear(first, t_freq)));
     }
     torch::nn::Sequential mlp{nullptr};
 };
