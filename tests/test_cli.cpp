@@ -226,6 +226,21 @@ TEST(Cli, BenchDiffusionStepSamplerAndTrainingStep) {
     }
     // A training step runs the model on the undoubled batch: at least the products of one plain forward.
     EXPECT_GE(train[0]["gflops"].get<double>(), 0.5 * step[1]["gflops"].get<double>() * (1 - 1e-9));
+    // Every fused case was checked against impl=reference (after its timing); bf16 runs, its guided step and its
+    // training step (the diffusion's arithmetic in float32, the network in bf16), within the bf16 bound.
+    for (const auto* rows : {&step, &sampler, &train})
+        for (const auto& row : *rows) {
+            EXPECT_GE(row["check_rel_err"].get<double>(), 0.0) << row.dump();
+            EXPECT_LT(row["check_rel_err"].get<double>(), 1e-4) << row.dump();
+        }
+    auto bf16 = bench_rows("--task denoise --dtype bf16 --models dit_s2,dit5_s2" + tiny);
+    auto bf16_train = bench_rows("--task denoise --train --dtype bf16 --models dit3_s2" + tiny);
+    ASSERT_EQ(bf16.size() + bf16_train.size(), 3u);
+    for (const auto* rows : {&bf16, &bf16_train})
+        for (const auto& row : *rows) {
+            EXPECT_GE(row["check_rel_err"].get<double>(), 0.0) << row.dump();
+            EXPECT_LT(row["check_rel_err"].get<double>(), 3e-2) << row.dump();
+        }
     // A latent grid below DiT5's 5x5 window is refused with the model's one-line error, and a vision model is not
     // a diffusion model.
     auto small = run_cli("bench --task denoise --models dit5_s2 --model-kwargs depth=1 --res 8 --iters 1 --warmup 1 "
