@@ -66,7 +66,8 @@ TEST(Bf16Models, DiffusionModelsTrackFloat32) {
             for (auto& item : src) item.value().add_(0.05 * torch::randn_like(item.value()));
             for (auto& item : models[1]->named_parameters(true)) item.value().copy_(src[item.key()]);
         }
-        const torch::Tensor x = torch::randn({2, 4, 16, 16}), t = torch::tensor({500, 20}), y = torch::tensor({3, 1000});
+        const torch::Tensor x = torch::randn({2, 4, 16, 16});
+        const torch::Tensor t = torch::tensor({500, 20}), y = torch::tensor({3, 1000});
         torch::NoGradGuard no_grad;
         const torch::Tensor f32 = models[1]->forward(x, t, y);
         ASSERT_GT(f32.norm().item<double>(), 0.0) << name;
