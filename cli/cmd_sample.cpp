@@ -40,6 +40,7 @@ struct SampleOptions {
     int64_t nrow = 0;
     bool no_progress = false;
     int threads = 0;
+    std::string dtype = "f32";
 };
 
 // The sampler options of sample and eval --task diffusion, written into the library's SamplerConfig.
@@ -127,6 +128,8 @@ int run_sample(int argc, const char* const* argv) {
     add_number(app, "--nrow", o.nrow, "images per row of the grid (default min(n, 8))", int64_t{0});
     app.add_flag("--no-progress", o.no_progress, "no progress bar");
     add_threads_option(app, o.threads);
+    add_dtype_option(app, o.dtype, {"f32", "bf16"})
+        ->description("dtype of the network's parameters and activations (the sampler computes in float32)");
     if (!parse(app, argc, argv)) return 0;
     runtime::configure_threads(o.threads);
     const bool to_png = ends_with(o.output, ".png");
@@ -136,6 +139,7 @@ int run_sample(int argc, const char* const* argv) {
                  "' is not a diffusion model (see 'linvis models')");
 
     auto model = std::dynamic_pointer_cast<models::DiffusionModel>(build_generative_model(o.model));
+    if (o.dtype == "bf16") model->to(torch::kBFloat16);
     const int64_t C = model->in_channels(), L = model->input_size(), K = model->num_classes();
 
     torch::manual_seed(static_cast<uint64_t>(o.seed));
@@ -178,7 +182,8 @@ int run_sample(int argc, const char* const* argv) {
     if (!to_png) {
         io::save_safetensors(o.output, {{"samples", samples}, {"labels", label_tensor}},
                              {{"model", o.model.model}, {"sampler", o.sampling.sampler}, {"respacing", respacing},
-                              {"cfg_scale", std::to_string(o.sampling.cfg_scale)}, {"seed", std::to_string(o.seed)}});
+                              {"cfg_scale", std::to_string(o.sampling.cfg_scale)}, {"seed", std::to_string(o.seed)},
+                              {"dtype", o.dtype}});
         std::cout << "wrote " << o.output << ": samples " << shape_string(samples.sizes()) << "\n";
         return 0;
     }

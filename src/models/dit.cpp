@@ -453,8 +453,11 @@ torch::Tensor sample_class_conditional(DiffusionModel& model, const torch::Tenso
         y = torch::cat({y, torch::full({n}, K, torch::kInt64)}, 0);
     }
     const GaussianDiffusion diffusion(config.respacing_spec(), model.config().learn_sigma);
-    const DenoiseFn fn = [&](const torch::Tensor& x, const torch::Tensor& t) {
-        return guided ? model.forward_with_cfg(x, t, y, config.cfg_scale) : model.forward(x, t, y);
+    // The sampler's arithmetic in float32, the network in its parameters' dtype (bf16 sampling).
+    const torch::ScalarType network_dtype = model.parameters().front().scalar_type();
+    const DenoiseFn fn = [&](const torch::Tensor& x_f32, const torch::Tensor& t) {
+        const torch::Tensor x = x_f32.to(network_dtype);
+        return (guided ? model.forward_with_cfg(x, t, y, config.cfg_scale) : model.forward(x, t, y)).to(torch::kFloat32);
     };
     torch::NoGradGuard no_grad;
     torch::Tensor samples = config.sampler == "ddim" ? diffusion.ddim_sample_loop(fn, z, config.eta, false, progress)
