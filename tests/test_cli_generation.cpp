@@ -137,7 +137,8 @@ TEST(CliGeneration, SampleInBf16TracksTheFloat32Samples) {
         const torch::Tensor samples = read(out, "samples"), expected = read(ref, "samples");
         ASSERT_EQ(samples.scalar_type(), torch::kFloat32) << family;
         const double err = linvis::testing::relative_error(samples, expected);
-        std::printf("[ bf16 ] %s sample vs the official float32 samples: relative L2 error %.3e\n", family.c_str(), err);
+        std::printf("[ bf16 ] %s sample vs the official float32 samples: relative L2 error %.3e\n", family.c_str(),
+                    err);
         EXPECT_LT(err, 1e-2) << family;
         EXPECT_GT(err, 0.0) << family << ": bf16 gave the float32 samples bit for bit; did it run in bf16?";
         EXPECT_EQ(linvis::io::SafetensorsFile::open(out).metadata().at("dtype"), "bf16") << family;

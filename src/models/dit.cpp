@@ -457,7 +457,8 @@ torch::Tensor sample_class_conditional(DiffusionModel& model, const torch::Tenso
     const torch::ScalarType network_dtype = model.parameters().front().scalar_type();
     const DenoiseFn fn = [&](const torch::Tensor& x_f32, const torch::Tensor& t) {
         const torch::Tensor x = x_f32.to(network_dtype);
-        return (guided ? model.forward_with_cfg(x, t, y, config.cfg_scale) : model.forward(x, t, y)).to(torch::kFloat32);
+        const torch::Tensor out = guided ? model.forward_with_cfg(x, t, y, config.cfg_scale) : model.forward(x, t, y);
+        return out.to(torch::kFloat32);
     };
     torch::NoGradGuard no_grad;
     torch::Tensor samples = config.sampler == "ddim" ? diffusion.ddim_sample_loop(fn, z, config.eta, false, progress)

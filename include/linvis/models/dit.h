@@ -100,8 +100,8 @@ bool is_dit5_new_parameter(const std::string& key);
 // (ddim_sample_loop with eta, respacing "ddim<steps>"), clip_denoised=False; the first n rows (what the
 // sampler returns: all output channels of x_0, (n, C, L, L)). The per-step noise comes from the default
 // generator. The sampler computes in float32 and returns float32; the network runs in its parameters' dtype (a
-// model moved to bf16 samples in bf16). Throws a one-line error for a label out of range, noise of the wrong shape, or guidance
-// without a null-label row.
+// model moved to bf16 samples in bf16). Throws a one-line error for a label out of range, noise of the wrong
+// shape, or guidance without a null-label row.
 struct SamplerConfig {
     std::string sampler = "ddpm";  // ddpm | ddim
     int64_t steps = 250;
