@@ -374,7 +374,8 @@ TEST(ModulatedLayerNorm, BadShapesNameTheTensor) {
               std::string::npos);
     EXPECT_NE(message(x, torch::randn({2, 23}), torch::randn({2, 24})).find("shift: expected (2, 24)"),
               std::string::npos);
-    EXPECT_NE(message(torch::randn({9, 24}), torch::randn({2, 24}), torch::randn({2, 24})).find("x: expected (B, N, C)"),
+    EXPECT_NE(message(torch::randn({9, 24}), torch::randn({2, 24}), torch::randn({2, 24}))
+                  .find("x: expected (B, N, C)"),
               std::string::npos);
 }
 

@@ -291,7 +291,8 @@ public:
             blocks->push_back(b);
             block_ptrs_.push_back(b);
         }
-        final_layer = register_module("final_layer", std::make_shared<FinalLayer>(C, c.patch_size, out_channels(), c.impl));
+        final_layer = register_module("final_layer",
+                                      std::make_shared<FinalLayer>(C, c.patch_size, out_channels(), c.impl));
         initialize_weights();
     }
 
