@@ -46,9 +46,11 @@ std::vector<torch::Tensor> layer_norm_linear(const torch::Tensor& x, const torch
 // DiT's adaptive LayerNorm (adaLN): a LayerNorm without affine parameters over the last dim C of x (B, N, C), then
 // each sample's scale and shift (B, C): layer_norm(x) * (1 + scale[b]) + shift[b] (facebookresearch/DiT@ed81ce2:
 // models.py, modulate). Reference: torch::layer_norm then the official modulate's LibTorch ops. Fused (CPU float32,
-// x as the fused LayerNorm takes it): outside a graph one pass of the LayerNorm kernel with each sample's 1 + scale
-// and shift as its affine row, no normalised copy; in a graph ops::layer_norm (its fused node) then one addcmul,
-// which keeps what the reference's mul keeps. Auto: fused on the vectorised targets.
+// x as the fused LayerNorm takes it): one pass of the LayerNorm kernel with each sample's 1 + scale and shift as its
+// affine row, no normalised copy. In a graph one autograd node keeps x, the per-row mean and rstd and scale, where
+// the reference's LayerNorm and product keep x and the normalised x as well: its backward normalises x again for
+// the scale's gradient and runs LibTorch's native_layer_norm_backward for x's. Auto: fused on the vectorised
+// targets.
 torch::Tensor modulated_layer_norm(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
                                    double eps, Impl impl = Impl::Auto);
 

@@ -117,6 +117,14 @@ std::string affine_unsupported(const char* name, const torch::Tensor& t, int64_t
 // Blocks of about 16 Ki values: a (197, 192) input is two tasks, (4096, 192) is split over the threads.
 int64_t rows_per_task(int64_t n) { return std::max<int64_t>(1, ((int64_t{1} << 14) + n - 1) / n); }
 
+// y of x's shape (contiguous), mean and rstd (x.shape[:-1]..., 1).
+LayerNormOut empty_out(const torch::Tensor& x) {
+    std::vector<int64_t> stat_shape(x.sizes().begin(), x.sizes().end());
+    stat_shape.back() = 1;
+    return {torch::empty(x.sizes(), x.options()), torch::empty(stat_shape, x.options()),
+            torch::empty(stat_shape, x.options())};
+}
+
 }  // namespace
 
 std::string layer_norm_unsupported(const torch::Tensor& x, torch::IntArrayRef normalized_shape,
@@ -143,10 +151,7 @@ LayerNormOut layer_norm_forward(const torch::Tensor& x, const torch::Tensor& wei
     const int64_t n = x.size(-1);
     const int64_t rows = x.numel() / n;
     const int64_t ldx = row_stride(x);
-    std::vector<int64_t> stat_shape(x.sizes().begin(), x.sizes().end());
-    stat_shape.back() = 1;
-    LayerNormOut out{torch::empty(x.sizes(), x.options()), torch::empty(stat_shape, x.options()),
-                     torch::empty(stat_shape, x.options())};
+    LayerNormOut out = empty_out(x);
     const float* px = x.data_ptr<float>();
     float* py = out.y.data_ptr<float>();
     float* pm = out.mean.data_ptr<float>();
@@ -160,31 +165,32 @@ LayerNormOut layer_norm_forward(const torch::Tensor& x, const torch::Tensor& wei
     return out;
 }
 
-torch::Tensor layer_norm_per_sample_affine(const torch::Tensor& x, const torch::Tensor& weight,
-                                           const torch::Tensor& bias, double eps) {
+LayerNormOut layer_norm_per_sample_affine(const torch::Tensor& x, const torch::Tensor& weight,
+                                          const torch::Tensor& bias, double eps) {
     const int64_t n = x.size(-1);
     const int64_t tokens = x.size(1);
     const int64_t rows = x.numel() / n;
     const int64_t ldx = row_stride(x);
-    torch::Tensor y = torch::empty(x.sizes(), x.options());
-    if (rows == 0) return y;
+    LayerNormOut out = empty_out(x);
+    if (rows == 0) return out;
     const float* px = x.data_ptr<float>();
-    float* py = y.data_ptr<float>();
+    float* py = out.y.data_ptr<float>();
+    float* pm = out.mean.data_ptr<float>();
+    float* ps = out.rstd.data_ptr<float>();
     const float* pw = weight.data_ptr<float>();
     const float* pb = bias.data_ptr<float>();
     const float e = static_cast<float>(eps);
     at::parallel_for(0, rows, rows_per_task(n), [&](int64_t begin, int64_t end) {
-        std::vector<float> mean(static_cast<size_t>(end - begin)), rstd(mean.size());  // not needed outside a graph
         // A task's rows may span samples: each run of one sample's rows with that sample's affine row.
         for (int64_t r = begin; r < end;) {
             const int64_t sample = r / tokens;
             const int64_t stop = std::min(end, (sample + 1) * tokens);
-            layer_norm_rows(px + r * ldx, ldx, py + r * n, stop - r, n, pw + sample * n, pb + sample * n, e,
-                            mean.data() + (r - begin), rstd.data() + (r - begin));
+            layer_norm_rows(px + r * ldx, ldx, py + r * n, stop - r, n, pw + sample * n, pb + sample * n, e, pm + r,
+                            ps + r);
             r = stop;
         }
     });
-    return y;
+    return out;
 }
 
 }  // namespace linvis::ops::cpu

@@ -26,8 +26,9 @@ LayerNormOut layer_norm_forward(const torch::Tensor& x, const torch::Tensor& wei
 
 // y[b, n] = layer_norm(x[b, n]) * weight[b] + bias[b] over the last dim C: x (B, N, C) that the kernel takes
 // without affine parameters (layer_norm_unsupported empty), weight and bias (B, C) float32 contiguous, each sample's
-// rows with its own affine row (DiT's modulation, ops::modulated_layer_norm). y is contiguous.
-torch::Tensor layer_norm_per_sample_affine(const torch::Tensor& x, const torch::Tensor& weight,
-                                           const torch::Tensor& bias, double eps);
+// rows with its own affine row (DiT's modulation, ops::modulated_layer_norm). y is contiguous; mean and rstd as
+// layer_norm_forward's.
+LayerNormOut layer_norm_per_sample_affine(const torch::Tensor& x, const torch::Tensor& weight,
+                                          const torch::Tensor& bias, double eps);
 
 }  // namespace linvis::ops::cpu

@@ -120,6 +120,42 @@ public:
     }
 };
 
+// DiT's adaLN in a graph (modulated_layer_norm): the forward is the fused kernel with each sample's 1 + scale and
+// shift as its affine row, saving x, the per-row mean and rstd and scale, not the normalised x; the backward
+// normalises x again for the scale's gradient (the kernel's own values, or LibTorch's differentiable LayerNorm
+// under a backward that builds a graph) and runs native_layer_norm_backward on grad * (1 + scale) for x's.
+class ModulatedLayerNorm : public torch::autograd::Function<ModulatedLayerNorm> {
+public:
+    static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                                 const torch::Tensor& shift, const torch::Tensor& scale, double eps) {
+        cpu::LayerNormOut out =
+            cpu::layer_norm_per_sample_affine(x, (1 + scale).contiguous(), shift.contiguous(), eps);
+        ctx->save_for_backward({x, out.mean, out.rstd, scale});
+        ctx->saved_data["eps"] = eps;
+        return out.y;
+    }
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        const auto saved = ctx->get_saved_variables();
+        const torch::Tensor &x = saved[0], &mean = saved[1], &rstd = saved[2], &scale = saved[3];
+        const double eps = ctx->saved_data["eps"].toDouble();
+        const torch::Tensor& g = grads[0];
+        const int64_t C = x.size(2);
+        torch::Tensor dx, dshift, dscale;
+        if (ctx->needs_input_grad(1)) dshift = g.sum(1);
+        if (ctx->needs_input_grad(2)) {
+            const torch::Tensor normed = torch::GradMode::is_enabled()
+                                             ? torch::layer_norm(x, {C}, {}, {}, eps)
+                                             : cpu::layer_norm_forward(x, {}, {}, eps).y;
+            dscale = (g * normed).sum(1);
+        }
+        if (ctx->needs_input_grad(0))
+            dx = std::get<0>(torch::native_layer_norm_backward(g * (1 + scale.unsqueeze(1)), x, {C}, mean, rstd,
+                                                               c10::nullopt, c10::nullopt, {true, false, false}));
+        return {dx, dshift, dscale, torch::Tensor()};
+    }
+};
+
 }  // namespace
 
 torch::Tensor normed_product(const torch::Tensor& x, const NormedProduct& product) {
@@ -191,9 +227,8 @@ torch::Tensor modulated_layer_norm(const torch::Tensor& x, const torch::Tensor& 
     check_row_parameters("scale", scale);
     if (!use_fused(impl, "modulated_layer_norm", unsupported, simd::vectorised()))
         return torch::layer_norm(x, {C}, {}, {}, eps) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1);
-    if (records_graph({x, shift, scale}))
-        return torch::addcmul(shift.unsqueeze(1), fused_layer_norm(x, {}, {}, eps), 1 + scale.unsqueeze(1));
-    return cpu::layer_norm_per_sample_affine(x, (1 + scale).contiguous(), shift.contiguous(), eps);
+    if (records_graph({x, shift, scale})) return ModulatedLayerNorm::apply(x, shift, scale, eps);
+    return cpu::layer_norm_per_sample_affine(x, (1 + scale).contiguous(), shift.contiguous(), eps).y;
 }
 
 }  // namespace linvis::ops
