@@ -43,6 +43,13 @@ struct SampleOptions {
     std::string dtype = "f32";
 };
 
+// --dtype of sample and eval --task diffusion: the diffusion model's network.
+void add_network_dtype_option(CLI::App& app, std::string& dtype) {
+    add_dtype_option(app, dtype, {"f32", "bf16"})
+        ->description("dtype of the diffusion network's parameters and activations (the sampler computes in "
+                      "float32)");
+}
+
 // The sampler options of sample and eval --task diffusion, written into the library's SamplerConfig.
 void add_sampling_options(CLI::App& app, models::SamplerConfig& o) {
     add_choice(app, "--sampler", o.sampler, {"ddpm", "ddim"}, "ddpm: ancestral p_sample_loop; ddim: eta --eta");
@@ -128,8 +135,7 @@ int run_sample(int argc, const char* const* argv) {
     add_number(app, "--nrow", o.nrow, "images per row of the grid (default min(n, 8))", int64_t{0});
     app.add_flag("--no-progress", o.no_progress, "no progress bar");
     add_threads_option(app, o.threads);
-    add_dtype_option(app, o.dtype, {"f32", "bf16"})
-        ->description("dtype of the network's parameters and activations (the sampler computes in float32)");
+    add_network_dtype_option(app, o.dtype);
     if (!parse(app, argc, argv)) return 0;
     runtime::configure_threads(o.threads);
     const bool to_png = ends_with(o.output, ".png");
@@ -229,6 +235,7 @@ struct EvalDiffusionOptions {
     int64_t grid_per_class = 10;
     bool no_progress = false;
     int threads = 0;
+    std::string dtype = "f32";
 };
 
 // A set of images in [-1, 1] through the classifier: features and logits.
@@ -273,6 +280,7 @@ int run_eval_diffusion(int argc, const char* const* argv) {
     add_number(app, "--grid-per-class", o.grid_per_class, "samples of each class in the --grid picture", int64_t{1});
     app.add_flag("--no-progress", o.no_progress, "no progress bar");
     add_threads_option(app, o.threads);
+    add_network_dtype_option(app, o.dtype);
     if (!parse(app, argc, argv)) return 0;
     runtime::configure_threads(o.threads);
     LINVIS_CHECK(models::generative_model_kind(o.model.model) == "diffusion", "--model: '", o.model.model,
@@ -295,6 +303,7 @@ int run_eval_diffusion(int argc, const char* const* argv) {
     classifier->eval();
 
     auto model = std::dynamic_pointer_cast<models::DiffusionModel>(build_generative_model(o.model));
+    if (o.dtype == "bf16") model->to(torch::kBFloat16);
     const int64_t C = model->in_channels(), L = model->input_size(), K = model->num_classes();
     LINVIS_CHECK(classifier->num_classes() == K, "--classifier ", o.classifier, ": expected a classifier of ", K,
                  " classes (as ", o.model.model, "), got ", classifier->num_classes());
@@ -370,6 +379,7 @@ int run_eval_diffusion(int argc, const char* const* argv) {
                              {"respacing", sampler.respacing_spec()},
                              {"cfg_scale", o.sampling.cfg_scale},
                              {"seed", o.seed},
+                             {"dtype", o.dtype},
                              {"samples_per_class", o.samples_per_class},
                              {"samples", N},
                              {"real_images", N},

@@ -222,6 +222,20 @@ TEST(SampleQuality, EvalDiffusionEndToEnd) {
     const nlohmann::json m2 = nlohmann::json::parse(in2);
     EXPECT_NEAR(m2["frechet_distance"].get<double>(), m["frechet_distance"].get<double>(),
                 1e-9 * m["frechet_distance"].get<double>());
+
+    // --dtype bf16: the network in bf16, the sampler in float32 (a bf16 network given float32 latents failed before).
+    // The untrained network's output is 0 in any dtype, so the samples, and the distance, are float32's.
+    const std::string json3 = dir.file("m3.json");
+    r = linvis::testing::run_cli("eval --task diffusion" + kTinyDitKwargs + " --weights " + weights +
+                                 " --sampler ddim --steps 3 --cfg-scale 1.5 --samples-per-class 3 --batch-size 8 "
+                                 "--seed 2 --threads 1 --no-progress --dtype bf16 --output " + json3);
+    ASSERT_EQ(r.status, 0) << r.output;
+    std::ifstream in3(json3);
+    const nlohmann::json m3 = nlohmann::json::parse(in3);
+    EXPECT_EQ(m3["dtype"].get<std::string>(), "bf16");
+    EXPECT_EQ(m["dtype"].get<std::string>(), "f32");
+    EXPECT_NEAR(m3["frechet_distance"].get<double>(), m["frechet_distance"].get<double>(),
+                1e-9 * m["frechet_distance"].get<double>());
 }
 
 std::string last_line(const std::string& output) {
