@@ -150,7 +150,8 @@ public:
         std::vector<torch::Tensor> c = linear(qkv, u).chunk(3, -1);
         const ops::Dit5TttParams params{w1, w2, qk_scale_ttt, qk_offset_ttt, q_conv2d->weight, q_conv2d->bias,
                                         k_conv2d->weight, k_conv2d->bias};
-        torch::Tensor q = c[0].contiguous(), k = c[1].contiguous(), v = c[2].contiguous();
+        // q, k and v stay column chunks of the product: both branches' kernels read them through their row stride.
+        const torch::Tensor &q = c[0], &k = c[1], &v = c[2];
         torch::Tensor mixed = ops::dit5_mixed_attention(q, k, v, params, heads_, grid, grid, kNatKernel,
                                                         small_grid_.value_or(ops::NatSmallGrid::WholeAxis), impl_);
         return linear(proj, mixed);
