@@ -187,13 +187,20 @@ TEST(SampleQuality, EvalDiffusionEndToEnd) {
     if (!std::filesystem::exists(kFashionMnist)) GTEST_SKIP() << "no Fashion-MNIST in /usr/share/datasets/fashion-mnist";
     linvis::testing::TempDir dir;
     const std::string weights = tiny_dit(dir), json = dir.file("m.json"), grid = dir.file("grid.png");
-    auto r = linvis::testing::run_cli("eval --task diffusion" + kTinyDitKwargs + " --weights " + weights +
-                                      " --sampler ddim --steps 3 --cfg-scale 1.5 --samples-per-class 3 --batch-size 8 "
-                                      "--seed 2 --threads 1 --no-progress --output " + json + " --grid " + grid);
+    // The same sampling each time; `rest` adds the output files and any further option.
+    const auto eval = [&](const std::string& rest) {
+        return linvis::testing::run_cli("eval --task diffusion" + kTinyDitKwargs + " --weights " + weights +
+                                        " --sampler ddim --steps 3 --cfg-scale 1.5 --samples-per-class 3 "
+                                        "--batch-size 8 --seed 2 --threads 1 --no-progress " + rest);
+    };
+    const auto metrics = [](const std::string& path) {
+        std::ifstream in(path);
+        return nlohmann::json::parse(in);
+    };
+    auto r = eval("--output " + json + " --grid " + grid);
     ASSERT_EQ(r.status, 0) << r.output;
     EXPECT_NE(r.output.find("not Inception FID"), std::string::npos) << r.output;
-    std::ifstream in(json);
-    const nlohmann::json m = nlohmann::json::parse(in);
+    const nlohmann::json m = metrics(json);
     for (const char* key : {"frechet_distance", "frechet_distance_real_train_vs_test", "classifier_accuracy",
                             "classifier_accuracy_real_test", "sampling_seconds"}) {
         ASSERT_TRUE(m.contains(key)) << key;
@@ -214,24 +221,18 @@ TEST(SampleQuality, EvalDiffusionEndToEnd) {
 
     // The same seed (and batch size: each batch draws its noise in turn) gives the same samples and numbers.
     const std::string json2 = dir.file("m2.json");
-    r = linvis::testing::run_cli("eval --task diffusion" + kTinyDitKwargs + " --weights " + weights +
-                                 " --sampler ddim --steps 3 --cfg-scale 1.5 --samples-per-class 3 --batch-size 8 "
-                                 "--seed 2 --threads 1 --no-progress --output " + json2);
+    r = eval("--output " + json2);
     ASSERT_EQ(r.status, 0) << r.output;
-    std::ifstream in2(json2);
-    const nlohmann::json m2 = nlohmann::json::parse(in2);
+    const nlohmann::json m2 = metrics(json2);
     EXPECT_NEAR(m2["frechet_distance"].get<double>(), m["frechet_distance"].get<double>(),
                 1e-9 * m["frechet_distance"].get<double>());
 
     // --dtype bf16: the network in bf16, the sampler in float32 (a bf16 network given float32 latents failed before).
     // The untrained network's output is 0 in any dtype, so the samples, and the distance, are float32's.
     const std::string json3 = dir.file("m3.json");
-    r = linvis::testing::run_cli("eval --task diffusion" + kTinyDitKwargs + " --weights " + weights +
-                                 " --sampler ddim --steps 3 --cfg-scale 1.5 --samples-per-class 3 --batch-size 8 "
-                                 "--seed 2 --threads 1 --no-progress --dtype bf16 --output " + json3);
+    r = eval("--dtype bf16 --output " + json3);
     ASSERT_EQ(r.status, 0) << r.output;
-    std::ifstream in3(json3);
-    const nlohmann::json m3 = nlohmann::json::parse(in3);
+    const nlohmann::json m3 = metrics(json3);
     EXPECT_EQ(m3["dtype"].get<std::string>(), "bf16");
     EXPECT_EQ(m["dtype"].get<std::string>(), "f32");
     EXPECT_NEAR(m3["frechet_distance"].get<double>(), m["frechet_distance"].get<double>(),
