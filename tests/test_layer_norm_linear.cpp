@@ -1,7 +1,8 @@
-// ops::layer_norm_linear (include/linvis/ops/layer_norm.h) and nn::NormedInput: a LayerNorm's products as one
-// autograd node that keeps the LayerNorm's input, not its output. Outputs and every gradient against the
-// reference (layer_norm then the products, LibTorch's graph) on every SIMD target; double backward; what the
-// graph keeps; the FLOP count; bad shapes; NormedInput's paths (plain input, Reference, bf16).
+// ops::layer_norm_linear and ops::modulated_layer_norm_linear (include/linvis/ops/layer_norm.h) and
+// nn::NormedInput: a LayerNorm's (or DiT's adaLN's) products as one autograd node that keeps the norm's input, not
+// its output. Outputs and every gradient against the reference (the norm then the products, LibTorch's graph) on
+// every SIMD target; double backward; what the graph keeps; the FLOP count; bad shapes; NormedInput's paths (plain
+// input, Reference, bf16).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -27,10 +28,12 @@ using linvis::testing::SimdTarget;
 constexpr double kEps = 1e-6;
 
 // x, the LayerNorm's weight and bias (either may be absent) and three products: with a bias, without, and one left
-// out of the FLOP count (Vittt's learning-rate gate).
+// out of the FLOP count (Vittt's learning-rate gate). modulated: DiT's adaLN instead, weight and bias standing for
+// each sample's shift and scale (B, C).
 struct Problem {
     torch::Tensor x, weight, bias;
     std::vector<NormedProduct> products;
+    bool modulated = false;
 };
 
 Problem make_problem(bool affine, int64_t rows, int64_t C) {
@@ -44,6 +47,21 @@ Problem make_problem(bool affine, int64_t rows, int64_t C) {
                   {torch::randn({16, C}) * 0.1, {}},
                   {torch::randn({3, C}) * 0.1, torch::randn({3}), /*counted=*/false}};
     return p;
+}
+
+Problem make_modulated_problem(int64_t rows, int64_t C) {
+    Problem p = make_problem(false, rows, C);
+    p.weight = torch::randn({2, C}) * 0.4;  // shift
+    p.bias = torch::randn({2, C}) * 0.4;    // scale
+    p.modulated = true;
+    return p;
+}
+
+// The problem's products under `impl`: layer_norm_linear, or modulated_layer_norm_linear.
+std::vector<torch::Tensor> apply(const Problem& p, const torch::Tensor& x, const torch::Tensor& first,
+                                 const torch::Tensor& second, const std::vector<NormedProduct>& products, Impl impl) {
+    if (p.modulated) return linvis::ops::modulated_layer_norm_linear(x, first, second, kEps, products, impl);
+    return linvis::ops::layer_norm_linear(x, first, second, kEps, products, impl);
 }
 
 // Every leaf of the problem as a fresh tensor that requires a gradient, in a flat list: x, weight, bias, then each
@@ -69,7 +87,7 @@ Outcome run(const Problem& p, Impl impl) {
     for (size_t i = 0; i < p.products.size(); ++i)
         products.push_back({l[3 + 2 * i], l[4 + 2 * i], p.products[i].counted});
     Outcome r;
-    r.outputs = linvis::ops::layer_norm_linear(l[0], l[1], l[2], kEps, products, impl);
+    r.outputs = apply(p, l[0], l[1], l[2], products, impl);
     r.node = r.outputs[0].grad_fn() ? r.outputs[0].grad_fn()->name() : "";
     torch::Tensor loss = torch::zeros({});
     for (size_t i = 0; i < r.outputs.size(); ++i) loss = loss + (r.outputs[i] * torch::sin(r.outputs[i] + static_cast<double>(i))).sum();
@@ -93,21 +111,22 @@ void expect_close(const std::vector<torch::Tensor>& got, const std::vector<torch
 }
 
 TEST(LayerNormLinear, ForwardAndGradientsMatchTheReferenceOnEveryTarget) {
-    for (bool affine : {true, false}) {
-        torch::manual_seed(affine ? 21 : 22);
-        const Problem p = make_problem(affine, 197, 48);
+    for (const char* norm : {"affine", "no affine", "modulated"}) {
+        const std::string kind = norm;
+        torch::manual_seed(kind == "affine" ? 21 : kind == "modulated" ? 20 : 22);
+        const Problem p =
+            kind == "modulated" ? make_modulated_problem(197, 48) : make_problem(kind == "affine", 197, 48);
         const Outcome ref = run(p, Impl::Reference);
-        EXPECT_EQ(ref.node.find("LayerNormLinear"), std::string::npos) << ref.node;
+        EXPECT_EQ(ref.node.find("NormedProducts"), std::string::npos) << ref.node;
         for_each_simd_target([&](const SimdTarget& t) {
             for (Impl impl : {Impl::Auto, Impl::Fused}) {
-                const std::string what = std::string(affine ? "affine " : "no affine ") + t.env + " " +
-                                         linvis::ops::impl_name(impl);
+                const std::string what = kind + " " + t.env + " " + linvis::ops::impl_name(impl);
                 const Outcome got = run(p, impl);
                 expect_close(got.outputs, ref.outputs, what + " outputs");
                 expect_close(got.grads, ref.grads, what + " gradients");
                 // Fused always takes the node; Auto wherever the SIMD layer is vectorised, as layer_norm.
                 const bool node = impl == Impl::Fused || t.target != linvis::ops::simd::Target::Scalar;
-                EXPECT_EQ(got.node.find("LayerNormLinear") != std::string::npos, node) << what << ": " << got.node;
+                EXPECT_EQ(got.node.find("NormedProducts") != std::string::npos, node) << what << ": " << got.node;
             }
         });
     }
@@ -126,20 +145,25 @@ TEST(LayerNormLinear, OnlyTheGradientsAskedForAreComputed) {
 }
 
 TEST(LayerNormLinear, DoubleBackwardMatchesTheReference) {
-    torch::manual_seed(24);
-    const Problem p = make_problem(true, 7, 12);
-    auto second = [&](Impl impl) {
-        std::vector<torch::Tensor> l = leaves(p);
-        const std::vector<NormedProduct> products{{l[3], l[4]}, {l[5], {}}};
-        const auto y = linvis::ops::layer_norm_linear(l[0], l[1], l[2], kEps, products, impl);
-        const auto g = torch::autograd::grad({y[0].pow(2).sum() + y[1].pow(3).sum()}, {l[0], l[1], l[3]}, {}, true, true);
-        (g[0].pow(2).sum() + g[1].pow(2).sum() + g[2].pow(2).sum()).backward();
-        return std::vector<torch::Tensor>{g[0].detach(), l[0].grad(), l[1].grad(), l[2].grad(), l[3].grad(), l[5].grad()};
-    };
-    const auto ref = second(Impl::Reference), got = second(Impl::Fused);
-    for (size_t i = 0; i < ref.size(); ++i) {
-        const double scale = ref[i].abs().max().item<double>();
-        EXPECT_LE((got[i] - ref[i]).abs().max().item<double>(), 1e-4 * scale) << "tensor " << i;
+    for (bool modulated : {false, true}) {
+        torch::manual_seed(24);
+        const Problem p = modulated ? make_modulated_problem(7, 12) : make_problem(true, 7, 12);
+        auto second = [&](Impl impl) {
+            std::vector<torch::Tensor> l = leaves(p);
+            const std::vector<NormedProduct> products{{l[3], l[4]}, {l[5], {}}};
+            const auto y = apply(p, l[0], l[1], l[2], products, impl);
+            const auto g =
+                torch::autograd::grad({y[0].pow(2).sum() + y[1].pow(3).sum()}, {l[0], l[1], l[3]}, {}, true, true);
+            (g[0].pow(2).sum() + g[1].pow(2).sum() + g[2].pow(2).sum()).backward();
+            return std::vector<torch::Tensor>{g[0].detach(), l[0].grad(), l[1].grad(), l[2].grad(), l[3].grad(),
+                                              l[5].grad()};
+        };
+        const auto ref = second(Impl::Reference), got = second(Impl::Fused);
+        for (size_t i = 0; i < ref.size(); ++i) {
+            const double scale = ref[i].abs().max().item<double>();
+            EXPECT_LE((got[i] - ref[i]).abs().max().item<double>(), 1e-4 * scale)
+                << (modulated ? "modulated" : "affine") << " tensor " << i;
+        }
     }
 }
 
@@ -165,6 +189,27 @@ TEST(LayerNormLinear, TheGraphKeepsTheInputButNotItsNormalisedCopy) {
     // Both keep the output; the reference also the normalised x, the node only per-row statistics (8 bytes a row).
     EXPECT_GE(reference, out_bytes + normed_bytes);
     EXPECT_LT(fused, out_bytes + normed_bytes / 4);
+}
+
+TEST(ModulatedLayerNormLinear, TheGraphKeepsTheInputButNotItsModulatedCopy) {
+    // dit_s2's fc1 at latent side 64, batch 2: 1024 tokens of 384 (3 MiB per token-width tensor), 1536 wide.
+    torch::manual_seed(28);
+    const int64_t B = 2, T = 1024, C = 384, N = 1536, width_bytes = B * T * C * 4, out_bytes = B * T * N * 4;
+    const torch::Tensor x = torch::randn({B, T, C}, torch::requires_grad());
+    // shift and scale as DiT has them: column chunks of one (B, 6C) product.
+    const std::vector<torch::Tensor> m = (torch::randn({B, 6 * C}) * 0.4).requires_grad_(true).chunk(6, 1);
+    const std::vector<NormedProduct> products{{(torch::randn({N, C}) * 0.02).requires_grad_(true),
+                                               torch::zeros({N}, torch::requires_grad())}};
+    auto kept = [&](Impl impl) {
+        const int64_t before = heap_bytes_in_use();
+        const std::vector<torch::Tensor> y =
+            linvis::ops::modulated_layer_norm_linear(x, m[0], m[1], kEps, products, impl);
+        return heap_bytes_in_use() - before;
+    };
+    const int64_t reference = kept(Impl::Reference), fused = kept(Impl::Fused);
+    // Both keep the output; the reference also the normalised and the modulated x, the node per-row statistics.
+    EXPECT_GE(reference, out_bytes + 2 * width_bytes);
+    EXPECT_LT(fused, out_bytes + width_bytes / 4);
 }
 
 TEST(LayerNormLinear, CountsTheFlopsOfTheCountedProductsOnly) {
@@ -228,6 +273,39 @@ TEST(NormedInput, ProductsEqualLayerNormThenLinearOnEveryPath) {
     const torch::Tensor y16 = linvis::nn::NormedInput(norm16, x16).linear(fc16, Impl::Auto);
     ASSERT_EQ(y16.scalar_type(), torch::kBFloat16);
     EXPECT_TRUE(y16.equal(linvis::flops::linear(linvis::nn::layer_norm(norm16, x16), fc16->weight, fc16->bias)));
+}
+
+TEST(NormedInput, ModulatedProductsEqualTheOfficialModulateThenLinearOnEveryPath) {
+    torch::manual_seed(29);
+    torch::nn::Linear fc(24, 10);
+    const torch::Tensor x0 = torch::randn({3, 11, 24});
+    const std::vector<torch::Tensor> m = (torch::randn({3, 6 * 24}) * 0.4).chunk(6, 1);
+    const torch::Tensor modulated =
+        torch::layer_norm(x0, {24}, {}, {}, 1e-6) * (1 + m[1].unsqueeze(1)) + m[0].unsqueeze(1);
+    const torch::Tensor want = torch::nn::functional::linear(modulated, fc->weight, fc->bias);
+    for (Impl impl : {Impl::Reference, Impl::Auto}) {
+        for (bool grad_mode : {false, true}) {
+            torch::AutoGradMode mode(grad_mode);
+            const auto in = linvis::nn::NormedInput::modulated(x0, m[0], m[1], 1e-6);
+            EXPECT_FALSE(in.records_graph()) << "no operand requires a gradient";
+            const torch::Tensor y = in.linear(fc, impl);
+            EXPECT_TRUE(linvis::testing::all_close(y, want, 1e-5, 1e-5)) << linvis::ops::impl_name(impl);
+            EXPECT_TRUE(linvis::testing::all_close(in.value(impl), modulated, 1e-5, 1e-5));
+            EXPECT_EQ(y.requires_grad(), grad_mode) << "fc's parameters require gradients";
+        }
+    }
+    const torch::Tensor shift = m[0].detach().requires_grad_(true);
+    EXPECT_TRUE(linvis::nn::NormedInput::modulated(x0, shift, m[1], 1e-6).records_graph()) << "shift requires grad";
+    // bf16: modulated in float32 and rounded once (nn::modulated_layer_norm), then the bf16 product.
+    torch::NoGradGuard no_grad;
+    torch::nn::Linear fc16(24, 10);
+    fc16->to(torch::kBFloat16);
+    const torch::Tensor x16 = x0.to(torch::kBFloat16);
+    const torch::Tensor shift16 = m[0].to(torch::kBFloat16), scale16 = m[1].to(torch::kBFloat16);
+    const torch::Tensor y16 = linvis::nn::NormedInput::modulated(x16, shift16, scale16, 1e-6).linear(fc16, Impl::Auto);
+    ASSERT_EQ(y16.scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(y16.equal(linvis::flops::linear(
+        linvis::nn::modulated_layer_norm(x16, shift16, scale16, 1e-6, Impl::Auto), fc16->weight, fc16->bias)));
 }
 
 }  // namespace layer_norm_linear_test

@@ -26,15 +26,6 @@ constexpr int64_t kNatKernel = 5;
 
 constexpr double kNormEps = 1e-6;
 
-// The official modulate(norm(x), shift, scale) of a block's sub-layer input; bf16 / f16 normalised in float32 and
-// rounded once, as nn::layer_norm does (LibTorch 1.13's bf16 LayerNorm is slow and keeps its statistics in bf16).
-torch::Tensor modulated_norm(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
-                             ops::Impl impl) {
-    const torch::ScalarType acc = precision::accumulation_dtype(x);
-    if (acc == x.scalar_type()) return ops::modulated_layer_norm(x, shift, scale, kNormEps, impl);
-    return ops::modulated_layer_norm(x.to(acc), shift.to(acc), scale.to(acc), kNormEps, impl).to(x.scalar_type());
-}
-
 // x + gate.unsqueeze(1) * branch, gate (B, C): one addcmul, into x itself where no graph records it (x is the
 // block's own residual stream, which nothing else holds).
 torch::Tensor add_gated(torch::Tensor x, const torch::Tensor& gate, const torch::Tensor& branch) {
@@ -77,8 +68,9 @@ torch::Tensor silu_then_linear(const torch::nn::Sequential& s, const torch::Tens
 
 class DitMixer : public torch::nn::Module {
 public:
-    // u (B, N, C) on a G x G grid -> (B, N, C).
-    virtual torch::Tensor forward(const torch::Tensor& u, int64_t grid) = 0;
+    // u: the block's modulated input (B, N, C) on a G x G grid (the mixer's first product takes it through
+    // NormedInput::linear) -> (B, N, C).
+    virtual torch::Tensor forward(const nn::NormedInput& u, int64_t grid) = 0;
     virtual void init_linears() = 0;
 };
 
@@ -89,11 +81,11 @@ public:
         qkv = register_module("qkv", torch::nn::Linear(dim, 3 * dim));
         proj = register_module("proj", torch::nn::Linear(dim, dim));
     }
-    torch::Tensor forward(const torch::Tensor& u, int64_t) override {
-        const int64_t B = u.size(0), N = u.size(1), C = u.size(2), d = C / heads_;
+    torch::Tensor forward(const nn::NormedInput& u, int64_t) override {
+        const int64_t B = u.input().size(0), N = u.input().size(1), C = u.input().size(2), d = C / heads_;
         // unbind: one stacking pass in the backward instead of three zeroed selects summed (as DeiT's attention).
         const std::vector<torch::Tensor> p =
-            linear(qkv, u).reshape({B, N, 3, heads_, d}).permute({2, 0, 3, 1, 4}).unbind(0);
+            u.linear(qkv, nn::elementwise_impl(impl_)).reshape({B, N, 3, heads_, d}).permute({2, 0, 3, 1, 4}).unbind(0);
         torch::Tensor o = ops::softmax_attention(p[0], p[1], p[2], std::pow(static_cast<double>(d), -0.5), {}, impl_);
         return linear(proj, o.transpose(1, 2).reshape({B, N, C}));
     }
@@ -118,7 +110,7 @@ public:
         register_module("qkv", ttt->qkv);
         register_module("proj", ttt->proj);
     }
-    torch::Tensor forward(const torch::Tensor& u, int64_t grid) override { return ttt->forward(u, grid, grid); }
+    torch::Tensor forward(const nn::NormedInput& u, int64_t grid) override { return ttt->forward(u, grid, grid); }
     void init_linears() override {
         xavier_linear_(ttt->qkv);
         xavier_linear_(ttt->proj);
@@ -143,11 +135,11 @@ public:
         q_conv2d = register_module("q_conv2d", depthwise3x3(dim));
         k_conv2d = register_module("k_conv2d", depthwise3x3(dim));
     }
-    torch::Tensor forward(const torch::Tensor& u, int64_t grid) override {
+    torch::Tensor forward(const nn::NormedInput& u, int64_t grid) override {
         LINVIS_CHECK(grid >= kNatKernel || small_grid_, "dit5: the token grid ", grid, "x", grid,
                      " (input_size / patch_size) is smaller than the 5x5 neighbourhood-attention window, which NATTEN "
                      "rejects (model option nat_small_grid=whole: the window covers the whole axis instead)");
-        std::vector<torch::Tensor> c = linear(qkv, u).chunk(3, -1);
+        std::vector<torch::Tensor> c = u.linear(qkv, nn::elementwise_impl(impl_)).chunk(3, -1);
         const ops::Dit5TttParams params{w1, w2, qk_scale_ttt, qk_offset_ttt, q_conv2d->weight, q_conv2d->bias,
                                         k_conv2d->weight, k_conv2d->bias};
         // q, k and v stay column chunks of the product: both branches' kernels read them through their row stride.
@@ -174,12 +166,17 @@ private:
 
 class GeluTanhMlp : public torch::nn::Module {
 public:
-    GeluTanhMlp(int64_t dim, int64_t hidden) {
+    GeluTanhMlp(int64_t dim, int64_t hidden, ops::Impl impl) : impl_(impl) {
         fc1 = register_module("fc1", torch::nn::Linear(dim, hidden));
         fc2 = register_module("fc2", torch::nn::Linear(hidden, dim));
     }
-    torch::Tensor forward(const torch::Tensor& x) { return nn::gelu_mlp(x, fc1, fc2, ops::GeluForm::Tanh); }
+    torch::Tensor forward(const nn::NormedInput& x) {
+        return nn::gelu_mlp(x, fc1, fc2, ops::GeluForm::Tanh, nn::elementwise_impl(impl_));
+    }
     torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+
+private:
+    ops::Impl impl_;
 };
 
 class DitBlock : public torch::nn::Module {
@@ -193,15 +190,15 @@ public:
             attn = register_module("attn", std::make_shared<Dit3Mixer>(C, c.num_heads, c.impl));
         else
             attn = register_module("attn", std::make_shared<Dit5Mixer>(C, c.num_heads, c.impl, c.nat_small_grid));
-        mlp = register_module("mlp", std::make_shared<GeluTanhMlp>(C, static_cast<int64_t>(C * c.mlp_ratio)));
+        mlp = register_module("mlp", std::make_shared<GeluTanhMlp>(C, static_cast<int64_t>(C * c.mlp_ratio), c.impl));
         adaLN_modulation = register_module("adaLN_modulation", silu_linear(C, 6 * C));
     }
     torch::Tensor forward(torch::Tensor x, const torch::Tensor& cond, int64_t grid) {
         if (dit3_) x = ops::depthwise_conv2d_tokens(x, grid, grid, cpe->weight, cpe->bias, ops::DwEpilogue::Residual, impl_);
         std::vector<torch::Tensor> m = silu_then_linear(adaLN_modulation, cond).chunk(6, 1);
-        torch::Tensor branch = attn->forward(modulated_norm(x, m[0], m[1], impl_), grid);
+        torch::Tensor branch = attn->forward(nn::NormedInput::modulated(x, m[0], m[1], kNormEps), grid);
         x = add_gated(std::move(x), m[2], branch);
-        branch = mlp->forward(modulated_norm(x, m[3], m[4], impl_));
+        branch = mlp->forward(nn::NormedInput::modulated(x, m[3], m[4], kNormEps));
         return add_gated(std::move(x), m[5], branch);
     }
     torch::nn::Conv2d cpe{nullptr};
@@ -257,7 +254,7 @@ public:
     }
     torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cond) {
         std::vector<torch::Tensor> m = silu_then_linear(adaLN_modulation, cond).chunk(2, 1);
-        return models::linear(linear, modulated_norm(x, m[0], m[1], impl_));
+        return nn::NormedInput::modulated(x, m[0], m[1], kNormEps).linear(linear, nn::elementwise_impl(impl_));
     }
     torch::nn::Linear linear{nullptr};
     torch::nn::Sequential adaLN_modulation{nullptr};

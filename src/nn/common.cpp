@@ -23,10 +23,17 @@ torch::Tensor layer_norm(const torch::nn::LayerNorm& norm, const torch::Tensor& 
     return layer_norm(x, o.normalized_shape(), norm->weight, norm->bias, o.eps());
 }
 
+torch::Tensor modulated_layer_norm(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
+                                   double eps, ops::Impl impl) {
+    const torch::ScalarType acc = precision::accumulation_dtype(x);
+    if (acc == x.scalar_type()) return ops::modulated_layer_norm(x, shift, scale, eps, impl);
+    return ops::modulated_layer_norm(x.to(acc), shift.to(acc), scale.to(acc), eps, impl).to(x.scalar_type());
+}
+
 NormedInput::NormedInput(torch::Tensor x) : x_(std::move(x)) {}
 
 NormedInput::NormedInput(const torch::nn::LayerNorm& norm, torch::Tensor x)
-    : x_(std::move(x)), weight_(norm->weight), bias_(norm->bias), eps_(norm->options.eps()), normed_(true) {
+    : x_(std::move(x)), weight_(norm->weight), bias_(norm->bias), eps_(norm->options.eps()), norm_(Norm::LayerNorm) {
     const std::vector<int64_t>& shape = norm->options.normalized_shape();
     LINVIS_CHECK(shape.size() == 1, "NormedInput: the LayerNorm normalises ", shape.size(),
                  " trailing dims; pre-norm blocks normalise one");
@@ -35,23 +42,40 @@ NormedInput::NormedInput(const torch::nn::LayerNorm& norm, torch::Tensor x)
 }
 
 NormedInput::NormedInput(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, double eps)
-    : x_(std::move(x)), weight_(std::move(weight)), bias_(std::move(bias)), eps_(eps), normed_(true) {
+    : x_(std::move(x)), weight_(std::move(weight)), bias_(std::move(bias)), eps_(eps), norm_(Norm::LayerNorm) {
     LINVIS_CHECK(x_.dim() >= 1 && (!weight_.defined() || x_.size(-1) == weight_.size(0)),
                  "LayerNorm: input: expected last dim ", weight_.defined() ? weight_.size(0) : 0, ", got shape ",
                  shape_string(x_.sizes()));
 }
 
-torch::Tensor NormedInput::value() const {
-    return normed_ ? layer_norm(x_, {x_.size(-1)}, weight_, bias_, eps_) : x_;
+NormedInput NormedInput::modulated(torch::Tensor x, torch::Tensor shift, torch::Tensor scale, double eps) {
+    NormedInput in(std::move(x));
+    in.shift_ = std::move(shift);
+    in.scale_ = std::move(scale);
+    in.eps_ = eps;
+    in.norm_ = Norm::Modulated;
+    return in;
 }
 
-bool NormedInput::records_graph() const { return !can_overwrite({x_, weight_, bias_}); }
+torch::Tensor NormedInput::value(ops::Impl impl) const {
+    switch (norm_) {
+        case Norm::LayerNorm: return layer_norm(x_, {x_.size(-1)}, weight_, bias_, eps_);
+        case Norm::Modulated: return nn::modulated_layer_norm(x_, shift_, scale_, eps_, impl);
+        case Norm::None: break;
+    }
+    return x_;
+}
+
+bool NormedInput::records_graph() const { return !can_overwrite({x_, weight_, bias_, shift_, scale_}); }
 
 std::vector<torch::Tensor> NormedInput::linear(const std::vector<ops::NormedProduct>& products,
                                                ops::Impl impl) const {
-    if (normed_ && impl != ops::Impl::Reference && precision::accumulation_dtype(x_) == x_.scalar_type())
+    const bool fused_node = impl != ops::Impl::Reference && precision::accumulation_dtype(x_) == x_.scalar_type();
+    if (fused_node && norm_ == Norm::LayerNorm)
         return ops::layer_norm_linear(x_, weight_, bias_, eps_, products, impl);
-    const torch::Tensor normed = value();
+    if (fused_node && norm_ == Norm::Modulated)
+        return ops::modulated_layer_norm_linear(x_, shift_, scale_, eps_, products, impl);
+    const torch::Tensor normed = value(impl);
     std::vector<torch::Tensor> out;
     for (const ops::NormedProduct& product : products) out.push_back(ops::normed_product(normed, product));
     return out;
@@ -139,7 +163,7 @@ torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, c
 torch::Tensor gelu_mlp(const NormedInput& x, const torch::nn::Linear& fc1, const torch::nn::Linear& fc2,
                        ops::GeluForm form, ops::Impl impl) {
     if (!x.records_graph() && can_overwrite({fc1->weight, fc1->bias, fc2->weight, fc2->bias}))
-        return flops::linear(linear_gelu(x.value(), fc1->weight, fc1->bias, form, impl), fc2->weight, fc2->bias);
+        return flops::linear(linear_gelu(x.value(impl), fc1->weight, fc1->bias, form, impl), fc2->weight, fc2->bias);
     return ops::gelu_linear(x.linear(fc1, impl), fc2->weight, fc2->bias, form, impl);
 }
 

@@ -23,6 +23,10 @@ torch::Tensor layer_norm(const torch::Tensor& x, torch::IntArrayRef normalized_s
                          const torch::Tensor& bias, double eps);
 // The same for a torch::nn::LayerNorm module (its shape, affine parameters and eps).
 torch::Tensor layer_norm(const torch::nn::LayerNorm& norm, const torch::Tensor& x);
+// DiT's adaLN, ops::modulated_layer_norm under `impl`, with bf16 / f16 normalised in float32 and rounded once as
+// layer_norm above.
+torch::Tensor modulated_layer_norm(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
+                                   double eps, ops::Impl impl);
 
 // A pre-norm sub-layer's input: x and the LayerNorm to apply to it first (none: x as it is). The sub-layer takes
 // its first products through `linear`: in a graph one ops::layer_norm_linear node, which keeps x (the residual
@@ -36,9 +40,13 @@ public:
     NormedInput(const torch::nn::LayerNorm& norm, torch::Tensor x);
     // An affine LayerNorm given by its parameters (ViL's 1 + weight).
     NormedInput(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, double eps);
+    // DiT's adaLN input, modulated_layer_norm below: x (B, N, C), each sample's shift and scale (B, C). In a graph
+    // `linear` is one ops::modulated_layer_norm_linear node, which keeps x rather than the modulated copy.
+    static NormedInput modulated(torch::Tensor x, torch::Tensor shift, torch::Tensor scale, double eps);
 
     const torch::Tensor& input() const { return x_; }
-    torch::Tensor value() const;
+    // impl: the modulated norm's (DiT's adaLN follows its model's Impl); a LayerNorm's is nn::layer_norm's.
+    torch::Tensor value(ops::Impl impl = ops::Impl::Auto) const;
     // Whether autograd records the products (x or the norm's parameters require a gradient): the case where
     // `linear` keeps less than `value` then the products.
     bool records_graph() const;
@@ -48,9 +56,12 @@ public:
     NormedInput with_input(torch::Tensor x) const;
 
 private:
-    torch::Tensor x_, weight_, bias_;
+    enum class Norm { None, LayerNorm, Modulated };
+    torch::Tensor x_;
+    torch::Tensor weight_, bias_;  // Norm::LayerNorm's affine parameters (undefined: none)
+    torch::Tensor shift_, scale_;  // Norm::Modulated's per-sample rows
     double eps_ = 0.0;
-    bool normed_ = false;
+    Norm norm_ = Norm::None;
 };
 
 // Stochastic depth (timm DropPath, scale_by_keep): in training, zeroes the whole residual

@@ -54,4 +54,14 @@ std::vector<torch::Tensor> layer_norm_linear(const torch::Tensor& x, const torch
 torch::Tensor modulated_layer_norm(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
                                    double eps, Impl impl = Impl::Auto);
 
+// The products of DiT's adaLN output, as layer_norm_linear is of a LayerNorm's: [flops::linear(
+// modulated_layer_norm(x, shift, scale), p.weight, p.bias) for p in products] (a DiT block's qkv, its fc1). In a
+// graph (Auto on the vectorised targets, Fused) one autograd node keeps x, the per-row mean and rstd, shift, scale
+// and the weights, where modulated_layer_norm then the products keep the modulated x as well: its backward
+// modulates x again for the weights' gradients. Otherwise modulated_layer_norm under `impl`, then the products.
+std::vector<torch::Tensor> modulated_layer_norm_linear(const torch::Tensor& x, const torch::Tensor& shift,
+                                                       const torch::Tensor& scale, double eps,
+                                                       const std::vector<NormedProduct>& products,
+                                                       Impl impl = Impl::Auto);
+
 }  // namespace linvis::ops
