@@ -248,13 +248,8 @@ TEST(AttentionFused, DitFollowsTheModelImpl) {
     };
     auto reference = make("reference"), fused = make("fused");
     torch::manual_seed(7);
-    {
-        torch::NoGradGuard no_grad;
-        auto src = reference->named_parameters(true);
-        // Random weights: the adaLN-zero initialisation would make every output exactly 0.
-        for (auto& item : src) item.value().copy_(0.05 * torch::randn_like(item.value()));
-        for (auto& item : fused->named_parameters(true)) item.value().copy_(src[item.key()]);
-    }
+    // Random weights: the adaLN-zero initialisation would make every output exactly 0.
+    linvis::testing::share_random_weights(*reference, *fused);
     reference->eval();
     fused->eval();
     torch::NoGradGuard no_grad;

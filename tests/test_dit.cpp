@@ -97,13 +97,8 @@ TEST(Dit, TrainingGradientsMatchTheReferenceModelInEveryFamily) {
         };
         DiffusionModelPtr reference = make("reference"), fused = make("auto");
         torch::manual_seed(31);
-        {
-            torch::NoGradGuard no_grad;
-            // Weights off the adaLN-zero initialisation, under which every gradient but the last layer's is 0.
-            auto src = reference->named_parameters(true);
-            for (auto& item : src) item.value().copy_(0.05 * torch::randn_like(item.value()));
-            for (auto& item : fused->named_parameters(true)) item.value().copy_(src[item.key()]);
-        }
+        // Weights off the adaLN-zero initialisation, under which every gradient but the last layer's is 0.
+        linvis::testing::share_random_weights(*reference, *fused);
         reference->train();
         fused->train();
         const torch::Tensor x = torch::randn({2, 4, 8, 8}), t = torch::tensor({5, 900}), y = torch::tensor({3, 7});

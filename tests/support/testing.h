@@ -60,6 +60,15 @@ inline void expect_same_gradients(const std::vector<torch::Tensor>& actual, cons
             << "gradient " << i << " " << what;
 }
 
+// Gives `a` random weights N(0, std^2) (every parameter: off any initialisation, such as DiT's adaLN-zero under
+// which every output is 0) and `b`, a model of the same architecture, the same ones; draws from LibTorch's generator.
+inline void share_random_weights(torch::nn::Module& a, torch::nn::Module& b, double std = 0.05) {
+    torch::NoGradGuard no_grad;
+    auto source = a.named_parameters(true);
+    for (auto& item : source) item.value().copy_(std * torch::randn_like(item.value()));
+    for (auto& item : b.named_parameters(true)) item.value().copy_(source[item.key()]);
+}
+
 // Relative L2 error ||a - e|| / ||e||.
 inline double relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
     auto a = actual.detach().to(torch::kFloat64);
