@@ -117,6 +117,42 @@ TEST(SimdLayer, ExpSubMatchesTorchOnEveryTarget) {
     });
 }
 
+// The exponential's edges (kernels.cpp, exp_clamped) through the three kernels built on it: 0 below -87 and for -inf,
+// exp(88) for anything above, NaN kept; the sigmoid saturates at +-inf, GELU(+inf) = inf, NaN stays NaN; exp(0) = 1.
+TEST(SimdLayer, ExponentialEdgesOnEveryTarget) {
+    const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+    for_each_simd_target([&](const SimdTarget& t) {
+        const simd::Kernels& k = simd::kernels(t.target);
+        // Enough values for a whole vector and a masked tail on every target.
+        const std::vector<float> x = {-inf, -200.0f, -87.5f, -86.9f, -20.0f, 0.0f, 1.0f, 87.9f, 88.0f, 95.0f, inf, nan,
+                                      0.5f, -0.5f, 3.0f, -3.0f, 10.0f, -10.0f, 2.0f};
+        const int64_t n = static_cast<int64_t>(x.size());
+        std::vector<float> e(x.size()), s(x.size()), g(x.size());
+        k.exp_sub(x.data(), 0.0f, e.data(), n);
+        k.sigmoid(x.data(), s.data(), n);
+        k.gelu_erf(x.data(), nullptr, g.data(), n);
+        for (int64_t i = 0; i < n; ++i) {
+            const float v = x[static_cast<size_t>(i)];
+            const size_t j = static_cast<size_t>(i);
+            const std::string at = std::string(t.env) + " x = " + std::to_string(v);
+            if (std::isnan(v)) {
+                EXPECT_TRUE(std::isnan(e[j]) && std::isnan(s[j]) && std::isnan(g[j])) << at;
+                continue;
+            }
+            const double expected_exp = v < -87.0f ? 0.0 : std::exp(std::min(static_cast<double>(v), 88.0));
+            EXPECT_NEAR(e[j], expected_exp, 3e-7 * expected_exp) << at;
+            EXPECT_NEAR(s[j], 1.0 / (1.0 + std::exp(-static_cast<double>(v))), 1e-7) << at;
+            EXPECT_FALSE(std::isnan(s[j])) << at;
+            // GELU(-inf) is -inf * 0 in x/2 (1 + erf): NaN, as LibTorch's formula gives; not asserted.
+            if (v == inf) EXPECT_EQ(g[j], inf) << at;
+            else if (v != -inf)
+                EXPECT_NEAR(g[j], 0.5 * v * (1.0 + std::erf(v / std::sqrt(2.0))),
+                            2e-7 * std::max(1.0, std::abs(static_cast<double>(v)))) << at;
+        }
+        EXPECT_EQ(e[5], 1.0f) << t.env << ": exp(0)";
+    });
+}
+
 // One row of the 3x3 depthwise stencil against LibTorch's conv2d (float64) of a three-row image. `live` says which
 // source rows exist (bit r: row r; a missing one is the image's top or bottom edge). Source and output rows sit
 // inside wider buffers whose extra columns hold NaN (never to be read) or a sentinel (never to be written).

@@ -43,11 +43,37 @@ HWY_INLINE void map_floats(float* y, int64_t n, F f, const In*... in) {
     }
 }
 
-// exp(-x) with Highway's Exp (hwy/contrib/math), its argument kept in [-88, 88] (its valid range; exp(88) is
-// finite, so a sigmoid built on it is 0 or 1 to float precision beyond, never NaN).
-HWY_INLINE FloatVec exp_neg(FloatTag d, FloatVec x) {
-    return hn::Exp(d, hn::Min(hn::Max(hn::Neg(x), hn::Set(d, -88.0f)), hn::Set(d, 88.0f)));
+// exp(x): Cody-Waite reduction x = n ln2 + r (n = x log2 e rounded to nearest), a degree-6 polynomial for exp(r)
+// (the Cephes expf coefficients, as ops/attention's scalar exp_approx) and 2^n written into the exponent bits;
+// about 2 ulp. x is clamped to [-87, 88], so n stays in the normal exponents: arguments below -87 (-inf included)
+// give 0 and above 88 exp(88); NaN stays NaN. Highway's Exp (1 ulp) spends about twice the instructions on
+// subnormal results and a two-step scaling: on a Zen 3 core (AVX2) sigmoid took 1.08 ns per float with it and
+// 0.71 with this, the erf GELU 1.48 and 1.17 (768 floats in L1, best of 3).
+HWY_INLINE FloatVec exp_clamped(FloatTag d, FloatVec x) {
+    const hn::RebindToSigned<FloatTag> di;
+    const auto below = hn::Lt(x, hn::Set(d, -87.0f));
+    const auto nan = hn::IsNaN(x);
+    const auto c = hn::Min(hn::Max(x, hn::Set(d, -87.0f)), hn::Set(d, 88.0f));
+    // n rounded to nearest by adding 1.5 * 2^23 (bits 0x4B400000): the sum's bits are 0x4B400000 + n.
+    const auto magic = hn::Set(d, 12582912.0f);
+    const auto shifted = hn::MulAdd(c, hn::Set(d, 1.44269504088896341f), magic);
+    const auto n = hn::Sub(shifted, magic);
+    auto r = hn::NegMulAdd(n, hn::Set(d, 0.693359375f), c);  // ln 2 in two parts: n * 0.693359375 is exact
+    r = hn::NegMulAdd(n, hn::Set(d, -2.12194440e-4f), r);
+    auto p = hn::Set(d, 1.9875691500e-4f);
+    p = hn::MulAdd(p, r, hn::Set(d, 1.3981999507e-3f));
+    p = hn::MulAdd(p, r, hn::Set(d, 8.3334519073e-3f));
+    p = hn::MulAdd(p, r, hn::Set(d, 4.1665795894e-2f));
+    p = hn::MulAdd(p, r, hn::Set(d, 1.6666665459e-1f));
+    p = hn::MulAdd(p, r, hn::Set(d, 5.0000001201e-1f));
+    p = hn::MulAdd(p, hn::Mul(r, r), hn::Add(r, hn::Set(d, 1.0f)));
+    const auto two_n =
+        hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::BitCast(di, shifted), hn::Set(di, 127 - 0x4B400000))));
+    return hn::IfThenElse(nan, x, hn::IfThenZeroElse(below, hn::Mul(p, two_n)));
 }
+
+// exp(-x): finite for every number (exp(88) beyond), so a sigmoid built on it is 0 or 1 there, never NaN.
+HWY_INLINE FloatVec exp_neg(FloatTag d, FloatVec x) { return exp_clamped(d, hn::Neg(x)); }
 
 // 1 / (1 + exp(-x)).
 HWY_INLINE FloatVec sigmoid_vec(FloatTag d, FloatVec x) {
@@ -56,8 +82,8 @@ HWY_INLINE FloatVec sigmoid_vec(FloatTag d, FloatVec x) {
 }
 
 // x/2 (1 + erf(x / sqrt 2)) with erf(a) = sign(a) (1 - P(t) exp(-a^2)), t = 1 / (1 + p |a|): Abramowitz and
-// Stegun 7.1.26, |error in erf| <= 1.5e-7 (the form torch's vectorised CPU erf evaluates). exp(-a^2) is taken
-// with a^2 capped at 88, past which the term is 0 to float precision.
+// Stegun 7.1.26, |error in erf| <= 1.5e-7 (the form torch's vectorised CPU erf evaluates). exp(-a^2) is 0 for
+// a^2 > 87, where the term is 0 to float precision.
 HWY_INLINE FloatVec gelu_erf_vec(FloatTag d, FloatVec x) {
     const auto half = hn::Set(d, 0.5f), one = hn::Set(d, 1.0f);
     const auto a = hn::Mul(x, hn::Set(d, 0.70710678118654752f));
@@ -68,7 +94,7 @@ HWY_INLINE FloatVec gelu_erf_vec(FloatTag d, FloatVec x) {
     poly = hn::MulAdd(poly, t, hn::Set(d, -0.284496736f));
     poly = hn::MulAdd(poly, t, hn::Set(d, 0.254829592f));
     poly = hn::Mul(poly, t);
-    const auto e = hn::Exp(d, hn::Neg(hn::Min(hn::Mul(a, a), hn::Set(d, 88.0f))));
+    const auto e = exp_clamped(d, hn::Neg(hn::Mul(a, a)));
     const auto erf = hn::CopySign(hn::NegMulAdd(poly, e, one), a);  // sign(a) (1 - P(t) exp(-a^2))
     return hn::Mul(hn::Mul(half, x), hn::Add(one, erf));
 }
@@ -101,7 +127,7 @@ void gelu_tanh(const float* x, const float* bias, float* y, int64_t n) {
 }
 void silu_mul(const float* g, const float* u, float* y, int64_t n) { map_floats(y, n, silu_mul_vec, g, u); }
 void exp_sub(const float* x, float shift, float* y, int64_t n) {
-    map_floats(y, n, [shift](FloatTag d, FloatVec v) { return hn::Exp(d, hn::Sub(v, hn::Set(d, shift))); }, x);
+    map_floats(y, n, [shift](FloatTag d, FloatVec v) { return exp_clamped(d, hn::Sub(v, hn::Set(d, shift))); }, x);
 }
 
 // Plain loops the compiler vectorises for this target (HWY_BEFORE_NAMESPACE sets its attributes).

@@ -54,7 +54,7 @@ struct Kernels {
     void (*gelu_tanh)(const float* x, const float* bias, float* y, int64_t n) = nullptr;
     // y[i] = silu(g[i]) u[i] = g[i] sigmoid(g[i]) u[i]; y may alias g or u.
     void (*silu_mul)(const float* g, const float* u, float* y, int64_t n) = nullptr;
-    // y[i] = exp(x[i] - shift) for x[i] - shift <= 88 (Highway's Exp, 1 ulp; 0 far below); x and y may alias.
+    // y[i] = exp(x[i] - shift) for x[i] - shift <= 88 (kernels.cpp: about 2 ulp; 0 below -87); x and y may alias.
     void (*exp_sub)(const float* x, float shift, float* y, int64_t n) = nullptr;
     // bfloat16 (its bit pattern, as c10::BFloat16 stores it) to and from float32. Widening is exact; narrowing
     // rounds to nearest even and turns NaN into 0x7FC0, as c10::BFloat16 does, so a kernel that computes in
