@@ -25,7 +25,7 @@ using linvis::testing::SimdTarget;
 torch::Tensor exact_gelu(const torch::Tensor& x) { return torch::gelu(x.to(torch::kFloat64)); }
 
 // Bound of the fused result: erf within 1.5e-7 (Abramowitz-Stegun 7.1.26) plus the float32 roundings of its
-// evaluation (the polynomial, Highway's Exp and 1 - P e: terms up to 1, about ten units of 6e-8 in all),
+// evaluation (the polynomial, the exponential and 1 - P e: terms up to 1, about ten units of 6e-8 in all),
 // scaled by |x| / 2, plus two roundings of the result. Seen: 4.7e-7 at x = 3.19, where the bound is 1.6e-6.
 torch::Tensor bound(const torch::Tensor& x, const torch::Tensor& y) {
     const torch::Tensor ax = x.to(torch::kFloat64).abs();
@@ -84,6 +84,26 @@ TEST(Activation, InputsTheKernelDoesNotTakeRunTheReferenceUnderAuto) {
         EXPECT_TRUE(torch::allclose(linvis::ops::gelu_(t.clone(), Impl::Auto).to(torch::kFloat64),
                                     expected.to(torch::kFloat64), 1e-6, 1e-7));
         EXPECT_THROW(linvis::ops::gelu_(t.clone(), Impl::Fused), linvis::Error);
+    }
+}
+
+// Which path Auto takes for the erf form of a tensor beyond AVX-512's limit of 2^18 elements: the pass on AVX2
+// (faster there at every size), LibTorch's GELU on AVX-512 (docs/ops.md), in float32 and bfloat16. The two paths
+// differ in the last bit of some values, so bitwise equality names the path.
+TEST(Activation, AutoPathForALargeErfGeluFollowsTheTarget) {
+    torch::manual_seed(6);
+    for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+        const torch::Tensor x = (torch::randn({683, 768}) * 3).to(dtype);  // 524,544 elements
+        for_each_simd_target([&](const SimdTarget& t) {
+            if (t.target == linvis::ops::simd::Target::Scalar) return;
+            const std::string what = std::string(t.env) + " " + c10::toString(dtype);
+            const torch::Tensor automatic = linvis::ops::gelu_(x.clone(), Impl::Auto);
+            const torch::Tensor fused = linvis::ops::gelu_(x.clone(), Impl::Fused);
+            const torch::Tensor reference = linvis::ops::gelu_(x.clone(), Impl::Reference);
+            ASSERT_FALSE(torch::equal(fused, reference)) << what << ": the paths agree bit for bit";
+            const bool pass_expected = t.target == linvis::ops::simd::Target::Avx2;
+            EXPECT_TRUE(torch::equal(automatic, pass_expected ? fused : reference)) << what;
+        });
     }
 }
 

@@ -5,12 +5,12 @@
 // Fused: one vectorised pass of the SIMD layer (AVX-512, AVX2 or portable; ops/simd) over contiguous float32
 // or bfloat16 CPU tensors (operands of one dtype), parallel over blocks of elements; bfloat16 is widened a chunk
 // at a time, computed as float32 and rounded once (the float32 pass's result, rounded, bit for bit); erf as
-// torch's vectorised CPU erf evaluates it (Abramowitz-Stegun 7.1.26, |error| <= 1.5e-7), tanh and exp with
-// Highway's. In a graph the backward is
-// LibTorch's (gelu_backward, silu_backward). Against Debian's LibTorch 1.13 the tanh form is 3.2-3.7x and
-// silu * up 1.3-1.5x faster at every size; LibTorch's erf form is vectorised too, so Auto takes that pass
-// only for tensors up to 2^18 elements, where it splits better over the threads (float32 and bfloat16 alike).
-// docs/ops.md.
+// torch's vectorised CPU erf evaluates it (Abramowitz-Stegun 7.1.26, |error| <= 1.5e-7), tanh with Highway's,
+// exp with the SIMD layer's own (about 2 ulp). In a graph the backward is LibTorch's (gelu_backward,
+// silu_backward). Against Debian's LibTorch 1.13 the tanh form is 3.2-3.7x and silu * up 1.3-1.5x faster at every
+// size. The erf form: on AVX2 Auto takes the pass at every size (faster than LibTorch's from 2^16 elements up,
+// 4-5x in bfloat16); on AVX-512, where LibTorch's erf form is vectorised and was as fast, only up to 2^18 elements,
+// where the pass splits better over the threads (float32 and bfloat16 alike). docs/ops.md.
 #pragma once
 
 #include <torch/torch.h>

@@ -37,16 +37,20 @@ std::string unsupported_pair(const char* name_a, const torch::Tensor& a, const c
     return why;
 }
 
-// Auto: the vectorised targets; the portable target runs the reference. LibTorch's own GELU (erf) is
-// vectorised and, on one thread, as fast as the pass; the pass wins on 2 threads up to a few hundred thousand
-// elements ((196, 768): 61 against 110 us) and is 5-10 % slower beyond ((4096, 768): 1.52 against 1.45 ms),
-// AVX-512 Xeon. bfloat16 follows the same rule: LibTorch's bf16 erf GELU is vectorised too (AMX Xeon, 2 threads:
-// a tie at (196, 768), the pass 0.78-0.94x from (1024, 768) up). The tanh form (3.2-3.7x; bf16 6.7-7.4x) and
-// silu * up (1.3-1.5x; bf16 2.9-3.1x) win at every size measured. docs/ops.md.
-constexpr int64_t kGeluErfFusedMaxElements = int64_t{1} << 18;
+// Auto: the vectorised targets; the portable target runs the reference. The tanh form (3.2-3.7x; bf16 6.7-7.4x)
+// and silu * up (1.3-1.5x; bf16 2.9-3.1x) win at every size measured. The erf form depends on the target:
+// - AVX-512 (Xeon, 2 threads, with Highway's Exp before exp_clamped): LibTorch's GELU is vectorised; the pass won
+//   up to a few hundred thousand elements ((196, 768): 61 against 110 us) and was 5-10 % slower beyond ((4096,
+//   768): 1.52 against 1.45 ms); bf16 the same (a tie at (196, 768), the pass 0.78-0.94x from (1024, 768) up).
+// - AVX2 (Zen 3 EPYC, 2 threads): the pass wins at every size from 2^16 to 12.6 M elements, float32 0.51-0.55
+//   ns per element against LibTorch's 0.58-0.82, and bf16 0.66-0.73 against 3.4-3.6 (LibTorch's bf16 GELU is
+//   4-5x slower than its float32 one there). docs/results/simd_exp_ab_2026-11-28.txt.
+constexpr int64_t kGeluErfFusedMaxElementsAvx512 = int64_t{1} << 18;
 
 bool fused_is_faster(GeluForm form, int64_t numel) {
-    return simd::vectorised() && (form == GeluForm::Tanh || numel <= kGeluErfFusedMaxElements);
+    const simd::Target target = simd::active_target();
+    if (target == simd::Target::Scalar) return false;
+    return form == GeluForm::Tanh || target == simd::Target::Avx2 || numel <= kGeluErfFusedMaxElementsAvx512;
 }
 bool silu_mul_fused_is_faster() { return simd::vectorised(); }
 
