@@ -334,8 +334,10 @@ void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
             const int64_t bh = task / blocks, i0 = (task % blocks) * rows_max;
             const int64_t rows = std::min(rows_max, N - i0);
             const T* qi = Q.at(bh) + i0 * Q.row;
-            for (int64_t r = 0; r < rows; ++r)
-                for (int64_t x = 0; x < d; ++x) qt[r / PW * d * PW + x * PW + r % PW] = qi[r * Q.row + x] * sc;
+            for (int64_t r = 0; r < rows; ++r) {
+                T* const qr = qt + r / PW * d * PW + r % PW;  // query r's column in its panel
+                for (int64_t x = 0; x < d; ++x) qr[x * PW] = qi[r * Q.row + x] * sc;
+            }
             const T* kb = K.at(bh);
             // v_j^T as the GEMM's A: rows along the keys in v^T, or v's columns read in place.
             const T* va = transpose_v ? vt_p + bh * dv * M : V.at(bh);
