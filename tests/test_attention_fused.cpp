@@ -88,7 +88,7 @@ const Shape kShapes[] = {
     {1, 1, 300, 513, 64, 64},  // more keys than queries
     {3, 2, 64, 128, 64, 64},   // exact tiles
     {1, 3, 3, 5, 8, 8},        // odd token counts below every tile and below one GEMM register tile
-    {1, 1, 129, 1025, 64, 64},  // 2 uneven query blocks; 1 key past the last forward and backward key tile,
+    {1, 1, 129, 1025, 64, 64},  // 2 uneven query blocks; forward key tiles of 342, 342 and 341 keys,
                                 // 5 backward key segments (summed dQ parts)
 };
 

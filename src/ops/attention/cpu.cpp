@@ -35,10 +35,10 @@ namespace linvis::ops::cpu {
 namespace {
 
 // Tile sizes (rows = queries, columns = keys); any size is correct. The forward's query blocks split N
-// evenly (197 tokens: 2 blocks of 104 and 93, so 3 heads give 2 threads 3 equal tasks each); the backward's
-// key blocks split each key segment evenly (below). Measured (AVX-512 Xeon, T = 4097, 3 heads of 64,
-// `bench_ops attention --threads 1`, CPU time per pass from the difference of two --reps counts, because
-// wall times on the shared 2-core machine (load 5-6) varied 2x): forward 128x512 115-116 ms, 64x512
+// evenly (197 tokens: 2 blocks of 104 and 93, so 3 heads give 2 threads 3 equal tasks each), its key tiles
+// split M evenly, and the backward's key blocks each key segment (below). Measured (AVX-512 Xeon, T = 4097,
+// 3 heads of 64, `bench_ops attention --threads 1`, CPU time per pass from the difference of two --reps counts,
+// because wall times on the shared 2-core machine (load 5-6) varied 2x): forward 128x512 115-116 ms, 64x512
 // 112-116, 128x256 116-122, 256x256 110-114, 64x1024 107-115; forward+backward with backward tiles
 // 128x256 350-377 ms, 256x256 333, 128x512 373, 64x256 353, 256x128 347: all within the noise (~7 %), so
 // the tiles that keep a 197-token image in 2 query blocks and a 256-key tile near the L2 stayed.
@@ -216,6 +216,10 @@ void backward_rows_target(simd::Target t, T* s, T* dp, int64_t rows, int64_t n, 
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The length of the parts when n is split into as few parts of at most max_part as possible, all of one
+// length but the last, which is at most that many shorter than the others.
+int64_t even_part(int64_t n, int64_t max_part) { return n == 0 ? max_part : ceil_div(n, ceil_div(n, max_part)); }
+
 // Query rows per block: at most `max_rows`, the N rows split evenly over the blocks (rounded up to 8), so
 // the tasks of a short sequence are of one size (197 tokens: 2 blocks of 104 and 93 rows, not 128 and 69).
 int64_t block_rows(int64_t N, int64_t max_rows) {
@@ -299,7 +303,9 @@ template <typename T>
 void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
              const torch::Tensor& out, const torch::Tensor& lse) {
     const int64_t BH = q.size(0) * q.size(1), N = q.size(2), M = k.size(2), d = q.size(3), dv = v.size(3);
-    const int64_t KB = kForwardKeys;
+    // Key tiles of one length (1025 keys: 3 of 342, not 512, 512 and 1, whose last tile is a rescale pass and
+    // two products of one key per query block).
+    const int64_t KB = even_part(M, kForwardKeys);
     const int64_t rows_max = block_rows(N, kForwardQueries), blocks = ceil_div(N, rows_max);
     const int64_t QB = ceil_div(rows_max, kColumns) * kColumns;  // the tiles' row stride
     const simd::Target target = simd::active_target();
@@ -385,8 +391,8 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
     // kBackwardKeys; the tiles' row stride LD is the block length rounded up to 16 (aligned rows).
     const int64_t segments = std::min(ceil_div(M, kBackwardKeys), std::max<int64_t>(1, ceil_div(kBackwardMinTasks, BH)));
     const int64_t segment_keys = ceil_div(M, segments);
-    const int64_t segment_blocks = ceil_div(segment_keys, kBackwardKeys);
-    const int64_t KB = ceil_div(segment_keys, segment_blocks), LD = ceil_div(KB, 16) * 16;
+    const int64_t KB = even_part(segment_keys, kBackwardKeys), LD = ceil_div(KB, 16) * 16;
+    const int64_t segment_blocks = ceil_div(segment_keys, KB);
     const int64_t key_blocks = ceil_div(M, KB);
     const simd::Target target = simd::active_target();
     const simd::Kernels& kern = simd::kernels(target);
