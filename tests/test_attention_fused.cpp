@@ -1,11 +1,12 @@
 // The fused flash-style softmax attention (src/ops/attention/cpu.cpp) against the reference
 // (src/ops/attention/reference.cpp: q k^T, softmax, @ v with autograd): outputs and the gradients of q, k
 // and v in float64, float32 and bfloat16; N != M, token counts that are not multiples of the tiles (at most
-// 128 queries x 512 keys forward, 128 x 256 backward, query blocks split evenly): 1, 3, 5, 7, 65, 129, 197,
-// 257, 300, 513, 1025, one key (its own test); head dims 8, 16, 32, 64, 72 and dv != d;
-// several samples and heads; q, k, v as strided views of one qkv tensor (deit's layout); large logits (the
-// online softmax's rescaling); float32 on every SIMD target the
-// CPU runs (LINVIS_SIMD=avx512|avx2|scalar: the row loops' clones); the same bits on 1 and 2 threads.
+// 128 queries x 512 keys forward, 128 x 256 backward, query blocks and key tiles split evenly): 1, 3, 5, 7, 65,
+// 129, 197, 257, 300, 513, 1025, one key (its own test); head dims 8, 16, 32, 64, 72 and dv != d;
+// several samples and heads; q, k, v as strided views of one qkv tensor (deit's layout); large logits and a
+// running maximum that rises and falls between key tiles (the online softmax's rescaling); float32 on every SIMD
+// target the CPU runs (LINVIS_SIMD=avx512|avx2|scalar: the SIMD layer's softmax kernels); the same bits on 1 and
+// 2 threads.
 //
 // Not checked here: that the fused forward keeps no (N, M) tensor for the backward. LibTorch's C++ API does
 // not expose a custom Function's saved variables, so the check would need a private hook; the forward saves
@@ -99,7 +100,8 @@ void all_shapes_f32() {
 }
 
 TEST(AttentionFused, MatchesReferenceFloat64) {
-    // float64 runs std::exp and dgemm: the two paths differ only in the order of the sums.
+    // float64 runs Highway's Exp (1 ulp) and the double GEMM: the two paths differ in the order of the sums and by
+    // a few double roundoffs in each exponential.
     for (const Shape& s : kShapes) compare(s, torch::kFloat64, 1e-10, 1e-12);
 }
 
@@ -171,6 +173,30 @@ TEST(AttentionFused, NoQueries) {
 TEST(AttentionFused, LargeLogitsStable) {
     compare({1, 2, 197, 600, 64, 64}, torch::kFloat32, 1e-4, 1e-5, /*magnitude=*/6.0);
     compare({1, 2, 197, 600, 64, 64}, torch::kFloat64, 1e-10, 1e-12, /*magnitude=*/6.0);
+}
+
+// The keys of the second of three key tiles have logits about 100 above the others' (q's entries are positive, those
+// keys' entries are shifted by 14): the running maximum rises by about 100 in the second tile, where the first
+// tile's sums are rescaled by about e^-100 (0 in float), and the third tile's own maximum is about 100 below the
+// running one. A kernel that took a tile's own maximum as the running one would rescale by about e^100, beyond
+// float's range, and misplace the logsumexp that the backward recomputes the probabilities from.
+TEST(AttentionFused, RunningMaximumRisesAndFallsBetweenKeyTiles) {
+    for (const auto type : {torch::kFloat32, torch::kFloat64}) {
+        torch::manual_seed(5);
+        const int64_t M = 1100;  // forward key tiles of 367, 367 and 366 keys
+        const torch::Tensor q = (torch::randn({1, 2, 37, 16}).abs() + 1).to(type);
+        torch::Tensor k = torch::randn({1, 2, M, 16});
+        k.narrow(2, 367, 367).add_(14.0);
+        k = k.to(type);
+        const torch::Tensor v = torch::randn({1, 2, M, 8}).to(type), probe = torch::randn({1, 2, 37, 8}).to(type);
+        const auto ref = run(q, k, v, probe, 0.25, Impl::Reference);
+        const auto fused = run(q, k, v, probe, 0.25, Impl::Fused);
+        const double rtol = type == torch::kFloat32 ? 1e-4 : 1e-10, atol_rel = type == torch::kFloat32 ? 1e-5 : 1e-12;
+        for (int i = 0; i < 4; ++i) {
+            const double atol = atol_rel * ref[i].abs().max().item<double>();
+            EXPECT_TRUE(all_close(fused[i], ref[i], rtol, atol)) << kNames[i] << " " << c10::toString(type);
+        }
+    }
 }
 
 // bfloat16: both paths compute in float32 from the same bf16 inputs and round once to bf16 at the end (the

@@ -1,35 +1,28 @@
 // Fused CPU softmax attention, flash style (src/ops/attention/cpu.h). The tile products are the SIMD
-// layer's register-blocked GEMM (ops/simd/gemm-inl.h through simd::gemm, float or double), called on raw
-// pointers: no LibTorch dispatch, no BLAS, no allocation per tile. The work between them (maxima,
-// exponentials, sums, rescaling) is plain loops the compiler vectorises, compiled for every target of the
-// SIMD layer (AVX-512, AVX2, scalar; ops/simd/simd.h, LINVIS_SIMD selects a lower one).
+// layer's register-blocked GEMM (ops/simd/gemm-inl.h through simd::gemm, float or double) and the work between
+// them (maxima, exponentials, sums, rescaling) its softmax kernels (simd::online_softmax_cols and
+// simd::softmax_grad_rows, Highway code for every target), called on raw pointers: no LibTorch dispatch, no
+// BLAS, no allocation per tile.
 //
 // Forward: per (sample*head, query block) the block's q^T is copied once; per key tile S^T = k_j q^T
-// (keys x queries, k as the GEMM's A), the online softmax runs along the queries (contiguous: 16 queries'
-// maxima and sums stay in registers over the tile's keys), and O^T += v_j^T P^T. On AVX2, q^T and S^T are
+// (keys x queries, k as the GEMM's A), the online softmax runs along the queries (contiguous, a vector of
+// queries at a time over the tile's keys), and O^T += v_j^T P^T. On AVX2, q^T and S^T are
 // stored in column panels of 16 queries, the GEMM's panel width, each contiguous (see forward). With one key
 // tile (a 224-px image) k and v are read in place, deit's q, k, v views of one qkv tensor are never copied;
 // with more, every query block sweeps all keys, so k's rows are copied contiguous and v transposed once per
 // call. The copied q^T holds q * scale (as the backward's q, so both compute the same logits), and each
-// exponential e^(s - m) is 2^((s - m) log2 e) (exp2_approx).
-// Backward (FlashAttention-2 order, row-major tiles): q * scale, and k, v as transposed key blocks, are laid
-// out once per call; tasks are (sample*head, key segment).
-//
-// Threads: the work is split with at::parallel_for and every tile product runs on the calling thread.
+// exponential e^(s - m) is 2^((s - m) log2 e).
 #include "ops/attention/cpu.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "linvis/core/error.h"
 #include "ops/simd/simd.h"
-
-#define LINVIS_INLINE LINVIS_SIMD_INLINE
 
 namespace linvis::ops::cpu {
 namespace {
@@ -47,172 +40,9 @@ constexpr int64_t kForwardKeys = 512;
 constexpr int64_t kBackwardQueries = 128;
 constexpr int64_t kBackwardKeys = 256;
 
-// exp for float: Cody-Waite reduction x = n ln2 + r (n rounded to nearest with the 1.5 * 2^23 trick), a
-// degree-6 polynomial for exp(r) (the Cephes expf coefficients) and 2^n through the exponent bits; relative
-// error about 2 ulp on [-87, 88]. Branch-free, so the loops that call it vectorise (with -fno-trapping-math,
-// set for this file in CMakeLists.txt, also the portable SSE2 build). Arguments below -87 (including -inf)
-// give exp(-87) = 1.6e-38, which is 0 next to the 1 every softmax row holds.
-LINVIS_INLINE float exp_approx(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
-    const float fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = (x - fn * 0.693359375f) + fn * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * (r * r) + r + 1.0f;
-    const int bits = (static_cast<int>(fn) + 127) << 23;
-    return y * __builtin_bit_cast(float, bits);
-}
-LINVIS_INLINE double exp_approx(double x) { return std::exp(x); }
-
-// 2^x for float: n = round(x) (the 1.5 * 2^23 trick), f = x - n in [-1/2, 1/2], 2^f by its degree-6 Taylor
-// polynomial (truncation below 1.2e-7 relative) and 2^n through the exponent bits: exp_approx's polynomial
-// without its two-constant reduction of x / ln 2 (4 fewer operations). Branch-free; arguments below -126
-// (including -inf) give 2^-126 = 1.2e-38, which is 0 next to the 1 every softmax column holds, and above 127
-// give 2^127.
-LINVIS_INLINE float exp2_approx(float x) {
-    x = x < -126.0f ? -126.0f : x;
-    x = x > 127.0f ? 127.0f : x;
-    const float fn = (x + 12582912.0f) - 12582912.0f;
-    const float f = x - fn;
-    float p = 1.5403530393381609e-4f;  // ln(2)^k / k!, k = 6 down to 1
-    p = p * f + 1.3333558146428443e-3f;
-    p = p * f + 9.6181291076284772e-3f;
-    p = p * f + 5.5504108664821580e-2f;
-    p = p * f + 2.4022650695910071e-1f;
-    p = p * f + 6.9314718055994531e-1f;
-    const float y = p * f + 1.0f;
-    const int bits = (static_cast<int>(fn) + 127) << 23;
-    return y * __builtin_bit_cast(float, bits);
-}
-LINVIS_INLINE double exp2_approx(double x) { return std::exp2(x); }
-
-// One forward tile, transposed: s holds the logits (q * scale) k^T of n keys (rows) and the block's queries
-// (columns) in column panels of `pw` queries, each panel (n x pw, row stride pw) `panel` elements after the
-// previous one; they become exp(s - m_new), and per query the running maximum m and normaliser l are updated
-// and its accumulated output column of o (dv x rows, row stride ldo) is rescaled by exp(m_old - m_new).
-// exp(x) is 2^(x log2 e): the rounding of x log2 e costs |x| 6e-8 relative, below 1.2e-6 for the
-// exponentials that count next to the maximum's 1 (x > -20). Every loop runs along the queries, contiguous,
-// so it vectorises. `first`: the block's first key tile (m, l and o hold nothing yet). alpha: scratch of
-// rows rounded up to kColumns. pw is a multiple of kColumns.
+// Queries per column panel of the forward's tiles on AVX2 (the SIMD GEMM's panel width there), and the
+// multiple the tiles' row stride is rounded to (simd::online_softmax_cols works on whole vectors of queries).
 constexpr int64_t kColumns = 16;
-template <typename T>
-constexpr T kLog2e = T(1.4426950408889634);
-template <typename T>
-LINVIS_INLINE void online_softmax_cols(T* s, int64_t n, int64_t rows, int64_t pw, int64_t panel, T* m, T* l, T* o,
-                                       int64_t ldo, int64_t dv, bool first, T* alpha) {
-    // kColumns queries at a time, their maxima and sums in registers over the n keys; the last group may
-    // run past `rows` into its panel's padding (lanes of their own: whatever they hold stays in them, unused).
-    for (int64_t i0 = 0; i0 < rows; i0 += kColumns) {
-        T* const sp = s + i0 / pw * panel + i0 % pw;  // the group's first key, the next ones pw apart
-        T mx[kColumns], sum[kColumns];
-#pragma omp simd
-        for (int64_t i = 0; i < kColumns; ++i) mx[i] = sp[i];
-        for (int64_t j = 1; j < n; ++j) {
-            const T* sj = sp + j * pw;
-#pragma omp simd
-            for (int64_t i = 0; i < kColumns; ++i) {
-                mx[i] = sj[i] > mx[i] ? sj[i] : mx[i];  // a plain select: GCC vectorises it, not std::max
-            }
-        }
-        T* mi = m + i0;
-#pragma omp simd
-        for (int64_t i = 0; i < kColumns; ++i) {
-            const T m_new = first || mx[i] > mi[i] ? mx[i] : mi[i];
-            alpha[i0 + i] = first ? T(0) : exp2_approx((mi[i] - m_new) * kLog2e<T>);
-            mi[i] = m_new;
-            sum[i] = 0;
-        }
-        for (int64_t j = 0; j < n; ++j) {
-            T* sj = sp + j * pw;
-#pragma omp simd
-            for (int64_t i = 0; i < kColumns; ++i) {
-                const T e = exp2_approx((sj[i] - mi[i]) * kLog2e<T>);
-                sj[i] = e;
-                sum[i] += e;
-            }
-        }
-        T* li = l + i0;
-#pragma omp simd
-        for (int64_t i = 0; i < kColumns; ++i) li[i] = first ? sum[i] : li[i] * alpha[i0 + i] + sum[i];
-    }
-    if (!first)
-        for (int64_t c = 0; c < dv; ++c) {
-            T* oc = o + c * ldo;
-#pragma omp simd
-            for (int64_t i = 0; i < rows; ++i) oc[i] *= alpha[i];
-        }
-}
-
-// Rows of a backward tile: p = exp(s - lse) in place in s, then ds = p * (dp - D) in place in dp.
-template <typename T>
-LINVIS_INLINE void backward_rows(T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse, const T* D) {
-    for (int64_t r = 0; r < rows; ++r) {
-        T* sr = s + r * ld;
-        T* dr = dp + r * ld;
-        const T lr = lse[r], Dr = D[r];
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) {
-            const T p = exp_approx(sr[j] - lr);
-            sr[j] = p;
-            dr[j] = p * (dr[j] - Dr);
-        }
-    }
-}
-
-// The tile loops for every SIMD target (templates, so LINVIS_SIMD_CLONES is written out) and the choice.
-#define LINVIS_FORWARD_PARAMS                                                                                \
-    T *s, int64_t n, int64_t rows, int64_t pw, int64_t panel, T *m, T *l, T *o, int64_t ldo, int64_t dv, bool first, \
-        T *alpha
-#define LINVIS_FORWARD_ARGS s, n, rows, pw, panel, m, l, o, ldo, dv, first, alpha
-template <typename T>
-void forward_cols_scalar(LINVIS_FORWARD_PARAMS) {
-    online_softmax_cols(LINVIS_FORWARD_ARGS);
-}
-template <typename T>
-LINVIS_SIMD_ATTR_AVX2 void forward_cols_avx2(LINVIS_FORWARD_PARAMS) {
-    online_softmax_cols(LINVIS_FORWARD_ARGS);
-}
-template <typename T>
-LINVIS_SIMD_ATTR_AVX512 void forward_cols_avx512(LINVIS_FORWARD_PARAMS) {
-    online_softmax_cols(LINVIS_FORWARD_ARGS);
-}
-template <typename T>
-void forward_cols(simd::Target t, LINVIS_FORWARD_PARAMS) {
-    switch (t) {
-        case simd::Target::Avx512: forward_cols_avx512<T>(LINVIS_FORWARD_ARGS); break;
-        case simd::Target::Avx2: forward_cols_avx2<T>(LINVIS_FORWARD_ARGS); break;
-        default: forward_cols_scalar<T>(LINVIS_FORWARD_ARGS); break;
-    }
-}
-#undef LINVIS_FORWARD_PARAMS
-#undef LINVIS_FORWARD_ARGS
-template <typename T>
-void backward_rows_scalar(T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse, const T* D) {
-    backward_rows(s, dp, rows, n, ld, lse, D);
-}
-template <typename T>
-LINVIS_SIMD_ATTR_AVX2 void backward_rows_avx2(T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse,
-                                              const T* D) {
-    backward_rows(s, dp, rows, n, ld, lse, D);
-}
-template <typename T>
-LINVIS_SIMD_ATTR_AVX512 void backward_rows_avx512(T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse,
-                                                  const T* D) {
-    backward_rows(s, dp, rows, n, ld, lse, D);
-}
-template <typename T>
-void backward_rows_target(simd::Target t, T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse, const T* D) {
-    switch (t) {
-        case simd::Target::Avx512: backward_rows_avx512<T>(s, dp, rows, n, ld, lse, D); break;
-        case simd::Target::Avx2: backward_rows_avx2<T>(s, dp, rows, n, ld, lse, D); break;
-        default: backward_rows_scalar<T>(s, dp, rows, n, ld, lse, D); break;
-    }
-}
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -354,7 +184,8 @@ void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
                 for (int64_t p0 = 0; p0 < rows; p0 += PW)
                     simd::gemm(kern, cols, std::min(PW, rows - p0), d, kb + j0 * K.row, K.row, 1, qt + p0 * d, PW,
                                st + p0 / PW * panel, PW, false);
-                forward_cols<T>(target, st, cols, rows, PW, panel, m, l, ot, QB, dv, first, alpha);
+                simd::online_softmax_cols(kern, simd::SoftmaxTileCols<T>{st, cols, rows, PW, panel, m, l, alpha,
+                                                                         ot, QB, dv, first});
                 for (int64_t p0 = 0; p0 < rows; p0 += PW)
                     simd::gemm(kern, dv, std::min(PW, rows - p0), cols, va + j0 * va_key, va_row, va_key,
                                st + p0 / PW * panel, PW, ot + p0, QB, /*accumulate=*/!first);
@@ -394,8 +225,7 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
     const int64_t KB = even_part(segment_keys, kBackwardKeys), LD = ceil_div(KB, 16) * 16;
     const int64_t segment_blocks = ceil_div(segment_keys, KB);
     const int64_t key_blocks = ceil_div(M, KB);
-    const simd::Target target = simd::active_target();
-    const simd::Kernels& kern = simd::kernels(target);
+    const simd::Kernels& kern = simd::kernels();
     at::NoGradGuard no_grad;
     const torch::Tensor D = (dout * out).sum(-1);  // (BH, N)
     const torch::Tensor qs = q * scale, kt = transposed_blocks(k, KB, LD), vt = transposed_blocks(v, KB, LD);
@@ -430,8 +260,7 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
                     simd::gemm(kern, rows, cols, d, qi, d, 1, ktb + b * d * LD, LD, s_tile, LD, false);  // S
                     simd::gemm(kern, rows, cols, dvs, gi, dvs, 1, vtb + b * dvs * LD, LD, dp_tile, LD,
                                false);  // dP
-                    backward_rows_target<T>(target, s_tile, dp_tile, rows, cols, LD, lse_b + i0,
-                                            D_b + i0);
+                    simd::softmax_grad_rows(kern, s_tile, dp_tile, rows, cols, LD, lse_b + i0, D_b + i0);
                     // dV += P^T dO, dK += dS^T (q * scale), dQ += dS k (scaled at the end).
                     simd::gemm(kern, cols, dvs, rows, s_tile, 1, LD, gi, dvs, dvb + j0 * dvs, dvs, true);
                     simd::gemm(kern, cols, d, rows, dp_tile, 1, LD, qi, d, dkb + j0 * d, d, true);

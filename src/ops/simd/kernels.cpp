@@ -44,11 +44,11 @@ HWY_INLINE void map_floats(float* y, int64_t n, F f, const In*... in) {
 }
 
 // exp(x): Cody-Waite reduction x = n ln2 + r (n = x log2 e rounded to nearest), a degree-6 polynomial for exp(r)
-// (the Cephes expf coefficients, as ops/attention's scalar exp_approx) and 2^n written into the exponent bits;
-// about 2 ulp. x is clamped to [-87, 88], so n stays in the normal exponents: arguments below -87 (-inf included)
-// give 0 and above 88 exp(88); NaN stays NaN. Highway's Exp (1 ulp) spends about twice the instructions on
-// subnormal results and a two-step scaling: on a Zen 3 core (AVX2) sigmoid took 1.08 ns per float with it and
-// 0.71 with this, the erf GELU 1.48 and 1.17 (768 floats in L1, best of 3).
+// (the Cephes expf coefficients) and 2^n written into the exponent bits; about 2 ulp. x is clamped to [-87, 88], so
+// n stays in the normal exponents: arguments below -87 (-inf included) give 0 and above 88 exp(88); NaN stays NaN.
+// Highway's Exp (1 ulp) spends about twice the instructions on subnormal results and a two-step scaling: on a Zen 3
+// core (AVX2) sigmoid took 1.08 ns per float with it and 0.71 with this, the erf GELU 1.48 and 1.17 (768 floats in
+// L1, best of 3).
 HWY_INLINE FloatVec exp_clamped(FloatTag d, FloatVec x) {
     const hn::RebindToSigned<FloatTag> di;
     const auto below = hn::Lt(x, hn::Set(d, -87.0f));
@@ -70,6 +70,28 @@ HWY_INLINE FloatVec exp_clamped(FloatTag d, FloatVec x) {
     const auto two_n =
         hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::BitCast(di, shifted), hn::Set(di, 127 - 0x4B400000))));
     return hn::IfThenElse(nan, x, hn::IfThenZeroElse(below, hn::Mul(p, two_n)));
+}
+
+// 2^x: n = round(x) (the 1.5 * 2^23 trick), f = x - n in [-1/2, 1/2], 2^f by its degree-6 Taylor polynomial
+// (truncation below 1.2e-7 relative) and 2^n through the exponent bits; exp_clamped's form without its two-constant
+// reduction of x / ln 2, for callers whose argument is already x log2 e (the attention's softmax). x is clamped to
+// [-126, 127]: arguments below -126 (-inf included) give 2^-126 = 1.2e-38, 0 next to the 1 a softmax column holds.
+HWY_INLINE FloatVec exp2_clamped(FloatTag d, FloatVec x) {
+    const hn::RebindToSigned<FloatTag> di;
+    const auto c = hn::Min(hn::Max(x, hn::Set(d, -126.0f)), hn::Set(d, 127.0f));
+    const auto magic = hn::Set(d, 12582912.0f);
+    const auto shifted = hn::Add(c, magic);
+    const auto f = hn::Sub(c, hn::Sub(shifted, magic));
+    auto p = hn::Set(d, 1.5403530393381609e-4f);  // ln(2)^k / k!, k = 6 down to 1
+    p = hn::MulAdd(p, f, hn::Set(d, 1.3333558146428443e-3f));
+    p = hn::MulAdd(p, f, hn::Set(d, 9.6181291076284772e-3f));
+    p = hn::MulAdd(p, f, hn::Set(d, 5.5504108664821580e-2f));
+    p = hn::MulAdd(p, f, hn::Set(d, 2.4022650695910071e-1f));
+    p = hn::MulAdd(p, f, hn::Set(d, 6.9314718055994531e-1f));
+    p = hn::MulAdd(p, f, hn::Set(d, 1.0f));
+    const auto two_n =
+        hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::BitCast(di, shifted), hn::Set(di, 127 - 0x4B400000))));
+    return hn::Mul(p, two_n);
 }
 
 // exp(-x): finite for every number (exp(88) beyond), so a sigmoid built on it is 0 or 1 there, never NaN.
@@ -255,10 +277,116 @@ void transpose(const float* src, int64_t rows, int64_t cols, int64_t lds, float*
     transpose_blocks<Vec<float>>(src, rows, cols, lds, dst, ldd);
 }
 
+// The exponentials of the attention's softmax per element type: float by the polynomials above, double by
+// Highway's Exp (1 ulp), its argument kept above -745, where e^x is 0 in double.
+using DoubleTag = hn::ScalableTag<double>;
+HWY_INLINE FloatVec softmax_exp(FloatTag d, FloatVec x) { return exp_clamped(d, x); }
+HWY_INLINE FloatVec softmax_exp2(FloatTag d, FloatVec x) { return exp2_clamped(d, x); }
+HWY_INLINE hn::Vec<DoubleTag> softmax_exp(DoubleTag d, hn::Vec<DoubleTag> x) {
+    return hn::Exp(d, hn::Max(x, hn::Set(d, -745.0)));
+}
+HWY_INLINE hn::Vec<DoubleTag> softmax_exp2(DoubleTag d, hn::Vec<DoubleTag> x) {
+    return softmax_exp(d, hn::Mul(x, hn::Set(d, 0.69314718055994531)));
+}
+
+// simd.h's online_softmax_cols, 16 queries (a 64-byte line of floats) at a time: their maxima over the tile's keys,
+// then the exponentials and their sums, the 16 queries' maxima and sums in registers. A group of 16 floats over
+// 512 keys is 32 KiB, about the L1, so taking one vector of 8 (AVX2) at a time would read each line from the L2
+// four times instead of twice. The maxima are kept in two registers per vector (one would wait on each max's
+// latency on AVX-512, one vector per group).
+template <typename T>
+HWY_INLINE void online_softmax_cols_t(const SoftmaxTileCols<T>& t) {
+    const hn::ScalableTag<T> d;
+    using V = hn::Vec<decltype(d)>;
+    constexpr int64_t N = static_cast<int64_t>(hn::MaxLanes(hn::ScalableTag<T>()));
+    constexpr int64_t G = N >= 16 ? 1 : 16 / N;  // vectors per group of 16 queries
+    const int64_t n = t.keys, pw = t.panel_width;
+    const V log2e = hn::Set(d, T(1.4426950408889634));
+    for (int64_t i0 = 0; i0 < t.queries; i0 += G * N) {
+        T* const sp = t.s + i0 / pw * t.panel_stride + i0 % pw;  // key j of these queries: sp + j * pw
+        V mx[G], mx2[G];
+        for (int64_t g = 0; g < G; ++g) mx[g] = mx2[g] = hn::LoadU(d, sp + g * N);
+        int64_t j = 1;
+        for (; j + 2 <= n; j += 2)
+            for (int64_t g = 0; g < G; ++g) {
+                mx[g] = hn::Max(mx[g], hn::LoadU(d, sp + j * pw + g * N));
+                mx2[g] = hn::Max(mx2[g], hn::LoadU(d, sp + (j + 1) * pw + g * N));
+            }
+        if (j < n)
+            for (int64_t g = 0; g < G; ++g) mx[g] = hn::Max(mx[g], hn::LoadU(d, sp + j * pw + g * N));
+        V m_new[G], sum[G];
+        for (int64_t g = 0; g < G; ++g) {
+            T* const mi = t.m + i0 + g * N;
+            const V mx_all = hn::Max(mx[g], mx2[g]);
+            const V m_old = hn::LoadU(d, mi);
+            m_new[g] = t.first ? mx_all : hn::Max(mx_all, m_old);
+            hn::StoreU(m_new[g], d, mi);
+            hn::StoreU(t.first ? hn::Zero(d) : softmax_exp2(d, hn::Mul(hn::Sub(m_old, m_new[g]), log2e)), d,
+                       t.alpha + i0 + g * N);
+            sum[g] = hn::Zero(d);
+        }
+        for (j = 0; j < n; ++j)
+            for (int64_t g = 0; g < G; ++g) {
+                T* const p = sp + j * pw + g * N;
+                const V e = softmax_exp2(d, hn::Mul(hn::Sub(hn::LoadU(d, p), m_new[g]), log2e));
+                hn::StoreU(e, d, p);
+                sum[g] = hn::Add(sum[g], e);
+            }
+        for (int64_t g = 0; g < G; ++g) {
+            T* const li = t.l + i0 + g * N;
+            hn::StoreU(t.first ? sum[g] : hn::MulAdd(hn::LoadU(d, li), hn::LoadU(d, t.alpha + i0 + g * N), sum[g]),
+                       d, li);
+        }
+    }
+    if (t.first) return;
+    for (int64_t c = 0; c < t.dv; ++c) {
+        T* const oc = t.o + c * t.ldo;
+        for (int64_t i = 0; i < t.queries; i += N)
+            hn::StoreU(hn::Mul(hn::LoadU(d, oc + i), hn::LoadU(d, t.alpha + i)), d, oc + i);
+    }
+}
+
+// simd.h's softmax_grad_rows: full vectors, then one masked tail per row.
+template <typename T>
+HWY_INLINE void softmax_grad_rows_t(T* s, T* dp, int64_t rows, int64_t n, int64_t ld, const T* lse, const T* D) {
+    const hn::ScalableTag<T> d;
+    const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+    for (int64_t r = 0; r < rows; ++r) {
+        T* const sr = s + r * ld;
+        T* const dr = dp + r * ld;
+        const auto lr = hn::Set(d, lse[r]), Dr = hn::Set(d, D[r]);
+        int64_t j = 0;
+        for (; j + N <= n; j += N) {
+            const auto p = softmax_exp(d, hn::Sub(hn::LoadU(d, sr + j), lr));
+            hn::StoreU(p, d, sr + j);
+            hn::StoreU(hn::Mul(p, hn::Sub(hn::LoadU(d, dr + j), Dr)), d, dr + j);
+        }
+        if (j < n) {
+            const auto mask = hn::FirstN(d, static_cast<size_t>(n - j));
+            const auto p = softmax_exp(d, hn::Sub(hn::MaskedLoad(mask, d, sr + j), lr));
+            hn::BlendedStore(p, mask, d, sr + j);
+            hn::BlendedStore(hn::Mul(p, hn::Sub(hn::MaskedLoad(mask, d, dr + j), Dr)), mask, d, dr + j);
+        }
+    }
+}
+
+void online_softmax_cols_f32(const SoftmaxTileCols<float>& t) { online_softmax_cols_t(t); }
+void online_softmax_cols_f64(const SoftmaxTileCols<double>& t) { online_softmax_cols_t(t); }
+void softmax_grad_rows_f32(float* s, float* dp, int64_t rows, int64_t n, int64_t ld, const float* lse,
+                           const float* D) {
+    softmax_grad_rows_t(s, dp, rows, n, ld, lse, D);
+}
+void softmax_grad_rows_f64(double* s, double* dp, int64_t rows, int64_t n, int64_t ld, const double* lse,
+                           const double* D) {
+    softmax_grad_rows_t(s, dp, rows, n, ld, lse, D);
+}
+
 const Kernels& table() {
     static const Kernels k{kTarget,        gemm_f32,       gemm_f64,   sigmoid,   gelu_erf,
                            gelu_tanh,      silu_mul,       exp_sub,    widen_bf16, narrow_to_bf16,
-                           stencil3x3_row, stencil3x3_reduce_row, transpose};
+                           stencil3x3_row, stencil3x3_reduce_row, transpose,
+                           online_softmax_cols_f32, online_softmax_cols_f64, softmax_grad_rows_f32,
+                           softmax_grad_rows_f64};
     return k;
 }
 

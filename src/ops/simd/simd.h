@@ -40,6 +40,23 @@ using GemmF32 = void (*)(int64_t M, int64_t N, int64_t K, const float* A, int64_
 using GemmF64 = void (*)(int64_t M, int64_t N, int64_t K, const double* A, int64_t a_row, int64_t a_col,
                          const double* B, int64_t ldb, double* C, int64_t ldc, bool accumulate);
 
+// One key tile of the flash-style softmax attention's forward (ops/attention/cpu.cpp), transposed: s holds the
+// logits of `keys` keys (rows) for `queries` queries (columns), in column panels of panel_width queries, each
+// panel (keys x panel_width, row stride panel_width) panel_stride elements after the previous one. online_softmax_cols
+// turns them into e^(s - m_new) and, per query i, updates the running maximum m[i] and normaliser l[i] and rescales
+// the accumulated output column o[c * ldo + i] (c < dv) by alpha[i] = e^(m_old - m_new). `first`: the first key
+// tile (m, l and o hold nothing yet; o is left as it is). panel_width is a multiple of 16; queries are taken a
+// vector at a time, so up to the next multiple of 16 past `queries` s, m, l, alpha and o's rows are read and
+// written (padding lanes of their own, unused).
+template <typename T>
+struct SoftmaxTileCols {
+    T* s;
+    int64_t keys, queries, panel_width, panel_stride;
+    T *m, *l, *alpha, *o;
+    int64_t ldo, dv;
+    bool first;
+};
+
 // The building blocks of one target.
 struct Kernels {
     Target target = Target::Scalar;
@@ -79,6 +96,16 @@ struct Kernels {
     // dst[j*ldd + i] = src[i*lds + j] for i < rows, j < cols: blocks of one vector's width square transposed in
     // registers, the edges element by element. dst must not overlap src.
     void (*transpose)(const float* src, int64_t rows, int64_t cols, int64_t lds, float* dst, int64_t ldd) = nullptr;
+    // The softmax attention's online softmax over one key tile (SoftmaxTileCols above): the exponentials as
+    // 2^((s - m) log2 e), in float by a polynomial to about 2 ulp (kernels.cpp), in double by Highway's Exp.
+    void (*online_softmax_cols)(const SoftmaxTileCols<float>& tile) = nullptr;
+    void (*online_softmax_cols_f64)(const SoftmaxTileCols<double>& tile) = nullptr;
+    // Its backward, per row r < rows of two row-major tiles (row stride ld, n columns): p = e^(s - lse[r]) into s,
+    // then p (dp - D[r]) into dp.
+    void (*softmax_grad_rows)(float* s, float* dp, int64_t rows, int64_t n, int64_t ld, const float* lse,
+                              const float* D) = nullptr;
+    void (*softmax_grad_rows_f64)(double* s, double* dp, int64_t rows, int64_t n, int64_t ld, const double* lse,
+                                  const double* D) = nullptr;
 };
 
 // The kernels of active_target(), or of a given (supported) target.
@@ -93,6 +120,18 @@ inline void gemm(const Kernels& k, int64_t M, int64_t N, int64_t K, const float*
 inline void gemm(const Kernels& k, int64_t M, int64_t N, int64_t K, const double* A, int64_t a_row, int64_t a_col,
                  const double* B, int64_t ldb, double* C, int64_t ldc, bool accumulate) {
     k.gemm_f64(M, N, K, A, a_row, a_col, B, ldb, C, ldc, accumulate);
+}
+
+// The softmax attention's kernels for float or double.
+inline void online_softmax_cols(const Kernels& k, const SoftmaxTileCols<float>& t) { k.online_softmax_cols(t); }
+inline void online_softmax_cols(const Kernels& k, const SoftmaxTileCols<double>& t) { k.online_softmax_cols_f64(t); }
+inline void softmax_grad_rows(const Kernels& k, float* s, float* dp, int64_t rows, int64_t n, int64_t ld,
+                              const float* lse, const float* D) {
+    k.softmax_grad_rows(s, dp, rows, n, ld, lse, D);
+}
+inline void softmax_grad_rows(const Kernels& k, double* s, double* dp, int64_t rows, int64_t n, int64_t ld,
+                              const double* lse, const double* D) {
+    k.softmax_grad_rows_f64(s, dp, rows, n, ld, lse, D);
 }
 
 // Where the register-blocked GEMM's accumulators start (gemm-inl.h): C itself (C += A B), zero
@@ -120,7 +159,7 @@ void bf16_through_float(const Kernels& k, const uint16_t* x, const uint16_t* z, 
 
 }  // namespace linvis::ops::simd
 
-// Loops that the compiler vectorises by itself (elementwise bodies, stencils, softmax rows) are written
+// Loops that the compiler vectorises by itself (elementwise bodies, stencils, LayerNorm rows) are written
 // once as an always-inline body and compiled for the same three targets by LINVIS_SIMD_CLONES: the
 // target attributes are Highway's HWY_TARGET_STR for AVX2 and AVX3 (hwy/ops/set_macros-inl.h), and the
 // wrapper picks the clone of active_target() on every call.
