@@ -5,13 +5,17 @@
 // BLAS, no allocation per tile.
 //
 // Forward: per (sample*head, query block) the block's q^T is copied once; per key tile S^T = k_j q^T
-// (keys x queries, k as the GEMM's A), the online softmax runs along the queries (contiguous, a vector of
-// queries at a time over the tile's keys), and O^T += v_j^T P^T. On AVX2, q^T and S^T are
+// (keys x queries, k as the GEMM's A), the online softmax runs along the queries (contiguous: 16 queries'
+// maxima and sums stay in registers over the tile's keys), and O^T += v_j^T P^T. On AVX2, q^T and S^T are
 // stored in column panels of 16 queries, the GEMM's panel width, each contiguous (see forward). With one key
 // tile (a 224-px image) k and v are read in place, deit's q, k, v views of one qkv tensor are never copied;
 // with more, every query block sweeps all keys, so k's rows are copied contiguous and v transposed once per
 // call. The copied q^T holds q * scale (as the backward's q, so both compute the same logits), and each
 // exponential e^(s - m) is 2^((s - m) log2 e).
+// Backward (FlashAttention-2 order, row-major tiles): q * scale, and k, v as transposed key blocks, are laid
+// out once per call; tasks are (sample*head, key segment).
+//
+// Threads: the work is split with at::parallel_for and every tile product runs on the calling thread.
 #include "ops/attention/cpu.h"
 
 #include <ATen/Parallel.h>
@@ -46,8 +50,8 @@ constexpr int64_t kColumns = 16;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The length of the parts when n is split into as few parts of at most max_part as possible, all of one
-// length but the last, which is at most that many shorter than the others.
+// The length of the parts when n is split into as few parts of at most max_part as possible, all of that
+// length but the last, which is shorter by less than the number of parts (1025, 512: 342, 342 and 341).
 int64_t even_part(int64_t n, int64_t max_part) { return n == 0 ? max_part : ceil_div(n, ceil_div(n, max_part)); }
 
 // Query rows per block: at most `max_rows`, the N rows split evenly over the blocks (rounded up to 8), so

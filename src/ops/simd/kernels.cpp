@@ -293,7 +293,8 @@ HWY_INLINE hn::Vec<DoubleTag> softmax_exp2(DoubleTag d, hn::Vec<DoubleTag> x) {
 // then the exponentials and their sums, the 16 queries' maxima and sums in registers. A group of 16 floats over
 // 512 keys is 32 KiB, about the L1, so taking one vector of 8 (AVX2) at a time would read each line from the L2
 // four times instead of twice. The maxima are kept in two registers per vector (one would wait on each max's
-// latency on AVX-512, one vector per group).
+// latency on AVX-512, one vector per group). e^x is computed as 2^(x log2 e): the rounding of x log2 e costs
+// |x| 6e-8 relative, below 1.2e-6 for the exponentials that count next to the maximum's 1 (x > -20).
 template <typename T>
 HWY_INLINE void online_softmax_cols_t(const SoftmaxTileCols<T>& t) {
     const hn::ScalableTag<T> d;

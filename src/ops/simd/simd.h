@@ -45,9 +45,9 @@ using GemmF64 = void (*)(int64_t M, int64_t N, int64_t K, const double* A, int64
 // panel (keys x panel_width, row stride panel_width) panel_stride elements after the previous one. online_softmax_cols
 // turns them into e^(s - m_new) and, per query i, updates the running maximum m[i] and normaliser l[i] and rescales
 // the accumulated output column o[c * ldo + i] (c < dv) by alpha[i] = e^(m_old - m_new). `first`: the first key
-// tile (m, l and o hold nothing yet; o is left as it is). panel_width is a multiple of 16; queries are taken a
-// vector at a time, so up to the next multiple of 16 past `queries` s, m, l, alpha and o's rows are read and
-// written (padding lanes of their own, unused).
+// tile (m, l and o hold nothing yet; o is left as it is). panel_width is a multiple of 16; queries are taken 16
+// at a time, so up to the next multiple of 16 past `queries` s, m, l, alpha and o's rows are read and written
+// (padding lanes of their own, unused).
 template <typename T>
 struct SoftmaxTileCols {
     T* s;
