@@ -1,6 +1,6 @@
 // The SIMD layer of the fused kernels (src/ops/simd): the register-blocked GEMM, the sigmoid, exp and 3x3 stencil
-// row of every target this CPU runs against LibTorch, and the choice of target through LINVIS_SIMD /
-// LINVIS_FORCE_SCALAR.
+// row of every target this CPU runs against LibTorch, the attention's softmax kernels against their definition, and
+// the choice of target through LINVIS_SIMD / LINVIS_FORCE_SCALAR.
 // The GEMM cases have odd M, N, K (row tails of every tile height, column tails of every mask width) and C
 // with a guard band beyond column N that must stay untouched: a wrong tail mask fails them.
 #include <gtest/gtest.h>
@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -201,6 +202,123 @@ void for_each_stencil_case(Check check) {
 }
 
 // Each case also with taps flipped along x (the transposed convolution) and with a bias and accumulation.
+// The attention's online softmax over two key tiles (simd.h, SoftmaxTileCols): 21 queries in panels of 16 (the
+// second panel 11 queries and 5 of padding), 7 keys then 5, the second tile's logits raised by 5 for every third
+// query so that its running maximum rises there and stays elsewhere. Against the definition in double from the same
+// inputs; the space after each panel and past the next multiple of 16 in m, l and alpha is a guard band.
+template <typename T>
+void check_online_softmax_cols(const simd::Kernels& k, const std::string& target) {
+    const int64_t Q = 21, pw = 16, panels = 2, dv = 3, ldo = 32, guard = 3, width = panels * pw;
+    const T sentinel = T(7);
+    std::mt19937 rng(11);
+    std::normal_distribution<double> normal;
+    std::vector<T> m(width + guard, sentinel), l(width + guard, sentinel), alpha(width + guard, sentinel);
+    std::vector<T> o(dv * ldo);
+    for (auto& x : o) x = static_cast<T>(normal(rng));
+    const std::vector<T> o_before = o;
+    std::vector<double> m_ref(Q), l_ref(Q);
+    for (const int64_t keys : {7, 5}) {
+        const bool first = keys == 7;
+        const int64_t stride = keys * pw + guard;
+        std::vector<T> tile(panels * stride, sentinel);
+        for (int64_t p = 0; p < panels; ++p)
+            for (int64_t j = 0; j < keys; ++j)
+                for (int64_t c = 0; c < pw; ++c)
+                    tile[p * stride + j * pw + c] =
+                        static_cast<T>(3 * normal(rng) + (!first && (p * pw + c) % 3 == 0 ? 5.0 : 0.0));
+        const std::vector<T> logits = tile;
+        const std::vector<T> o_old = o;
+        simd::online_softmax_cols(k, simd::SoftmaxTileCols<T>{tile.data(), keys, Q, pw, stride, m.data(), l.data(),
+                                                              alpha.data(), o.data(), ldo, dv, first});
+        const double tol = std::is_same_v<T, float> ? 5e-6 : 1e-12;
+        for (int64_t i = 0; i < Q; ++i) {
+            const std::string at = target + " keys " + std::to_string(keys) + " query " + std::to_string(i);
+            const auto at_key = [&](int64_t j) { return (i / pw) * stride + j * pw + i % pw; };
+            double mx = -INFINITY;
+            for (int64_t j = 0; j < keys; ++j) mx = std::max(mx, static_cast<double>(logits[at_key(j)]));
+            const double m_new = first ? mx : std::max(mx, m_ref[i]);
+            const double a = first ? 0.0 : std::exp(m_ref[i] - m_new);
+            double sum = 0;
+            for (int64_t j = 0; j < keys; ++j) {
+                const double e = std::exp(static_cast<double>(logits[at_key(j)]) - m_new);
+                sum += e;
+                EXPECT_NEAR(tile[at_key(j)], e, tol * std::max(1.0, e)) << at << " key " << j;
+            }
+            l_ref[i] = first ? sum : l_ref[i] * a + sum;
+            m_ref[i] = m_new;
+            EXPECT_NEAR(m[i], m_new, tol * std::abs(m_new)) << at;
+            EXPECT_NEAR(l[i], l_ref[i], tol * l_ref[i]) << at;
+            if (!first) EXPECT_NEAR(alpha[i], a, tol) << at;
+            for (int64_t c = 0; c < dv; ++c) {
+                const double want = first ? o_old[c * ldo + i] : o_old[c * ldo + i] * a;
+                EXPECT_NEAR(o[c * ldo + i], want, tol * std::max(1.0, std::abs(want))) << at << " o row " << c;
+            }
+        }
+        for (int64_t p = 0; p < panels; ++p)
+            for (int64_t g = 0; g < guard; ++g)
+                EXPECT_EQ(tile[p * stride + keys * pw + g], sentinel) << target << ": wrote past panel " << p;
+        for (int64_t g = width; g < width + guard; ++g) {
+            EXPECT_EQ(m[g], sentinel) << target << ": m written past 32";
+            EXPECT_EQ(l[g], sentinel) << target << ": l written past 32";
+            EXPECT_EQ(alpha[g], sentinel) << target << ": alpha written past 32";
+        }
+    }
+    EXPECT_NE(o, o_before) << target << ": the second tile rescaled nothing";
+}
+
+TEST(SimdLayer, OnlineSoftmaxColsMatchesTheDefinitionOnEveryTarget) {
+    for_each_simd_target([](const SimdTarget& t) {
+        check_online_softmax_cols<float>(simd::kernels(t.target), std::string(t.env) + " float");
+        check_online_softmax_cols<double>(simd::kernels(t.target), std::string(t.env) + " double");
+    });
+}
+
+// The attention backward's rows: p = e^(s - lse) into s and p (dp - D) into dp, row lengths of every tail width,
+// a guard band after each row. The expected values start from the same rounded differences as the kernel.
+template <typename T>
+void check_softmax_grad_rows(const simd::Kernels& k, const std::string& target) {
+    std::mt19937 rng(12);
+    std::normal_distribution<double> normal;
+    const T sentinel = T(7);
+    for (const int64_t n : {1, 3, 8, 13, 16, 19, 33}) {
+        const int64_t rows = 3, guard = 5, ld = n + guard;
+        std::vector<T> s(rows * ld, sentinel), dp(rows * ld, sentinel), lse(rows), D(rows);
+        for (int64_t r = 0; r < rows; ++r) {
+            lse[r] = static_cast<T>(4 + normal(rng));
+            D[r] = static_cast<T>(normal(rng));
+            for (int64_t j = 0; j < n; ++j) {
+                s[r * ld + j] = static_cast<T>(3 * normal(rng));
+                dp[r * ld + j] = static_cast<T>(normal(rng));
+            }
+        }
+        const std::vector<T> s0 = s, dp0 = dp;
+        simd::softmax_grad_rows(k, s.data(), dp.data(), rows, n, ld, lse.data(), D.data());
+        const double tol = std::is_same_v<T, float> ? 1e-6 : 1e-13;
+        for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t j = 0; j < n; ++j) {
+                const std::string at = target + " n " + std::to_string(n) + " row " + std::to_string(r) + " col " +
+                                       std::to_string(j);
+                const T x = s0[r * ld + j] - lse[r];
+                const double p = std::exp(static_cast<double>(x));
+                const double ds = p * static_cast<double>(static_cast<T>(dp0[r * ld + j] - D[r]));
+                EXPECT_NEAR(s[r * ld + j], p, tol * p) << at;
+                EXPECT_NEAR(dp[r * ld + j], ds, tol * std::abs(ds) + 1e-30) << at;
+            }
+            for (int64_t g = n; g < ld; ++g) {
+                EXPECT_EQ(s[r * ld + g], sentinel) << target << " n " << n << ": s written past the row";
+                EXPECT_EQ(dp[r * ld + g], sentinel) << target << " n " << n << ": dp written past the row";
+            }
+        }
+    }
+}
+
+TEST(SimdLayer, SoftmaxGradRowsMatchesTheDefinitionOnEveryTarget) {
+    for_each_simd_target([](const SimdTarget& t) {
+        check_softmax_grad_rows<float>(simd::kernels(t.target), std::string(t.env) + " float");
+        check_softmax_grad_rows<double>(simd::kernels(t.target), std::string(t.env) + " double");
+    });
+}
+
 TEST(SimdLayer, Stencil3x3RowMatchesConv2dOnEveryTarget) {
     torch::manual_seed(5);
     for_each_stencil_case([](const simd::Kernels& k, int64_t C, int64_t W, int live) {
