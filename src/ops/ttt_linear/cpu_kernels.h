@@ -6,11 +6,13 @@
 //
 // V provides: T, W, Mask, mask(n) (first n lanes), load(p, mask) (masked lanes read 0),
 // store(p, mask), set1(x), zero(), keep(mask, v) (zero outside mask), fma(a, b, c) = a*b + c,
-// reduce(v) (sum of all lanes), transpose_block (W x W, strided), and + - *.
+// reduce(v) (sum of all lanes), transpose_block (W x W, strided), and + - *. A row of d values is walked
+// with for_each_vector, whose mask is WholeVector (plain loads and stores) on all but a partial last vector.
 
 // ---------------------------------------------------------------- small dense products
 
 using simd::GemmInit;
+using simd::HWY_NAMESPACE::for_each_vector;
 
 // C (M x N, row-major, ldc) (+)= A (M x Kc, strides ars/acs) * B (Kc x N, row-major, ldb), see GemmInit:
 // the SIMD layer's register-blocked GEMM (ops/simd/gemm-inl.h); a transposed A is just other strides.
@@ -30,21 +32,19 @@ inline void transpose(const typename V::T* src, int64_t rows, int64_t cols, type
 // acc (d) += sum over rows of src (rows x d).
 template <class V>
 inline void add_column_sums(const typename V::T* src, int64_t rows, int64_t d, typename V::T* acc) {
-    for (int64_t c = 0; c < d; c += V::W) {
-        const auto m = V::mask(static_cast<int>(std::min<int64_t>(V::W, d - c)));
+    for_each_vector<V>(d, [&](int64_t c, auto m) {
         V s = V::load(acc + c, m);
         for (int64_t i = 0; i < rows; ++i) s = s + V::load(src + i * d + c, m);
         s.store(acc + c, m);
-    }
+    });
 }
 
 template <class V>
 inline typename V::T dot(const typename V::T* a, const typename V::T* b, int64_t d) {
     V s = V::zero();
-    for (int64_t c = 0; c < d; c += V::W) {
-        const auto m = V::mask(static_cast<int>(std::min<int64_t>(V::W, d - c)));
+    for_each_vector<V>(d, [&](int64_t c, auto m) {
         s = V::fma(V::load(a + c, m), V::load(b + c, m), s);
-    }
+    });
     return V::reduce(s);
 }
 
@@ -60,19 +60,17 @@ typename V::T inner_grad_row(typename V::T* z, const typename V::T* k, const typ
     using T = typename V::T;
     const T inv_d = T(1) / static_cast<T>(d);
     V s = V::zero();
-    for (int64_t c = 0; c < d; c += V::W) s = s + V::load(z + c, V::mask(static_cast<int>(std::min<int64_t>(V::W, d - c))));
+    for_each_vector<V>(d, [&](int64_t c, auto m) { s = s + V::load(z + c, m); });
     const V mu = V::set1(V::reduce(s) * inv_d);
     V sq = V::zero();
-    for (int64_t c = 0; c < d; c += V::W) {
-        const auto m = V::mask(static_cast<int>(std::min<int64_t>(V::W, d - c)));
+    for_each_vector<V>(d, [&](int64_t c, auto m) {
         const V dz = V::keep(m, V::load(z + c, m) - mu);
         sq = V::fma(dz, dz, sq);
-    }
+    });
     const T std = std::sqrt(V::reduce(sq) * inv_d + eps);
     const V inv_std = V::set1(T(1) / std);
     V sum_gh = V::zero(), sum_ghx = V::zero();
-    for (int64_t c = 0; c < d; c += V::W) {
-        const auto m = V::mask(static_cast<int>(std::min<int64_t>(V::W, d - c)));
+    for_each_vector<V>(d, [&](int64_t c, auto m) {
         const V x = V::keep(m, (V::load(z + c, m) - mu) * inv_std);
         const V ga = V::load(gamma + c, m);
         const V gv = V::fma(ga, x, V::load(beta + c, m)) - (V::load(v + c, m) - V::load(k + c, m));
@@ -81,15 +79,14 @@ typename V::T inner_grad_row(typename V::T* z, const typename V::T* k, const typ
         sum_ghx = V::fma(gh, x, sum_ghx);
         x.store(z + c, m);
         gv.store(g + c, m);
-    }
+    });
     const V mean_gh = V::set1(V::reduce(sum_gh) * inv_d);
     const V mean_ghx = V::set1(V::reduce(sum_ghx) * inv_d);
-    for (int64_t c = 0; c < d; c += V::W) {
-        const auto m = V::mask(static_cast<int>(std::min<int64_t>(V::W, d - c)));
+    for_each_vector<V>(d, [&](int64_t c, auto m) {
         const V x = V::load(z + c, m);
         const V gh = V::load(gamma + c, m) * V::load(g + c, m);
         ((gh - mean_gh - x * mean_ghx) * inv_std).store(G + c, m);
-    }
+    });
     return std;
 }
 
@@ -101,22 +98,20 @@ typename V::T ln_forward_row(typename V::T* zb, const typename V::T* q, const ty
     using T = typename V::T;
     const T inv_d = T(1) / static_cast<T>(d);
     V s = V::zero();
-    for (int64_t c = 0; c < d; c += V::W) s = s + V::load(zb + c, V::mask(static_cast<int>(std::min<int64_t>(V::W, d - c))));
+    for_each_vector<V>(d, [&](int64_t c, auto m) { s = s + V::load(zb + c, m); });
     const V mu = V::set1(V::reduce(s) * inv_d);
     V sq = V::zero();
-    for (int64_t c = 0; c < d; c += V::W) {
-        const auto m = V::mask(static_cast<int>(std::min<int64_t>(V::W, d - c)));
+    for_each_vector<V>(d, [&](int64_t c, auto m) {
         const V dz = V::keep(m, V::load(zb + c, m) - mu);
         sq = V::fma(dz, dz, sq);
-    }
+    });
     const T std = std::sqrt(V::reduce(sq) * inv_d + eps);
     const V inv_std = V::set1(T(1) / std);
-    for (int64_t c = 0; c < d; c += V::W) {
-        const auto m = V::mask(static_cast<int>(std::min<int64_t>(V::W, d - c)));
+    for_each_vector<V>(d, [&](int64_t c, auto m) {
         const V x = (V::load(zb + c, m) - mu) * inv_std;
         x.store(zb + c, m);
         (V::load(q + c, m) + V::fma(V::load(gamma + c, m), x, V::load(beta + c, m))).store(out + c, m);
-    }
+    });
     return std;
 }
 
@@ -128,8 +123,7 @@ void ln_backward_row(const typename V::T* dout, const typename V::T* x, typename
     using T = typename V::T;
     const T inv_d = T(1) / static_cast<T>(d);
     V s = V::zero(), sx = V::zero();
-    for (int64_t c = 0; c < d; c += V::W) {
-        const auto m = V::mask(static_cast<int>(std::min<int64_t>(V::W, d - c)));
+    for_each_vector<V>(d, [&](int64_t c, auto m) {
         const V go = V::load(dout + c, m);
         const V x_c = V::load(x + c, m);
         const V dx = go * V::load(gamma + c, m);
@@ -137,15 +131,14 @@ void ln_backward_row(const typename V::T* dout, const typename V::T* x, typename
         sx = V::fma(dx, x_c, sx);
         V::fma(go, x_c, V::load(dgamma + c, m)).store(dgamma + c, m);
         (V::load(dbeta + c, m) + go).store(dbeta + c, m);
-    }
+    });
     const V mean = V::set1(V::reduce(s) * inv_d);
     const V mean_x = V::set1(V::reduce(sx) * inv_d);
     const V inv_std = V::set1(T(1) / std);
-    for (int64_t c = 0; c < d; c += V::W) {
-        const auto m = V::mask(static_cast<int>(std::min<int64_t>(V::W, d - c)));
+    for_each_vector<V>(d, [&](int64_t c, auto m) {
         const V dx = V::load(dout + c, m) * V::load(gamma + c, m);
         ((dx - mean - V::load(x + c, m) * mean_x) * inv_std).store(dzb + c, m);
-    }
+    });
 }
 
 // Vector-Jacobian product of inner_grad_row (the second-order term): given dG, with
@@ -162,15 +155,14 @@ void inner_grad_backward_row(const typename V::T* dG, const typename V::T* x, ty
     using T = typename V::T;
     const T inv_d = T(1) / static_cast<T>(d);
     V s_dG = V::zero(), s_dGx = V::zero(), s_ux = V::zero(), s_dGG = V::zero();
-    for (int64_t c = 0; c < d; c += V::W) {
-        const auto m = V::mask(static_cast<int>(std::min<int64_t>(V::W, d - c)));
+    for_each_vector<V>(d, [&](int64_t c, auto m) {
         const V dG_c = V::load(dG + c, m);
         const V x_c = V::load(x + c, m);
         s_dG = s_dG + dG_c;
         s_dGx = V::fma(dG_c, x_c, s_dGx);
         s_ux = V::fma(V::load(gamma + c, m) * V::load(g + c, m), x_c, s_ux);
         s_dGG = V::fma(dG_c, V::load(G + c, m), s_dGG);
-    }
+    });
     const V mean_dG = V::set1(V::reduce(s_dG) * inv_d);
     const V mean_dGx = V::set1(V::reduce(s_dGx) * inv_d);
     const V mean_ux = V::set1(V::reduce(s_ux) * inv_d);
@@ -179,8 +171,7 @@ void inner_grad_backward_row(const typename V::T* dG, const typename V::T* x, ty
     const V inv_std = V::set1(inv_std_s);
     // First pass: dx into dz (scratch), dg, the parameter gradients, and the sums for the LN backward.
     V s_dx = V::zero(), s_dxx = V::zero();
-    for (int64_t c = 0; c < d; c += V::W) {
-        const auto m = V::mask(static_cast<int>(std::min<int64_t>(V::W, d - c)));
+    for_each_vector<V>(d, [&](int64_t c, auto m) {
         const V dG_c = V::load(dG + c, m);
         const V x_c = V::load(x + c, m);
         const V ga = V::load(gamma + c, m);
@@ -195,15 +186,14 @@ void inner_grad_backward_row(const typename V::T* dG, const typename V::T* x, ty
         (V::load(dbeta + c, m) + dg_c).store(dbeta + c, m);
         s_dx = s_dx + dx;
         s_dxx = V::fma(dx, x_c, s_dxx);
-    }
+    });
     const V mean_dx = V::set1(V::reduce(s_dx) * inv_d);
     const V mean_dxx = V::set1(V::reduce(s_dxx) * inv_d);
     const V dstd_d = V::set1(dstd * inv_d);
-    for (int64_t c = 0; c < d; c += V::W) {
-        const auto m = V::mask(static_cast<int>(std::min<int64_t>(V::W, d - c)));
+    for_each_vector<V>(d, [&](int64_t c, auto m) {
         const V x_c = V::load(x + c, m);
         V::fma(dstd_d, x_c, (V::load(dz + c, m) - mean_dx - x_c * mean_dxx) * inv_std).store(dz + c, m);
-    }
+    });
 }
 
 // ---------------------------------------------------------------- one mini-batch
