@@ -36,7 +36,7 @@ template <typename In, typename T>
 void scan_forward_range(const ScanArgs& a, int64_t begin, int64_t end) {
     MiniBatchWork<Vec<T>> w;
     w.init(a.d, a.bmax, false);
-    for (int64_t bh = begin; bh < end; ++bh) scan_forward<Vec<T>, In>(a, bh, w);
+    scan_forward<Vec<T>, In>(a, begin, end, w);
 }
 
 template <typename In, typename T>
