@@ -198,6 +198,37 @@ TEST(DepthwiseConv, InferencePathEqualsTrainingPath) {
     EXPECT_TRUE(torch::equal(causal_depthwise_conv1d_tokens(x, w1, b, Impl::Fused), with_graph.detach()));
 }
 
+// The heads form is the token form's channels split into heads: the same values on every path and target,
+// head-major memory on the fused path without a graph (what the TTT-Linear scan reads), and in a graph the
+// token form's gradients.
+TEST(DepthwiseConv, CausalConv1dInHeadsIsTheTokenFormSplitIntoHeads) {
+    using linvis::ops::causal_depthwise_conv1d_heads;
+    torch::manual_seed(8);
+    const int64_t B = 2, T = 37, C = 24, heads = 3;
+    const Tensor x = torch::randn({B, T, C}), w = torch::randn({C, 1, 4}), b = torch::randn({C});
+    const Tensor split = causal_depthwise_conv1d_tokens(x, w, b, Impl::Reference).view({B, T, heads, C / heads})
+                             .permute({0, 2, 1, 3});
+    linvis::testing::for_each_simd_target([&](const linvis::testing::SimdTarget& target) {
+        for (Impl impl : {Impl::Reference, Impl::Fused}) {
+            torch::NoGradGuard no_grad;
+            const Tensor out = causal_depthwise_conv1d_heads(x, w, b, heads, impl);
+            EXPECT_EQ(out.sizes(), split.sizes());
+            EXPECT_TRUE(all_close(out, split, 1e-5, 1e-5)) << target.env << " " << linvis::ops::impl_name(impl);
+            if (impl == Impl::Fused) EXPECT_TRUE(out.is_contiguous()) << target.env;
+        }
+        const Tensor wg = w.clone().requires_grad_(), xg = x.clone().requires_grad_();
+        const Tensor probe = torch::randn({B, heads, T, C / heads});
+        (causal_depthwise_conv1d_heads(xg, wg, b, heads, Impl::Fused) * probe).sum().backward();
+        const Tensor w2 = w.clone().requires_grad_(), x2 = x.clone().requires_grad_();
+        (causal_depthwise_conv1d_tokens(x2, w2, b, Impl::Fused) * probe.permute({0, 2, 1, 3}).reshape({B, T, C}))
+            .sum()
+            .backward();
+        EXPECT_TRUE(all_close(xg.grad(), x2.grad(), 1e-5, 1e-5)) << target.env;
+        EXPECT_TRUE(all_close(wg.grad(), w2.grad(), 1e-5, 1e-5)) << target.env;
+    });
+    EXPECT_THROW(causal_depthwise_conv1d_heads(x, w, b, 5), linvis::Error);
+}
+
 // Weight and bias gradients are summed per task and the partials added in task order: the same bits
 // on one thread and on two.
 TEST(DepthwiseConv, GradientsDoNotDependOnThreadCount) {

@@ -75,8 +75,9 @@ void TttLinearBranchImpl::reset_parameters() {
 
 torch::Tensor TttLinearBranchImpl::causal_conv(const torch::nn::Conv1d& conv, const torch::Tensor& u) const {
     // As the reference: pad k-1 on both sides, keep the first T outputs, i.e.
-    // out[t] = bias + sum_s w[s] u[t-(k-1)+s] with u[<0] = 0 (FLOPs: the T kept outputs).
-    return ops::causal_depthwise_conv1d_tokens(u, conv->weight, conv->bias, options_.impl);
+    // out[t] = bias + sum_s w[s] u[t-(k-1)+s] with u[<0] = 0 (FLOPs: the T kept outputs). In heads (B, nh, T, d):
+    // head-major in inference, where the scan reads each head's rows contiguously.
+    return ops::causal_depthwise_conv1d_heads(u, conv->weight, conv->bias, options_.num_heads, options_.impl);
 }
 
 std::vector<ops::NormedProduct> TttLinearBranchImpl::products() const {
@@ -107,8 +108,8 @@ ops::TttLinearInputs TttLinearBranchImpl::assemble(torch::Tensor u, const std::f
     auto order = [&](torch::Tensor t, int64_t token_dim) { return reversed ? torch::flip(t, {token_dim}) : t; };
     u = order(std::move(u), 1);
     auto heads = [&](const torch::Tensor& t) { return t.reshape({B, T, nh, d}).permute({0, 2, 1, 3}); };
-    torch::Tensor xq = heads(causal_conv(conv_q, u));
-    torch::Tensor xk = heads(causal_conv(conv_k, u));
+    torch::Tensor xq = causal_conv(conv_q, u);
+    torch::Tensor xk = causal_conv(conv_k, u);
     u = torch::Tensor();  // freed before xv exists: one (B, T, D) less at the mixer's peak
     torch::Tensor xv = heads(order(v(), 1));
     torch::Tensor lr = order(ops::ttt_learning_rate_of_logits(lr_logits, options_.eta_base, d), 2);

@@ -41,4 +41,11 @@ torch::Tensor depthwise_conv2d_tokens(const torch::Tensor& x, int64_t height, in
 torch::Tensor causal_depthwise_conv1d_tokens(const torch::Tensor& x, const torch::Tensor& weight,
                                              const torch::Tensor& bias, Impl impl = Impl::Auto);
 
+// The same convolution split into `heads` groups of C / heads channels: a (B, heads, T, C / heads) tensor,
+// out[b, h, t, j] = causal_depthwise_conv1d_tokens(...)[b, t, h * C / heads + j]. Outside autograd the fused
+// path writes it head-major (each head's tokens contiguous), the layout in which the TTT-Linear scan reads a
+// head's rows fastest; in a graph, and on the reference path, it is the permuted view of the (B, T, C) result.
+torch::Tensor causal_depthwise_conv1d_heads(const torch::Tensor& x, const torch::Tensor& weight,
+                                            const torch::Tensor& bias, int64_t heads, Impl impl = Impl::Auto);
+
 }  // namespace linvis::ops

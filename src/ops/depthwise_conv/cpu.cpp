@@ -86,26 +86,30 @@ LINVIS_SIMD_INLINE void silu_grad_body(const T* g, const T* z, T* dz, int64_t n,
     }
 }
 
-// Causal stencil over tokens [t0, t1) of one sample (x rows at x + t*sx, taps k x C, out rows contiguous):
+// Causal stencil over tokens [t0, t1) of one sample (x rows at x + t*sx, taps k x C):
 // out[t] = bias + sum_s taps[s] * x[t - (k-1) + s]  (transpose: out[t] = sum_s taps[s] * x[t + (k-1) - s],
-// x[>= T] = 0, no bias: the input gradient).
+// x[>= T] = 0, no bias: the input gradient). The output's channels come in parts of `part` (which divides C),
+// part j of token t at out + j * part_stride + t * part: part = C is the token-major (T, C) layout, part = C / h
+// with part_stride = T * part the head-major (h, T, C / h) one.
 template <typename T>
 LINVIS_SIMD_INLINE void causal_apply_body(const T* x, int64_t sx, int64_t len, const T* taps, int64_t k,
-                                          const T* bias, bool transpose, T* out, int64_t t0, int64_t t1, int64_t C) {
-    for (int64_t t = t0; t < t1; ++t) {
-        T* __restrict o = out + t * C;
-        if (bias != nullptr)
-            for (int64_t c = 0; c < C; ++c) o[c] = bias[c];
-        else
-            for (int64_t c = 0; c < C; ++c) o[c] = T(0);
-        for (int64_t s = 0; s < k; ++s) {
-            const int64_t ts = transpose ? t + (k - 1) - s : t - (k - 1) + s;
-            if (ts < 0 || ts >= len) continue;
-            const T* __restrict xs = x + ts * sx;
-            const T* __restrict w = taps + s * C;
-            for (int64_t c = 0; c < C; ++c) o[c] += w[c] * xs[c];
+                                          const T* bias, bool transpose, T* out, int64_t t0, int64_t t1, int64_t C,
+                                          int64_t part, int64_t part_stride) {
+    for (int64_t t = t0; t < t1; ++t)
+        for (int64_t c0 = 0; c0 < C; c0 += part) {
+            T* __restrict o = out + (c0 / part) * part_stride + t * part;
+            if (bias != nullptr)
+                for (int64_t c = 0; c < part; ++c) o[c] = bias[c0 + c];
+            else
+                for (int64_t c = 0; c < part; ++c) o[c] = T(0);
+            for (int64_t s = 0; s < k; ++s) {
+                const int64_t ts = transpose ? t + (k - 1) - s : t - (k - 1) + s;
+                if (ts < 0 || ts >= len) continue;
+                const T* __restrict xs = x + ts * sx + c0;
+                const T* __restrict w = taps + s * C + c0;
+                for (int64_t c = 0; c < part; ++c) o[c] += w[c] * xs[c];
+            }
         }
-    }
 }
 
 // acc[s][c] += sum_{t in [t0, t1)} x[t - (k-1) + s][c] * g[t][c]; acc[k][c] += sum_t g[t][c] (bias).
@@ -141,8 +145,9 @@ LINVIS_SIMD_INLINE void sum_rows_body(const T* g, int64_t n, int64_t C, T* acc) 
                        (g, z, dz, n, sigmoid))                                                                  \
     LINVIS_SIMD_CLONES(causal_apply,                                                                            \
                        (const T* x, int64_t sx, int64_t len, const T* taps, int64_t k, const T* bias,           \
-                        bool transpose, T* out, int64_t t0, int64_t t1, int64_t C),                             \
-                       (x, sx, len, taps, k, bias, transpose, out, t0, t1, C))                                  \
+                        bool transpose, T* out, int64_t t0, int64_t t1, int64_t C, int64_t part,                \
+                        int64_t part_stride),                                                                   \
+                       (x, sx, len, taps, k, bias, transpose, out, t0, t1, C, part, part_stride))               \
     LINVIS_SIMD_CLONES(causal_reduce,                                                                           \
                        (const T* x, int64_t sx, const T* g, int64_t k, T* acc, int64_t t0, int64_t t1, int64_t C), \
                        (x, sx, g, k, acc, t0, t1, C))                                                           \
@@ -350,9 +355,11 @@ public:
 
 // ------------------------------------------------------------------ causal 1D
 
-Tensor causal_run(const Tensor& x, const Tensor& weight, const Tensor& bias) {
-    const int64_t B = x.size(0), len = x.size(1), C = x.size(2), k = weight.size(2);
-    Tensor out = torch::empty({B, len, C}, x.options().memory_format(torch::MemoryFormat::Contiguous));
+// heads = 1: a contiguous (B, T, C); heads > 1: a contiguous (B, heads, T, C / heads).
+Tensor causal_run(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t heads = 1) {
+    const int64_t B = x.size(0), len = x.size(1), C = x.size(2), k = weight.size(2), part = C / heads;
+    Tensor out = heads == 1 ? torch::empty({B, len, C}, x.options().memory_format(torch::MemoryFormat::Contiguous))
+                            : torch::empty({B, heads, len, part}, x.options());
     dispatch(x, [&](auto zero) {
         using T = decltype(zero);
         const std::vector<T> taps = taps_of<T>(weight);
@@ -364,7 +371,7 @@ Tensor causal_run(const Tensor& x, const Tensor& weight, const Tensor& bias) {
                 const int64_t s = g.sample(task);
                 causal_apply(static_cast<const T*>(x.data_ptr<T>() + s * x.stride(0)), x.stride(1), len,
                              static_cast<const T*>(taps.data()), k, b, false, out.data_ptr<T>() + s * len * C,
-                             g.t0(task), g.t1(task), C);
+                             g.t0(task), g.t1(task), C, part, len * part);
             }
         });
     });
@@ -386,7 +393,7 @@ std::vector<Tensor> causal_backward(const Tensor& x, const Tensor& weight, const
             const T* gs = go.data_ptr<T>() + s * len * C;
             if (need_dx)
                 causal_apply(gs, C, len, static_cast<const T*>(taps.data()), k, static_cast<const T*>(nullptr), true,
-                             dx.data_ptr<T>() + s * len * C, t0, t1, C);
+                             dx.data_ptr<T>() + s * len * C, t0, t1, C, C, 0);
             if (need_dw)
                 causal_reduce(static_cast<const T*>(x.data_ptr<T>() + s * x.stride(0)), x.stride(1), gs, k,
                               parts.data() + task * plen, t0, t1, C);
@@ -472,6 +479,18 @@ Tensor causal_depthwise_conv1d_tokens_fused(const Tensor& x_in, const Tensor& we
         return compute.back(CausalConv1dFunction::apply(x, weight, b));
     }
     return compute.back(causal_run(x, weight, bias));
+}
+
+Tensor causal_depthwise_conv1d_heads_fused(const Tensor& x_in, const Tensor& weight_in, const Tensor& bias_in,
+                                           int64_t heads) {
+    const Compute compute(x_in);
+    const Tensor x = channels_unit(compute(x_in)), weight = compute(weight_in), bias = compute(bias_in);
+    if (records_graph({x, weight, bias})) {
+        const Tensor b = bias.defined() ? bias : torch::zeros({x.size(2)}, weight.options());
+        const Tensor out = compute.back(CausalConv1dFunction::apply(x, weight, b));
+        return out.view({out.size(0), out.size(1), heads, out.size(2) / heads}).permute({0, 2, 1, 3});
+    }
+    return compute.back(causal_run(x, weight, bias, heads));
 }
 
 }  // namespace linvis::ops::cpu

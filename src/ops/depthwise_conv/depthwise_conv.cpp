@@ -47,19 +47,38 @@ torch::Tensor depthwise_conv2d_tokens(const torch::Tensor& x, int64_t height, in
     return reference::depthwise_conv2d_tokens(x, height, width, weight, bias, epilogue);  // counts in flops::conv2d
 }
 
-torch::Tensor causal_depthwise_conv1d_tokens(const torch::Tensor& x, const torch::Tensor& weight,
-                                             const torch::Tensor& bias, Impl impl) {
-    constexpr const char* op = "causal_depthwise_conv1d_tokens";
+namespace {
+
+// The checks and FLOPs of both causal forms; true when the fused path runs.
+bool causal_uses_fused(const char* op, const torch::Tensor& x, const torch::Tensor& weight,
+                       const torch::Tensor& bias, Impl impl) {
     LINVIS_CHECK(x.dim() == 3, op, ": x: expected (B, T, C), got ", shape_string(x.sizes()));
     const int64_t C = x.size(2);
     LINVIS_CHECK(weight.dim() == 3 && weight.size(0) == C && weight.size(1) == 1 && weight.size(2) >= 1, op,
                  ": weight: expected (", C, ", 1, k) with k >= 1, got ", shape_string(weight.sizes()));
     check_bias(op, bias, C);
     if (flops::counting()) flops::add(x.size(0) * x.size(1) * C * weight.size(2));  // the T kept outputs
-    const std::string unsupported = cpu::depthwise_conv_unsupported(x, weight, bias);
-    if (use_fused(impl, op, unsupported, fused_is_faster(x)))
+    return use_fused(impl, op, cpu::depthwise_conv_unsupported(x, weight, bias), fused_is_faster(x));
+}
+
+}  // namespace
+
+torch::Tensor causal_depthwise_conv1d_tokens(const torch::Tensor& x, const torch::Tensor& weight,
+                                             const torch::Tensor& bias, Impl impl) {
+    if (causal_uses_fused("causal_depthwise_conv1d_tokens", x, weight, bias, impl))
         return cpu::causal_depthwise_conv1d_tokens_fused(x, weight, bias);
     return reference::causal_depthwise_conv1d_tokens(x, weight, bias);
+}
+
+torch::Tensor causal_depthwise_conv1d_heads(const torch::Tensor& x, const torch::Tensor& weight,
+                                            const torch::Tensor& bias, int64_t heads, Impl impl) {
+    constexpr const char* op = "causal_depthwise_conv1d_heads";
+    LINVIS_CHECK(heads >= 1 && x.dim() == 3 && x.size(2) % heads == 0, op, ": heads: expected a positive divisor of ",
+                 "the channels of x ", shape_string(x.sizes()), ", got ", heads);
+    if (causal_uses_fused(op, x, weight, bias, impl))
+        return cpu::causal_depthwise_conv1d_heads_fused(x, weight, bias, heads);
+    const torch::Tensor out = reference::causal_depthwise_conv1d_tokens(x, weight, bias);
+    return out.view({out.size(0), out.size(1), heads, out.size(2) / heads}).permute({0, 2, 1, 3});
 }
 
 }  // namespace linvis::ops
