@@ -73,10 +73,10 @@ torch::Tensor causal_depthwise_conv1d_tokens(const torch::Tensor& x, const torch
 torch::Tensor causal_depthwise_conv1d_heads(const torch::Tensor& x, const torch::Tensor& weight,
                                             const torch::Tensor& bias, int64_t heads, Impl impl) {
     constexpr const char* op = "causal_depthwise_conv1d_heads";
-    LINVIS_CHECK(heads >= 1 && x.dim() == 3 && x.size(2) % heads == 0, op, ": heads: expected a positive divisor of ",
-                 "the channels of x ", shape_string(x.sizes()), ", got ", heads);
-    if (causal_uses_fused(op, x, weight, bias, impl))
-        return cpu::causal_depthwise_conv1d_heads_fused(x, weight, bias, heads);
+    const bool fused = causal_uses_fused(op, x, weight, bias, impl);  // checks x, weight and bias first
+    LINVIS_CHECK(heads >= 1 && x.size(2) % heads == 0, op, ": heads: expected a positive divisor of the channels of x ",
+                 shape_string(x.sizes()), ", got ", heads);
+    if (fused) return cpu::causal_depthwise_conv1d_heads_fused(x, weight, bias, heads);
     const torch::Tensor out = reference::causal_depthwise_conv1d_tokens(x, weight, bias);
     return out.view({out.size(0), out.size(1), heads, out.size(2) / heads}).permute({0, 2, 1, 3});
 }
