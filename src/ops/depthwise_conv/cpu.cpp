@@ -485,11 +485,6 @@ Tensor causal_depthwise_conv1d_heads_fused(const Tensor& x_in, const Tensor& wei
                                            int64_t heads) {
     const Compute compute(x_in);
     const Tensor x = channels_unit(compute(x_in)), weight = compute(weight_in), bias = compute(bias_in);
-    if (records_graph({x, weight, bias})) {
-        const Tensor b = bias.defined() ? bias : torch::zeros({x.size(2)}, weight.options());
-        const Tensor out = compute.back(CausalConv1dFunction::apply(x, weight, b));
-        return out.view({out.size(0), out.size(1), heads, out.size(2) / heads}).permute({0, 2, 1, 3});
-    }
     return compute.back(causal_run(x, weight, bias, heads));
 }
 

@@ -21,7 +21,8 @@ torch::Tensor depthwise_conv2d_tokens_fused(const torch::Tensor& x, int64_t heig
                                             DwEpilogue epilogue);
 torch::Tensor causal_depthwise_conv1d_tokens_fused(const torch::Tensor& x, const torch::Tensor& weight,
                                                    const torch::Tensor& bias);
-// The same with the output in heads (ops::causal_depthwise_conv1d_heads): head-major outside a graph.
+// The same with the output in heads, head-major (ops::causal_depthwise_conv1d_heads); without autograd: the caller
+// takes the token form in a graph.
 torch::Tensor causal_depthwise_conv1d_heads_fused(const torch::Tensor& x, const torch::Tensor& weight,
                                                   const torch::Tensor& bias, int64_t heads);
 

@@ -8,6 +8,7 @@
 #include "linvis/core/flops.h"
 #include "ops/depthwise_conv/cpu.h"
 #include "ops/depthwise_conv/reference.h"
+#include "ops/records_graph.h"
 #include "ops/simd/simd.h"
 
 namespace linvis::ops {
@@ -76,8 +77,11 @@ torch::Tensor causal_depthwise_conv1d_heads(const torch::Tensor& x, const torch:
     const bool fused = causal_uses_fused(op, x, weight, bias, impl);  // checks x, weight and bias first
     LINVIS_CHECK(heads >= 1 && x.size(2) % heads == 0, op, ": heads: expected a positive divisor of the channels of x ",
                  shape_string(x.sizes()), ", got ", heads);
-    if (fused) return cpu::causal_depthwise_conv1d_heads_fused(x, weight, bias, heads);
-    const torch::Tensor out = reference::causal_depthwise_conv1d_tokens(x, weight, bias);
+    // Head-major only outside a graph; otherwise the token form's autograd, its result viewed in heads.
+    if (fused && !records_graph({x, weight, bias}))
+        return cpu::causal_depthwise_conv1d_heads_fused(x, weight, bias, heads);
+    const torch::Tensor out = fused ? cpu::causal_depthwise_conv1d_tokens_fused(x, weight, bias)
+                                    : reference::causal_depthwise_conv1d_tokens(x, weight, bias);
     return out.view({out.size(0), out.size(1), heads, out.size(2) / heads}).permute({0, 2, 1, 3});
 }
 
