@@ -147,7 +147,10 @@ private:
     // then per-pixel BatchNorm / ReLU, so a band of output rows needs only the rows its receptive field covers;
     // those outside the map are the convs' zero padding. Nothing when the widest full map is small.
     std::optional<Tensor> forward_in_bands(const Tensor& x) {
-        constexpr int64_t kBandBytes = int64_t{16} << 20;  // the widest layer's band, about
+        // The widest layer's band, about. Halving it from 16 MiB cut hvit3_tiny's activation peak at 1024 / 2048 px
+        // from 61-69 / 168 to 48 / 132 MiB on the AVX2 EPYC for 2.3 % more conv MACs (the halo rows), run time
+        // unchanged within the noise (docs/performance.md, "H-ViT3's conv stacks in smaller bands").
+        constexpr int64_t kBandBytes = int64_t{8} << 20;
         struct Geometry {
             int64_t kernel, stride, pad, height;  // height: of the layer's input
         };
@@ -170,8 +173,9 @@ private:
         }
         const int64_t out_height = height;
         // Output rows per band: about kBandBytes of the widest layer's map, whose rows are up to 4 times the
-        // output's (the stem's two strides), and at least 8, so that the halo rows stay a small share.
-        const int64_t band = std::max<int64_t>(8, kBandBytes / std::max<int64_t>(widest_row, 1) / 4);
+        // output's (the stem's two strides), and at least 4, so that the halo rows stay a modest share (the stem's
+        // convs compute 12 % more rows than the map's at 4 rows per band, 6 % at 8).
+        const int64_t band = std::max<int64_t>(4, kBandBytes / std::max<int64_t>(widest_row, 1) / 4);
         if (band >= out_height) return std::nullopt;
         // FLOPs count each conv once over its whole map (as the whole maps' calls would), not the halo rows' repeats.
         if (flops::counting()) flops::add(macs);
