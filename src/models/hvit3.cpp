@@ -148,8 +148,8 @@ private:
     // those outside the map are the convs' zero padding. Nothing when the widest full map is small.
     std::optional<Tensor> forward_in_bands(const Tensor& x) {
         // The widest layer's band, about. Halving it from 16 MiB cut hvit3_tiny's activation peak at 1024 / 2048 px
-        // from 61-69 / 168 to 48 / 132 MiB on the AVX2 EPYC for 2.3 % more conv MACs (the halo rows), run time
-        // unchanged within the noise (docs/performance.md, "H-ViT3's conv stacks in smaller bands").
+        // from 61-69 / 168 to 48 / 132 MiB on the AVX2 EPYC for 2.2 % more of the model's MACs (the halo rows),
+        // run time unchanged within the noise (docs/performance.md, "H-ViT3's conv stacks in smaller bands").
         constexpr int64_t kBandBytes = int64_t{8} << 20;
         struct Geometry {
             int64_t kernel, stride, pad, height;  // height: of the layer's input
