@@ -147,15 +147,18 @@ private:
     // then per-pixel BatchNorm / ReLU, so a band of output rows needs only the rows its receptive field covers;
     // those outside the map are the convs' zero padding. Nothing when the widest full map is small.
     std::optional<Tensor> forward_in_bands(const Tensor& x) {
-        // The widest layer's band, about. Halving it from 16 MiB cut hvit3_tiny's activation peak at 1024 / 2048 px
-        // from 61-69 / 168 to 48 / 132 MiB on the AVX2 EPYC for 2.2 % more of the model's MACs (the halo rows),
-        // run time unchanged within the noise (docs/performance.md, "H-ViT3's conv stacks in smaller bands").
-        constexpr int64_t kBandBytes = int64_t{8} << 20;
+        // The widest layer's band, about: 16 MiB, and 8 MiB when that layer's map (bounded as below) is 64 MiB or
+        // more (hvit3_tiny's stem: 6 / 32 / 128 MiB at 224 / 512 / 1024 px). The smaller bands cut hvit3_tiny's
+        // activation peak at 1024 / 2048 px from 61-69 / 168 to 48 / 132 MiB on the AVX2 EPYC for 2.2 % more of the
+        // model's MACs (the halo rows), run time unchanged within the noise; on smaller maps they were slower in some
+        // runs (docs/performance.md, "H-ViT3's conv stacks in smaller bands").
+        constexpr int64_t kBandBytes = int64_t{16} << 20, kLargeMapBandBytes = int64_t{8} << 20;
+        constexpr int64_t kLargeMapBytes = int64_t{64} << 20;
         struct Geometry {
             int64_t kernel, stride, pad, height;  // height: of the layer's input
         };
         std::vector<Geometry> g;
-        int64_t height = x.size(2), width = x.size(3), widest_row = 0, macs = 0;
+        int64_t height = x.size(2), width = x.size(3), widest_row = 0, widest_map = 0, macs = 0;
         for (const auto& layer : *conv) {
             const auto& o = layer->as<lnn::Vit3ConvLayerImpl>()->conv->options;
             const int64_t k = (*o.kernel_size())[0], s = (*o.stride())[0];
@@ -169,13 +172,16 @@ private:
             macs += x.size(0) * o.out_channels() * height * width * (o.in_channels() / o.groups()) * k *
                     (*o.kernel_size())[1];
             const int64_t wide = (x.size(3) + 2 * p - k) / s + 1;  // an upper bound of each layer's width
-            widest_row = std::max(widest_row, o.out_channels() * wide * x.size(0) * x.element_size());
+            const int64_t row_bytes = o.out_channels() * wide * x.size(0) * x.element_size();
+            widest_row = std::max(widest_row, row_bytes);
+            widest_map = std::max(widest_map, row_bytes * height);
         }
         const int64_t out_height = height;
-        // Output rows per band: about kBandBytes of the widest layer's map, whose rows are up to 4 times the
+        // Output rows per band: about band_bytes of the widest layer's map, whose rows are up to 4 times the
         // output's (the stem's two strides), and at least 4, so that the halo rows stay a modest share (the stem's
         // convs compute 12 % more rows than the map's at 4 rows per band, 6 % at 8).
-        const int64_t band = std::max<int64_t>(4, kBandBytes / std::max<int64_t>(widest_row, 1) / 4);
+        const int64_t band_bytes = widest_map >= kLargeMapBytes ? kLargeMapBandBytes : kBandBytes;
+        const int64_t band = std::max<int64_t>(4, band_bytes / std::max<int64_t>(widest_row, 1) / 4);
         if (band >= out_height) return std::nullopt;
         // FLOPs count each conv once over its whole map (as the whole maps' calls would), not the halo rows' repeats.
         if (flops::counting()) flops::add(macs);
