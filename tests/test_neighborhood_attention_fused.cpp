@@ -1,8 +1,9 @@
 // The fused CPU neighbourhood-attention kernel (src/ops/neighborhood_attention/cpu.cpp) against the reference
 // (gathers + softmax with autograd): outputs and the gradients of q, k and v, float32 and float64, clamped
-// windows at every border, windows covering a whole short axis, non-square grids, dv != d, head dims below, at and
-// above the kernel's 16 partial sums; on every LINVIS_SIMD target; strided views as DiT5 passes them, in a graph
-// and outside one (where no attention weights are kept).
+// windows at every border, windows covering a whole short axis, non-square grids (and grids wider than one strip of
+// queries), dv != d, head dims that are not a whole number of vectors or fill more than one register block of the
+// SIMD layer's window kernels, windows of 9, 25 and 49 keys (every group size of window_dots); on every LINVIS_SIMD
+// target; strided views as DiT5 passes them, in a graph and outside one (where no attention weights are kept).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -58,6 +59,8 @@ const Case kCases[] = {
     {1, 2, 9, 9, 8, 8, 7},
     {1, 2, 10, 9, 64, 64, 5},  // DiT-S's head dim
     {1, 1, 6, 7, 20, 36, 3},   // head dims past one block of partial sums, with a remainder
+    {1, 2, 7, 19, 72, 72, 5},  // DiT-XL's head dim; three strips of queries, the last one short
+    {1, 1, 4, 12, 136, 136, 3}, // d and dv past eight AVX2 vectors: window_sum's block of eight vectors twice
 };
 
 void run_all_cases() {

@@ -1,9 +1,10 @@
 // Fused CPU 2-D neighbourhood attention: per query, the Ky*Kx logits, their softmax and the weighted sum of the
 // values in one pass over the window, without the gathered (N, K*K, d) neighbour tensors of the reference. q, k and
 // v are read in place through their strides (DiT5 hands over permuted views of its (B, N, C) projections), and the
-// output is written in the (B, H, W, heads, dv) order its caller permutes it back to. The row loops are compiled per
-// SIMD target with LINVIS_SIMD_CLONES: dot products in 16 partial sums, the window's exponentials through the SIMD
-// layer's exp_sub (float) and the value / gradient updates as vector loops. The attention weights are kept only
+// output is written in the (B, H, W, heads, dv) order its caller permutes it back to. In float a query's window goes
+// through the SIMD layer's window_dots (its logits, and dout against the values in the backward) and window_sum (the
+// output, and dq), which keep their sums in registers; the exponentials through its exp_sub; the scatters into dk
+// and dv are vector loops compiled per SIMD target with LINVIS_SIMD_CLONES. The attention weights are kept only
 // when a graph records the op (its backward needs them).
 #include "ops/neighborhood_attention/cpu.h"
 
@@ -88,6 +89,27 @@ LINVIS_SIMD_INLINE Window window_of(const Geometry& g, int64_t y, int64_t x) {
     return {window_start(y, g.H, g.K), window_start(x, g.W, g.K)};
 }
 
+// A window's dot products with one vector and its weighted sum of rows (simd.h window_dots / window_sum): the SIMD
+// layer's kernels for float, the loops above for double (the float64 path the tests compare against).
+template <typename T>
+struct WindowFns {
+    void (*dots)(const T* x, const T* p, int64_t sr, int64_t sc, int64_t rows, int64_t cols, int64_t n, T* out);
+    void (*sum)(const T* w, const T* p, int64_t sr, int64_t sc, int64_t rows, int64_t cols, int64_t n, T* y);
+};
+void window_dots_f64(const double* x, const double* p, int64_t sr, int64_t sc, int64_t rows, int64_t cols, int64_t n,
+                     double* out) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < cols; ++j) out[r * cols + j] = dot(x, p + r * sr + j * sc, n);
+}
+void window_sum_f64(const double* w, const double* p, int64_t sr, int64_t sc, int64_t rows, int64_t cols, int64_t n,
+                    double* y) {
+    std::fill(y, y + n, 0.0);
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < cols; ++j) axpy(w[r * cols + j], p + r * sr + j * sc, y, n);
+}
+WindowFns<float> window_fns_of(float) { return {simd::kernels().window_dots, simd::kernels().window_sum}; }
+WindowFns<double> window_fns_of(double) { return {window_dots_f64, window_sum_f64}; }
+
 template <typename T>
 struct ForwardRow {
     Geometry g;
@@ -96,35 +118,62 @@ struct ForwardRow {
     T* attn;  // (B, heads, N, Ky*Kx) or null
     T scale;
     ExpSubFn<T> exp_sub;
+    WindowFns<T> window;
 };
 
-// The queries of one grid row y of (b, head); w holds Ky*Kx values.
+// Queries go in strips of kStripWidth columns, row after row down the strip, and each strip first packs the key and
+// value columns its windows cover (kStripWidth + K - 1 of them) for every row, without gaps. In place, one key is
+// one head's slice of a token's qkv row: DiT5's keys are 3 C floats apart and a grid row a multiple of 4 KiB further,
+// so a window's keys crowd few cache sets and missed in L1 and L2 (a query at a 32-wide grid took 2.2x the time of one
+// at a 16-wide grid). Packed, one row of the strip's windows is (kStripWidth + K - 1) x K keys and as many values
+// (30 KiB for DiT-S's d = 64, K = 5) in consecutive lines.
+constexpr int64_t kStripWidth = 8;
+
+// The columns [x0, x0 + cols) of every row of one (b, head) of a grid, packed as (H, cols, n).
 template <typename T>
-LINVIS_SIMD_INLINE void forward_row_body(const ForwardRow<T>& a, int64_t b, int64_t head, int64_t y, T* w) {
+void pack_columns(const Grid<const T>& grid, int64_t b, int64_t head, int64_t H, int64_t x0, int64_t cols, int64_t n,
+                  T* packed) {
+    for (int64_t y = 0; y < H; ++y)
+        for (int64_t x = 0; x < cols; ++x) {
+            // The same column of the next row is asked for a row ahead: the hardware sees no stride to follow.
+            if (y + 1 < H)
+                for (int64_t c = 0; c < n; c += 64 / sizeof(T)) __builtin_prefetch(grid.at(b, head, y + 1, x0 + x) + c);
+            const T* src = grid.at(b, head, y, x0 + x);
+            std::copy(src, src + n, packed + (y * cols + x) * n);
+        }
+}
+
+// The queries of columns [x_begin, x_end) of every grid row of (b, head), their keys and values packed as (H, cols, d)
+// and (H, cols, dv) from column x0 on; w holds Ky*Kx values.
+template <typename T>
+LINVIS_SIMD_INLINE void forward_strip_body(const ForwardRow<T>& a, int64_t b, int64_t head, int64_t x_begin,
+                                           int64_t x_end, const T* keys, const T* values, int64_t x0, int64_t cols,
+                                           T* w) {
     const Geometry& g = a.g;
     const int64_t KK = g.Ky * g.Kx, N = g.H * g.W;
-    for (int64_t x = 0; x < g.W; ++x) {
-        const Window win = window_of(g, y, x);
-        const T* qr = a.q.at(b, head, y, x);
-        T maxv = -std::numeric_limits<T>::infinity();
-        for (int64_t ky = 0; ky < g.Ky; ++ky)
-            for (int64_t kx = 0; kx < g.Kx; ++kx) {
-                const T logit = dot(qr, a.k.at(b, head, win.y0 + ky, win.x0 + kx), g.d) * a.scale;
-                w[ky * g.Kx + kx] = logit;
-                maxv = std::max(maxv, logit);
+    for (int64_t y = 0; y < g.H; ++y)
+        for (int64_t x = x_begin; x < x_end; ++x) {
+            const Window win = window_of(g, y, x);
+            const int64_t first = win.y0 * cols + win.x0 - x0;  // the window's first key in the packed columns
+            // Each query is read once, in place: its successor's lines are asked for while this one's window runs.
+            const T* next = x + 1 < x_end ? a.q.at(b, head, y, x + 1) : y + 1 < g.H ? a.q.at(b, head, y + 1, x_begin)
+                                                                                   : nullptr;
+            if (next != nullptr)
+                for (int64_t c = 0; c < g.d; c += 64 / sizeof(T)) __builtin_prefetch(next + c);
+            a.window.dots(a.q.at(b, head, y, x), keys + first * g.d, cols * g.d, g.d, g.Ky, g.Kx, g.d, w);
+            T maxv = -std::numeric_limits<T>::infinity();
+            for (int64_t j = 0; j < KK; ++j) {
+                w[j] *= a.scale;
+                maxv = std::max(maxv, w[j]);
             }
-        a.exp_sub(w, maxv, w, KK);
-        T sum = 0;
-        for (int64_t j = 0; j < KK; ++j) sum += w[j];
-        const T inv = T(1) / sum;
-        for (int64_t j = 0; j < KK; ++j) w[j] *= inv;
-        if (a.attn != nullptr) std::copy(w, w + KK, a.attn + ((b * g.heads + head) * N + y * g.W + x) * KK);
-        T* orow = a.out.at(b, head, y, x);
-        std::fill(orow, orow + g.dv, T(0));
-        for (int64_t ky = 0; ky < g.Ky; ++ky)
-            for (int64_t kx = 0; kx < g.Kx; ++kx)
-                axpy(w[ky * g.Kx + kx], a.v.at(b, head, win.y0 + ky, win.x0 + kx), orow, g.dv);
-    }
+            a.exp_sub(w, maxv, w, KK);
+            T sum = 0;
+            for (int64_t j = 0; j < KK; ++j) sum += w[j];
+            const T inv = T(1) / sum;
+            for (int64_t j = 0; j < KK; ++j) w[j] *= inv;
+            if (a.attn != nullptr) std::copy(w, w + KK, a.attn + ((b * g.heads + head) * N + y * g.W + x) * KK);
+            a.window.sum(w, values + first * g.dv, cols * g.dv, g.dv, g.Ky, g.Kx, g.dv, a.out.at(b, head, y, x));
+        }
 }
 
 template <typename T>
@@ -134,12 +183,13 @@ struct BackwardHead {
     const T* attn;
     Grid<T> dq, dk, dv;
     T scale;
+    WindowFns<T> window;
 };
 
 // The gradients of one (b, head): queries in order, so the key and value sums do not depend on the thread count.
-// dk and dv must be zero on entry; dattn holds Ky*Kx values.
+// dk and dv must be zero on entry; dattn holds Ky*Kx values and dlogit as many.
 template <typename T>
-LINVIS_SIMD_INLINE void backward_head_body(const BackwardHead<T>& a, int64_t b, int64_t head, T* dattn) {
+LINVIS_SIMD_INLINE void backward_head_body(const BackwardHead<T>& a, int64_t b, int64_t head, T* dattn, T* dlogit) {
     const Geometry& g = a.g;
     const int64_t KK = g.Ky * g.Kx, N = g.H * g.W;
     for (int64_t y = 0; y < g.H; ++y)
@@ -147,32 +197,30 @@ LINVIS_SIMD_INLINE void backward_head_body(const BackwardHead<T>& a, int64_t b, 
             const Window win = window_of(g, y, x);
             const T* ar = a.attn + ((b * g.heads + head) * N + y * g.W + x) * KK;
             const T* gr = a.dout.at(b, head, y, x);
+            a.window.dots(gr, a.v.at(b, head, win.y0, win.x0), a.v.sy, a.v.sx, g.Ky, g.Kx, g.dv, dattn);
             T dot_total = 0;
+            for (int64_t j = 0; j < KK; ++j) dot_total += ar[j] * dattn[j];
             for (int64_t ky = 0; ky < g.Ky; ++ky)
-                for (int64_t kx = 0; kx < g.Kx; ++kx) {
-                    const int64_t j = ky * g.Kx + kx;
-                    dattn[j] = dot(gr, a.v.at(b, head, win.y0 + ky, win.x0 + kx), g.dv);
-                    dot_total += ar[j] * dattn[j];
-                    axpy(ar[j], gr, a.dv.at(b, head, win.y0 + ky, win.x0 + kx), g.dv);
-                }
+                for (int64_t kx = 0; kx < g.Kx; ++kx)
+                    axpy(ar[ky * g.Kx + kx], gr, a.dv.at(b, head, win.y0 + ky, win.x0 + kx), g.dv);
+            // d logit, times the scale of q
+            for (int64_t j = 0; j < KK; ++j) dlogit[j] = ar[j] * (dattn[j] - dot_total) * a.scale;
+            a.window.sum(dlogit, a.k.at(b, head, win.y0, win.x0), a.k.sy, a.k.sx, g.Ky, g.Kx, g.d,
+                         a.dq.at(b, head, y, x));
             const T* qr = a.q.at(b, head, y, x);
-            T* dqr = a.dq.at(b, head, y, x);
-            std::fill(dqr, dqr + g.d, T(0));
             for (int64_t ky = 0; ky < g.Ky; ++ky)
-                for (int64_t kx = 0; kx < g.Kx; ++kx) {
-                    const int64_t j = ky * g.Kx + kx;
-                    const T dl = ar[j] * (dattn[j] - dot_total) * a.scale;  // d logit, times the scale of q
-                    axpy(dl, a.k.at(b, head, win.y0 + ky, win.x0 + kx), dqr, g.d);
-                    axpy(dl, qr, a.dk.at(b, head, win.y0 + ky, win.x0 + kx), g.d);
-                }
+                for (int64_t kx = 0; kx < g.Kx; ++kx)
+                    axpy(dlogit[ky * g.Kx + kx], qr, a.dk.at(b, head, win.y0 + ky, win.x0 + kx), g.d);
         }
 }
 
-#define LINVIS_NA_CLONES(T)                                                                                  \
-    LINVIS_SIMD_CLONES(forward_row, (const ForwardRow<T>& a, int64_t b, int64_t head, int64_t y, T* w),  \
-                       (a, b, head, y, w))                                                               \
-    LINVIS_SIMD_CLONES(backward_head, (const BackwardHead<T>& a, int64_t b, int64_t head, T* dattn),     \
-                       (a, b, head, dattn))
+#define LINVIS_NA_CLONES(T)                                                                                    \
+    LINVIS_SIMD_CLONES(forward_strip,                                                                          \
+                       (const ForwardRow<T>& a, int64_t b, int64_t head, int64_t x_begin, int64_t x_end,         \
+                        const T* keys, const T* values, int64_t x0, int64_t cols, T* w),                         \
+                       (a, b, head, x_begin, x_end, keys, values, x0, cols, w))                                  \
+    LINVIS_SIMD_CLONES(backward_head, (const BackwardHead<T>& a, int64_t b, int64_t head, T* dattn, T* dlogit), \
+                       (a, b, head, dattn, dlogit))
 LINVIS_NA_CLONES(float)
 LINVIS_NA_CLONES(double)
 #undef LINVIS_NA_CLONES
@@ -208,13 +256,24 @@ void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
                              grid_of<T>(out),
                              attn.defined() ? attn.data_ptr<T>() : nullptr,
                              static_cast<T>(scale),
-                             exp_sub_of(T())};
+                             exp_sub_of(T()),
+                             window_fns_of(T())};
     const int64_t KK = g.Ky * g.Kx;
-    // Parallel over (sample, head, row): no two tasks write the same output.
-    at::parallel_for(0, g.B * g.heads * g.H, 1, [&](int64_t begin, int64_t end) {
-        std::vector<T> w(static_cast<size_t>(KK));
-        for (int64_t r = begin; r < end; ++r)
-            forward_row(args, r / (g.heads * g.H), (r / g.H) % g.heads, r % g.H, w.data());
+    // Parallel over (sample, head, strip): no two tasks write the same output.
+    const int64_t strips = (g.W + kStripWidth - 1) / kStripWidth;
+    at::parallel_for(0, g.B * g.heads * strips, 1, [&](int64_t begin, int64_t end) {
+        std::vector<T> w(static_cast<size_t>(KK)), keys, values;
+        for (int64_t r = begin; r < end; ++r) {
+            const int64_t b = r / (g.heads * strips), head = (r / strips) % g.heads;
+            const int64_t x_begin = (r % strips) * kStripWidth, x_end = std::min(x_begin + kStripWidth, g.W);
+            // The columns the strip's windows cover: from its first query's window to its last one's.
+            const int64_t x0 = window_of(g, 0, x_begin).x0, cols = window_of(g, 0, x_end - 1).x0 + g.Kx - x0;
+            keys.resize(static_cast<size_t>(g.H * cols * g.d));
+            values.resize(static_cast<size_t>(g.H * cols * g.dv));
+            pack_columns(args.k, b, head, g.H, x0, cols, g.d, keys.data());
+            pack_columns(args.v, b, head, g.H, x0, cols, g.dv, values.data());
+            forward_strip(args, b, head, x_begin, x_end, keys.data(), values.data(), x0, cols, w.data());
+        }
     });
 }
 
@@ -231,11 +290,13 @@ void backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
                                grid_of<T>(dq),
                                grid_of<T>(dk),
                                grid_of<T>(dv),
-                               static_cast<T>(scale)};
+                               static_cast<T>(scale),
+                               window_fns_of(T())};
     const int64_t KK = g.Ky * g.Kx;
     at::parallel_for(0, g.B * g.heads, 1, [&](int64_t begin, int64_t end) {
-        std::vector<T> dattn(static_cast<size_t>(KK));
-        for (int64_t bh = begin; bh < end; ++bh) backward_head(args, bh / g.heads, bh % g.heads, dattn.data());
+        std::vector<T> scratch(static_cast<size_t>(2 * KK));
+        for (int64_t bh = begin; bh < end; ++bh)
+            backward_head(args, bh / g.heads, bh % g.heads, scratch.data(), scratch.data() + KK);
     });
 }
 

@@ -9,6 +9,7 @@
 #include <hwy/contrib/math/math-inl.h>
 // clang-format on
 
+#include <algorithm>
 #include <cstring>
 
 #include "ops/simd/gemm-inl.h"
@@ -278,6 +279,92 @@ void transpose(const float* src, int64_t rows, int64_t cols, int64_t lds, float*
     transpose_blocks<Vec<float>>(src, rows, cols, lds, dst, ldd);
 }
 
+// window_dots for G keys at once: each key's sum in its own register over the channel vectors (G independent chains,
+// so the FMA latency is hidden), one horizontal sum per key at the end.
+template <int G>
+HWY_INLINE void window_dots_group(const float* x, const float* const* keys, int64_t n, float* out) {
+    const FloatTag d;
+    const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+    FloatVec acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = hn::Zero(d);
+    int64_t c = 0;
+    for (; c + N <= n; c += N) {
+        const FloatVec xv = hn::LoadU(d, x + c);
+        for (int g = 0; g < G; ++g) acc[g] = hn::MulAdd(xv, hn::LoadU(d, keys[g] + c), acc[g]);
+    }
+    if (c < n) {
+        const auto m = hn::FirstN(d, static_cast<size_t>(n - c));
+        const FloatVec xv = hn::MaskedLoad(m, d, x + c);
+        for (int g = 0; g < G; ++g) acc[g] = hn::MulAdd(xv, hn::MaskedLoad(m, d, keys[g] + c), acc[g]);
+    }
+    for (int g = 0; g < G; ++g) out[g] = hn::GetLane(hn::SumOfLanes(d, acc[g]));
+}
+
+void window_dots(const float* x, const float* p, int64_t sr, int64_t sc, int64_t rows, int64_t cols, int64_t n,
+                 float* out) {
+    constexpr int64_t kGroup = 8;
+    const float* keys[kGroup];
+    const int64_t count = rows * cols;
+    int64_t r = 0, col = 0;  // the window position of key j, stepped along (no division per key)
+    for (int64_t j = 0; j < count;) {
+        // Groups of 8; the last 9-11 keys as two groups of 4-6, not 8 and a short group whose few chains would wait
+        // on the FMA latency (DiT5's 25 keys: 8, 8, 5, 4).
+        const int64_t left = count - j;
+        const int64_t g = left >= 12 || left <= 8 ? std::min<int64_t>(left, kGroup) : (left + 1) / 2;
+        for (int64_t i = 0; i < g; ++i) {
+            keys[i] = p + r * sr + col * sc;
+            if (++col == cols) col = 0, ++r;
+        }
+        switch (g) {
+            case 8: window_dots_group<8>(x, keys, n, out + j); break;
+            case 7: window_dots_group<7>(x, keys, n, out + j); break;
+            case 6: window_dots_group<6>(x, keys, n, out + j); break;
+            case 5: window_dots_group<5>(x, keys, n, out + j); break;
+            case 4: window_dots_group<4>(x, keys, n, out + j); break;
+            case 3: window_dots_group<3>(x, keys, n, out + j); break;
+            case 2: window_dots_group<2>(x, keys, n, out + j); break;
+            default: window_dots_group<1>(x, keys, n, out + j); break;
+        }
+        j += g;
+    }
+}
+
+// window_sum over U channel vectors from c0 (kFull: whole vectors; otherwise U = 1 and the first `mask` lanes): the
+// U partial outputs stay in registers over the whole window and are stored once.
+template <int U, bool kFull>
+HWY_INLINE void window_sum_block(const float* w, const float* p, int64_t sr, int64_t sc, int64_t rows, int64_t cols,
+                                 int64_t c0, hn::Mask<FloatTag> mask, float* y) {
+    const FloatTag d;
+    const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+    FloatVec acc[U];
+    for (int u = 0; u < U; ++u) acc[u] = hn::Zero(d);
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < cols; ++j) {
+            const FloatVec wv = hn::Set(d, w[r * cols + j]);
+            const float* key = p + r * sr + j * sc + c0;
+            for (int u = 0; u < U; ++u)
+                acc[u] = hn::MulAdd(wv, kFull ? hn::LoadU(d, key + u * N) : hn::MaskedLoad(mask, d, key), acc[u]);
+        }
+    for (int u = 0; u < U; ++u) {
+        if (kFull) hn::StoreU(acc[u], d, y + c0 + u * N);
+        else hn::BlendedStore(acc[u], mask, d, y + c0);
+    }
+}
+
+void window_sum(const float* w, const float* p, int64_t sr, int64_t sc, int64_t rows, int64_t cols, int64_t n,
+                float* y) {
+    const FloatTag d;
+    const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+    const auto all = hn::FirstN(d, static_cast<size_t>(N));
+    int64_t c0 = 0;
+    for (; c0 + 8 * N <= n; c0 += 8 * N) window_sum_block<8, true>(w, p, sr, sc, rows, cols, c0, all, y);
+    if (c0 + 4 * N <= n) window_sum_block<4, true>(w, p, sr, sc, rows, cols, c0, all, y), c0 += 4 * N;
+    if (c0 + 2 * N <= n) window_sum_block<2, true>(w, p, sr, sc, rows, cols, c0, all, y), c0 += 2 * N;
+    if (c0 + N <= n) window_sum_block<1, true>(w, p, sr, sc, rows, cols, c0, all, y), c0 += N;
+    if (c0 < n)
+        window_sum_block<1, false>(w, p, sr, sc, rows, cols, c0, hn::FirstN(d, static_cast<size_t>(n - c0)), y);
+}
+
 // The exponentials of the attention's softmax per element type: float by the polynomials above, double by
 // Highway's Exp (1 ulp), its argument kept above -745, where e^x is 0 in double.
 using DoubleTag = hn::ScalableTag<double>;
@@ -386,7 +473,7 @@ void softmax_grad_rows_f64(double* s, double* dp, int64_t rows, int64_t n, int64
 const Kernels& table() {
     static const Kernels k{kTarget,        gemm_f32,       gemm_f64,   sigmoid,   gelu_erf,
                            gelu_tanh,      silu_mul,       exp_sub,    widen_bf16, narrow_to_bf16,
-                           stencil3x3_row, stencil3x3_reduce_row, transpose,
+                           stencil3x3_row, stencil3x3_reduce_row, transpose, window_dots, window_sum,
                            online_softmax_cols_f32, online_softmax_cols_f64, softmax_grad_rows_f32,
                            softmax_grad_rows_f64};
     return k;
@@ -397,6 +484,7 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <string>
 

@@ -96,6 +96,14 @@ struct Kernels {
     // dst[j*ldd + i] = src[i*lds + j] for i < rows, j < cols: blocks of one vector's width square transposed in
     // registers, the edges element by element. dst must not overlap src.
     void (*transpose)(const float* src, int64_t rows, int64_t cols, int64_t lds, float* dst, int64_t ldd) = nullptr;
+    // One query's window of a neighbourhood attention (ops/neighborhood_attention): rows x cols keys, key (r, j) the
+    // n contiguous floats at p + r*sr + j*sc.
+    //   window_dots: out[r*cols + j] = sum_{c < n} x[c] key(r, j)[c]  (keys 8 at a time, a register each)
+    //   window_sum:  y[c] = sum_{r, j} w[r*cols + j] key(r, j)[c], c < n  (y in registers over the window)
+    void (*window_dots)(const float* x, const float* p, int64_t sr, int64_t sc, int64_t rows, int64_t cols, int64_t n,
+                        float* out) = nullptr;
+    void (*window_sum)(const float* w, const float* p, int64_t sr, int64_t sc, int64_t rows, int64_t cols, int64_t n,
+                       float* y) = nullptr;
     // The softmax attention's online softmax over one key tile (SoftmaxTileCols above): the exponentials as
     // 2^((s - m) log2 e), in float by a polynomial to about 2 ulp (kernels.cpp), in double by Highway's Exp.
     void (*online_softmax_cols)(const SoftmaxTileCols<float>& tile) = nullptr;
