@@ -111,7 +111,7 @@ WindowFns<float> window_fns_of(float) { return {simd::kernels().window_dots, sim
 WindowFns<double> window_fns_of(double) { return {window_dots_f64, window_sum_f64}; }
 
 template <typename T>
-struct ForwardRow {
+struct ForwardArgs {
     Geometry g;
     Grid<const T> q, k, v;
     Grid<T> out;
@@ -146,7 +146,7 @@ void pack_columns(const Grid<const T>& grid, int64_t b, int64_t head, int64_t H,
 // The queries of columns [x_begin, x_end) of every grid row of (b, head), their keys and values packed as (H, cols, d)
 // and (H, cols, dv) from column x0 on; w holds Ky*Kx values.
 template <typename T>
-LINVIS_SIMD_INLINE void forward_strip_body(const ForwardRow<T>& a, int64_t b, int64_t head, int64_t x_begin,
+LINVIS_SIMD_INLINE void forward_strip_body(const ForwardArgs<T>& a, int64_t b, int64_t head, int64_t x_begin,
                                            int64_t x_end, const T* keys, const T* values, int64_t x0, int64_t cols,
                                            T* w) {
     const Geometry& g = a.g;
@@ -216,7 +216,7 @@ LINVIS_SIMD_INLINE void backward_head_body(const BackwardHead<T>& a, int64_t b, 
 
 #define LINVIS_NA_CLONES(T)                                                                                    \
     LINVIS_SIMD_CLONES(forward_strip,                                                                          \
-                       (const ForwardRow<T>& a, int64_t b, int64_t head, int64_t x_begin, int64_t x_end,         \
+                       (const ForwardArgs<T>& a, int64_t b, int64_t head, int64_t x_begin, int64_t x_end,        \
                         const T* keys, const T* values, int64_t x0, int64_t cols, T* w),                         \
                        (a, b, head, x_begin, x_end, keys, values, x0, cols, w))                                  \
     LINVIS_SIMD_CLONES(backward_head, (const BackwardHead<T>& a, int64_t b, int64_t head, T* dattn, T* dlogit), \
@@ -249,7 +249,7 @@ torch::Tensor empty_grid(const Geometry& g, int64_t n, const torch::TensorOption
 template <typename T>
 void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const Geometry& g, double scale,
              const torch::Tensor& out, const torch::Tensor& attn) {
-    const ForwardRow<T> args{g,
+    const ForwardArgs<T> args{g,
                              grid_of<const T>(q),
                              grid_of<const T>(k),
                              grid_of<const T>(v),
