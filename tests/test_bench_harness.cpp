@@ -73,7 +73,7 @@ TEST(BenchHarness, ChildPastItsTimeoutIsKilledAndReported) {
 TEST(BenchHarness, ChildKilledBySignalIsReported) {
     const ChildResult result = run_child("signal");
     EXPECT_EQ(result.status, ChildResult::Status::KilledBySignal);
-    EXPECT_EQ(result.message, "child killed by signal " + std::to_string(SIGTERM));
+    EXPECT_EQ(result.message, std::string("child killed by signal ").append(std::to_string(SIGTERM)));
 }
 
 TEST(BenchHarness, ChildExitingNonZeroFailsEvenWithAnAnswer) {

@@ -31,7 +31,7 @@ GaussianStats stats(const torch::Tensor& mean, const torch::Tensor& cov) {
 
 // A random orthogonal matrix (QR of a Gaussian matrix).
 torch::Tensor random_rotation(int64_t d) {
-    return std::get<0>(torch::linalg::qr(torch::randn({d, d}, torch::kFloat64)));
+    return std::get<0>(torch::linalg_qr(torch::randn({d, d}, torch::kFloat64)));
 }
 
 // FD of two Gaussians with commuting covariances S_i = Q diag(d_i) Q^T:
@@ -74,7 +74,7 @@ TEST(SampleQuality, FrechetDistanceMatchesTheGeneralEigenvaluesOfTheProduct) {
     const torch::Tensor s1 = a.matmul(a.t()) + 0.1 * torch::eye(d, torch::kFloat64);
     const torch::Tensor s2 = b.matmul(b.t()) / 3;
     const torch::Tensor m1 = torch::randn({d}, torch::kFloat64), m2 = torch::randn({d}, torch::kFloat64);
-    const torch::Tensor eig = torch::real(torch::linalg::eigvals(s1.matmul(s2)));
+    const torch::Tensor eig = torch::real(torch::linalg_eigvals(s1.matmul(s2)));
     const double expected = ((m1 - m2).pow(2).sum() + s1.trace() + s2.trace() - 2 * eig.clamp_min(0).sqrt().sum())
                                 .item<double>();
     const double fd = frechet_distance(stats(m1, s1), stats(m2, s2));

@@ -2,7 +2,12 @@
 
 #include <torch/version.h>
 
+// Before 2.1 LibTorch sends a reduced-precision GEMM to oneDNN on some CPUs only (product_needs_f32).
+#define LINVIS_TORCH_REDUCED_GEMM_BY_CPU \
+    (TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 1))
+
 namespace linvis::precision {
+#if LINVIS_TORCH_REDUCED_GEMM_BY_CPU
 namespace {
 
 // LibTorch 1.13's condition for sending a bf16 GEMM / convolution to oneDNN
@@ -14,6 +19,7 @@ bool onednn_takes_bf16() {
 }
 
 }  // namespace
+#endif
 
 bool is_reduced(const torch::Tensor& t) {
     return t.defined() && t.device().is_cpu() &&
@@ -22,7 +28,7 @@ bool is_reduced(const torch::Tensor& t) {
 
 bool product_needs_f32(const torch::Tensor& t) {
     if (!is_reduced(t)) return false;
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+#if !LINVIS_TORCH_REDUCED_GEMM_BY_CPU
     return false;
 #else
     // f16 never goes to oneDNN in LibTorch 1.13; bf16 does only on AVX-512 CPUs.

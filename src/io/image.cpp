@@ -290,7 +290,8 @@ ImageFormat sniff_image_format(const uint8_t* data, size_t size, const std::stri
     for (size_t i = 0; i < std::min<size_t>(size, 4); ++i) {
         char hex[4];
         std::snprintf(hex, sizeof hex, "%02x", data[i]);
-        first += (i ? " " : "") + std::string(hex);
+        if (i) first += ' ';
+        first += hex;
     }
     fail(name, ": not a JPEG, PNG or BMP file (first bytes ", first, ")");
 }

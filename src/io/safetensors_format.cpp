@@ -400,7 +400,10 @@ SafetensorsLayout plan_safetensors_layout(std::vector<TensorInfo> tensors,
 
         if (body.size() > 1) body += ",";
         body += json_string(t.name, "tensor name") + ":{\"dtype\":\"" + dtype_name(t.dtype) + "\",\"shape\":[";
-        for (size_t d = 0; d < t.shape.size(); ++d) body += (d ? "," : "") + std::to_string(t.shape[d]);
+        for (size_t d = 0; d < t.shape.size(); ++d) {
+            if (d) body += ',';
+            body += std::to_string(t.shape[d]);
+        }
         body += "],\"data_offsets\":[" + std::to_string(t.begin) + "," + std::to_string(t.end) + "]}";
     }
     body += "}";

@@ -23,6 +23,7 @@ namespace {
 using torch::Tensor;
 namespace lnn = linvis::nn;
 
+
 class HVit3BlockImpl : public torch::nn::Module {
 public:
     // Blocks whose qkv product or MLP hidden layer would exceed this run in bands of about this many bytes in
@@ -160,11 +161,12 @@ private:
         std::vector<Geometry> g;
         int64_t height = x.size(2), width = x.size(3), widest_row = 0, widest_map = 0, macs = 0;
         for (const auto& layer : *conv) {
-            const auto& o = layer->as<lnn::Vit3ConvLayerImpl>()->conv->options;
+            const torch::nn::Conv2d& layer_conv = layer->as<lnn::Vit3ConvLayerImpl>()->conv;
+            const auto& o = layer_conv->options;
             const int64_t k = (*o.kernel_size())[0], s = (*o.stride())[0];
-            const auto* padding = c10::get_if<torch::ExpandingArray<2>>(&o.padding());
-            if (padding == nullptr || (**padding)[0] != (**padding)[1]) return std::nullopt;
-            const int64_t p = (**padding)[0];
+            const std::optional<std::array<int64_t, 2>> padding = lnn::conv_zero_padding(*layer_conv);
+            if (!padding || (*padding)[0] != (*padding)[1]) return std::nullopt;
+            const int64_t p = (*padding)[0];
             if ((*o.dilation())[0] != 1) return std::nullopt;
             g.push_back({k, s, p, height});
             height = (height + 2 * p - k) / s + 1;

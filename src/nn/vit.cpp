@@ -51,16 +51,22 @@ struct ConvPadding : torch::nn::Conv2dImpl {
 };
 }  // namespace
 
+std::optional<std::array<int64_t, 2>> conv_zero_padding(const torch::nn::Conv2dImpl& conv) {
+    const std::vector<int64_t>& pad = ConvPadding::of(conv);
+    if (pad.size() != 4 || pad[0] != pad[1] || pad[2] != pad[3] ||
+        torch::enumtype::get_enum_name(conv.options.padding_mode()) != "kZeros")
+        return std::nullopt;
+    return std::array<int64_t, 2>{pad[2], pad[0]};
+}
+
 torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& x, bool pad_rows) {
     const auto& o = layer->options;
-    const std::vector<int64_t>& pad = ConvPadding::of(*layer);
-    LINVIS_CHECK(pad.size() == 4 && pad[0] == pad[1] && pad[2] == pad[3] &&
-                     torch::enumtype::get_enum_name(o.padding_mode()) == "kZeros",
-                 "conv_forward: only symmetric zero padding is supported");
+    const std::optional<std::array<int64_t, 2>> pad = conv_zero_padding(*layer);
+    LINVIS_CHECK(pad.has_value(), "conv_forward: only symmetric zero padding is supported");
     const auto conv = [&](const torch::Tensor& input, const torch::Tensor& weight, const torch::Tensor& bias,
                           int64_t groups) {
-        return flops::conv2d(input, weight, bias, {(*o.stride())[0], (*o.stride())[1]}, {pad_rows ? pad[2] : 0, pad[0]},
-                             {(*o.dilation())[0], (*o.dilation())[1]}, groups);
+        return flops::conv2d(input, weight, bias, {(*o.stride())[0], (*o.stride())[1]},
+                             {pad_rows ? (*pad)[0] : 0, (*pad)[1]}, {(*o.dilation())[0], (*o.dilation())[1]}, groups);
     };
     // A large depthwise conv outside a graph, a group of channels at a time into one output: LibTorch 1.13's
     // depthwise conv on oneDNN copies its whole input into a blocked layout first (128 MiB in H-ViT3-T's first
@@ -89,14 +95,15 @@ torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& 
 ConvGradients conv_backward(const torch::nn::Conv2d& layer, const torch::Tensor& dy, const torch::Tensor& x,
                             std::array<bool, 3> needs, int64_t chunk_bytes) {
     const auto& o = layer->options;
-    const std::vector<int64_t>& pad = ConvPadding::of(*layer);
+    const std::optional<std::array<int64_t, 2>> pad = conv_zero_padding(*layer);
+    LINVIS_CHECK(pad.has_value(), "conv_backward: only symmetric zero padding is supported");
     torch::NoGradGuard no_grad;
     needs[2] = needs[2] && layer->bias.defined();
     const auto backward = [&](const torch::Tensor& g, const torch::Tensor& input, const torch::Tensor& weight,
                               int64_t groups) {
         const std::vector<int64_t> bias_sizes{weight.size(0)};
         const c10::OptionalIntArrayRef bias = needs[2] ? c10::OptionalIntArrayRef(bias_sizes) : c10::nullopt;
-        return at::convolution_backward(g, input, weight, bias, {(*o.stride())[0], (*o.stride())[1]}, {pad[2], pad[0]},
+        return at::convolution_backward(g, input, weight, bias, {(*o.stride())[0], (*o.stride())[1]}, *pad,
                                         {(*o.dilation())[0], (*o.dilation())[1]}, /*transposed=*/false, {0, 0}, groups,
                                         needs);
     };

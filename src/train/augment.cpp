@@ -152,12 +152,11 @@ torch::Tensor train_transform(const torch::Tensor& image, const TrainAugmentConf
                  shape_string(image.sizes()));
     const auto box = random_resized_crop_box(image.size(1), image.size(2), config, rng);
     torch::Tensor crop = image.index({Slice(), Slice(box[0], box[0] + box[2]), Slice(box[1], box[1] + box[3])});
-    torch::Tensor out = F::interpolate(crop.unsqueeze(0), F::InterpolateFuncOptions()
-                                                              .size(std::vector<int64_t>{config.img_size, config.img_size})
-                                                              .mode(torch::kBicubic)
-                                                              .align_corners(false))
-                            .squeeze(0)
-                            .clamp(0.0, 1.0);
+    const auto resize = F::InterpolateFuncOptions()
+                            .size(std::vector<int64_t>{config.img_size, config.img_size})
+                            .mode(torch::kBicubic)
+                            .align_corners(false);
+    torch::Tensor out = F::interpolate(crop.unsqueeze(0), resize).squeeze(0).clamp(0.0, 1.0);
     if (std::bernoulli_distribution(config.hflip)(rng)) out = out.flip({2});
     const auto& ops = rand_augment_op_names();
     for (int i = 0; i < config.rand_augment_ops; ++i) {

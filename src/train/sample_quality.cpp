@@ -67,12 +67,12 @@ torch::Tensor diffusion_pixels_to_classifier_input(const torch::Tensor& x, int64
     if (size != v.size(2) || size != v.size(3)) {
         namespace F = torch::nn::functional;
         // train/data_sources.cpp resizes 28 -> 32 this way; this is the way back.
-        v = F::interpolate(v, F::InterpolateFuncOptions()
-                                  .size(std::vector<int64_t>{size, size})
-                                  .mode(torch::kBicubic)
-                                  .align_corners(false)
-                                  .antialias(size < v.size(2)))
-                .clamp(0.0, 1.0);
+        const auto resize = F::InterpolateFuncOptions()
+                                .size(std::vector<int64_t>{size, size})
+                                .mode(torch::kBicubic)
+                                .align_corners(false)
+                                .antialias(size < v.size(2));
+        v = F::interpolate(v, resize).clamp(0.0, 1.0);
     }
     const int64_t k = static_cast<int64_t>(mean.size());
     const torch::Tensor m = torch::tensor(mean, torch::kFloat32).view({1, k, 1, 1});

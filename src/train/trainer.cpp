@@ -43,7 +43,7 @@ class CpuAutocast {
 public:
     explicit CpuAutocast(bool enabled) : enabled_(enabled) {
         if (!enabled_) return;
-#if TORCH_VERSION_MAJOR >= 2 && TORCH_VERSION_MINOR >= 4
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
         previous_ = at::autocast::is_autocast_enabled(at::kCPU);
         at::autocast::set_autocast_enabled(at::kCPU, true);
         at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
@@ -55,7 +55,7 @@ public:
     }
     ~CpuAutocast() {
         if (!enabled_) return;
-#if TORCH_VERSION_MAJOR >= 2 && TORCH_VERSION_MINOR >= 4
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
         at::autocast::set_autocast_enabled(at::kCPU, previous_);
 #else
         at::autocast::set_cpu_enabled(previous_);

@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,11 @@ torch::Tensor map_to_tokens(const torch::Tensor& x);
 
 // Input bytes above which a depthwise conv runs a group of channels at a time (conv_forward, conv_backward).
 constexpr int64_t kDepthwiseChunkBytes = int64_t{16} << 20;
+
+// A Conv2d's zero padding as {rows, columns} (above = below, left = right), or nullopt where a dimension's two sides
+// differ or the mode is not zeros. Read from the module's resolved padding: the padding option itself is a
+// c10::variant in LibTorch 1.13 and a std::variant in LibTorch 2.x.
+std::optional<std::array<int64_t, 2>> conv_zero_padding(const torch::nn::Conv2dImpl& conv);
 
 // FLOP-counted forward of a Conv2d module with its own stride, padding, dilation and groups. pad_rows false: no
 // padding above and below (a caller running the conv on a band of rows supplies those rows itself). Outside a graph a
