@@ -23,7 +23,6 @@ namespace {
 using torch::Tensor;
 namespace lnn = linvis::nn;
 
-
 class HVit3BlockImpl : public torch::nn::Module {
 public:
     // Blocks whose qkv product or MLP hidden layer would exceed this run in bands of about this many bytes in
