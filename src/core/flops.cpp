@@ -106,7 +106,8 @@ Backend backend(const torch::Tensor& x, const torch::Tensor& weight, const torch
     if (weight.dim() != 2 || x.dim() < 1 || x.size(-1) != weight.size(1)) return Backend::Torch;
     if (bias.defined() && (bias.dim() != 1 || bias.size(0) != weight.size(0))) return Backend::Torch;
     // Empty products (no rows or K = 0) stay with LibTorch, which defines them (zeros plus bias).
-    if (x.numel() == 0 || weight.numel() == 0 || torch_gemm_forced()) return Backend::Torch;
+    if (x.numel() == 0 || weight.numel() == 0 || torch_gemm_forced() || !onednn::unusable_reason().empty())
+        return Backend::Torch;
     for (torch::ScalarType type : {torch::kFloat32, torch::kBFloat16}) {
         if (!on_cpu(x, type) || !on_cpu(weight, type) || (bias.defined() && !on_cpu(bias, type))) continue;
         return type == torch::kFloat32 ? Backend::Sgemm : Backend::Bf16;
@@ -338,11 +339,16 @@ bool linear_takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, co
     return takes_onednn(x, weight, bias);
 }
 
+std::string onednn_unusable_reason() { return onednn::unusable_reason(); }
+
 std::string linear_backend() {
     if (torch_gemm_forced()) return "LibTorch";
     const dnnl_version_t* v = dnnl_version();
-    std::string name = "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
-                       std::to_string(v->patch) + " sgemm";
+    const std::string onednn =
+        "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch);
+    const std::string& unusable = onednn::unusable_reason();
+    if (!unusable.empty()) return "LibTorch (" + onednn + " fails here: " + unusable + ")";
+    std::string name = onednn + " sgemm";
     name += bf16_on_matmul_primitive() ? ", bf16 matmul (" + onednn::bf16_matmul_implementation() + ")"
                                        : ", bf16 on sgemm (float32 copies)";
     return name;

@@ -4,10 +4,12 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <cstdlib>
+#include <exception>
 #include <functional>
 #include <list>
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -265,6 +267,36 @@ size_t packed_weight_bytes() { return packed_weights().bytes(); }
 int& weights_in_training_depth() {
     thread_local int depth = 0;
     return depth;
+}
+
+const std::string& unusable_reason() {
+    static const std::string reason = [] {
+        torch::NoGradGuard no_grad;
+        // Shapes of a small ViT's products, large enough for oneDNN's JIT kernels rather than a small-size path.
+        const int64_t M = 256, K = 192, N = 160;
+        const torch::Tensor a = torch::linspace(-1.0, 1.0, M * K).reshape({M, K});
+        const torch::Tensor b = torch::linspace(0.5, -0.5, K * N).reshape({K, N});
+        const torch::Tensor bias = torch::linspace(-0.25, 0.25, N);
+        const torch::Tensor expected = torch::mm(a.to(torch::kFloat64), b.to(torch::kFloat64));
+        const auto wrong = [&](const torch::Tensor& got, const torch::Tensor& judge) {
+            return !torch::allclose(got.to(torch::kFloat64), judge, 1e-4, 1e-4);
+        };
+        torch::Tensor c = torch::zeros({M, N});
+        const dnnl_status_t status = dnnl_sgemm('N', 'N', M, N, K, 1.0f, a.data_ptr<float>(), K, b.data_ptr<float>(),
+                                                N, 0.0f, c.data_ptr<float>(), N);
+        if (status != dnnl_success) return "its sgemm returned status " + std::to_string(static_cast<int>(status));
+        if (wrong(c, expected)) return std::string("its sgemm computed a wrong product");
+        try {
+            c.zero_();
+            if (!matmul(a, b, bias, c, Activation::GeluErf)) return std::string();  // no kernel: LibTorch's path
+            if (wrong(c, torch::gelu(expected + bias.to(torch::kFloat64))))
+                return std::string("its matmul primitive computed a wrong product");
+        } catch (const std::exception& e) {
+            return std::string("its matmul primitive failed: ") + e.what();
+        }
+        return std::string();
+    }();
+    return reason;
 }
 
 bool bf16_matmul_available() { return probe().supported; }

@@ -115,8 +115,14 @@ public:
 // Whether linear() hands this product to oneDNN (see above).
 bool linear_takes_onednn(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias = {});
 
+// Empty when oneDNN computes correct products in this process, otherwise why not (checked once against LibTorch on
+// small operands); linear() then takes LibTorch's products throughout. It fails when linvis is linked against a pip
+// torch 2.x, whose libtorch_cpu carries a oneDNN of its own that Debian's libdnnl binds part of its set-up to.
+std::string onednn_unusable_reason();
+
 // Which library computes the products of linear(): "oneDNN x.y.z sgemm", followed by
-// ", bf16 matmul (<oneDNN's kernel>)" where oneDNN has a bf16 kernel, or "LibTorch" (LINVIS_GEMM=torch).
+// ", bf16 matmul (<oneDNN's kernel>)" where oneDNN has a bf16 kernel, or "LibTorch" (LINVIS_GEMM=torch), or
+// "LibTorch (oneDNN x.y.z fails here: <reason>)" (onednn_unusable_reason()).
 std::string linear_backend();
 // torch::matmul with broadcasting; counts prod(batch) * n * k * m.
 torch::Tensor matmul(const torch::Tensor& a, const torch::Tensor& b);
