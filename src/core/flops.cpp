@@ -312,7 +312,14 @@ torch::Tensor linear_activated(const torch::Tensor& x, const torch::Tensor& weig
         if (activation == Activation::Relu) return torch::relu(y);
         return torch::gelu(y, activation == Activation::GeluTanh ? "tanh" : "none");
     }
-    if (backend(x, weight, bias) == Backend::Torch) return activate(linear(x, weight, bias), activation);
+    if (backend(x, weight, bias) == Backend::Torch) {
+        // A reduced-precision product activated in its own dtype would be rounded twice: on the CPU the activation
+        // acts on the float32 product and the result is rounded once, as on oneDNN.
+        if (!x.device().is_cpu() || !(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf))
+            return activate(linear(x, weight, bias), activation);
+        const auto f32 = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kFloat32) : t; };
+        return activate(linear(f32(x), f32(weight), f32(bias)), activation).to(x.scalar_type());
+    }
     if (counting()) add(x.numel() / x.size(-1) * weight.size(0) * weight.size(1));
     return onednn_linear(x, weight, bias, activation);
 }

@@ -107,6 +107,8 @@ bool set_blas_threads(int threads) {
 
 int blas_threads() {
     auto getter = find_symbol<openblas_get_threads_fn>("openblas_get_num_threads");
+    // A pip torch's MKL (linked into libtorch_cpu) exports its own count; LibTorch sets it with its own.
+    if (getter == nullptr) getter = find_symbol<openblas_get_threads_fn>("mkl_get_max_threads");
     return getter != nullptr ? getter() : -1;
 }
 
