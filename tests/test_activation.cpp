@@ -56,17 +56,19 @@ TEST(Activation, FusedMatchesExactGeluOnEveryTargetInPlace) {
     });
 }
 
+// The reference is LibTorch's GELU, whose own error differs by version: LibTorch 2.15's AVX-512 erf GELU is 1.1e-6
+// off float64 near x = -3.49 (GELU -8e-4), 1.13's within 1e-6; the absolute tolerance 2e-6 covers both.
 TEST(Activation, AutoMatchesReferenceAndKeepsTheGraph) {
     torch::manual_seed(4);
     const torch::Tensor x = torch::randn({197, 768}) * 3;
     torch::Tensor reference = linvis::ops::gelu_(x.clone(), Impl::Reference);
     torch::Tensor automatic = linvis::ops::gelu_(x.clone(), Impl::Auto);
-    EXPECT_TRUE(torch::allclose(automatic, reference, 1e-6, 1e-6));
+    EXPECT_TRUE(torch::allclose(automatic, reference, 1e-6, 2e-6));
     // Where autograd records x, every Impl gives a new tensor with torch::gelu's gradient.
     for (Impl impl : {Impl::Auto, Impl::Reference, Impl::Fused}) {
         torch::Tensor leaf = x.clone().requires_grad_(true);
         torch::Tensor y = linvis::ops::gelu_(leaf * 1.0, impl);
-        EXPECT_TRUE(torch::allclose(y, torch::gelu(x), 1e-6, 1e-6)) << linvis::ops::impl_name(impl);
+        EXPECT_TRUE(torch::allclose(y, torch::gelu(x), 1e-6, 2e-6)) << linvis::ops::impl_name(impl);
         (y * y).sum().backward();
         torch::Tensor leaf2 = x.clone().requires_grad_(true);
         torch::Tensor y2 = torch::gelu(leaf2);
@@ -239,12 +241,19 @@ Grads run(const torch::Tensor& h0, const torch::Tensor& u0, const torch::Tensor&
     return {y.detach(), h.grad(), u.defined() ? u.grad() : u, w.grad(), b.defined() ? b.grad() : b};
 }
 
+// atol is relative to each tensor's largest value (at least 1): the products and the weight's gradient (a sum over
+// 394 rows, values up to about 100) sum terms of both signs in another order on each path, and a cancelled sum
+// keeps the absolute error of its terms (2.9e-5 against LibTorch 2.15's MKL products).
 void expect_close(const Grads& a, const Grads& e, double rtol, double atol, const std::string& what) {
-    EXPECT_TRUE(linvis::testing::all_close(a.y, e.y, rtol, atol)) << what << ": output";
-    EXPECT_TRUE(linvis::testing::all_close(a.dh, e.dh, rtol, atol)) << what << ": d gate / h";
-    EXPECT_TRUE(linvis::testing::all_close(a.dw, e.dw, rtol, atol)) << what << ": d weight";
-    if (e.du.defined()) EXPECT_TRUE(linvis::testing::all_close(a.du, e.du, rtol, atol)) << what << ": d up";
-    if (e.db.defined()) EXPECT_TRUE(linvis::testing::all_close(a.db, e.db, rtol, atol)) << what << ": d bias";
+    const auto close = [&](const torch::Tensor& got, const torch::Tensor& want) {
+        const double scale = std::max(1.0, want.abs().max().item<double>());
+        return linvis::testing::all_close(got, want, rtol, atol * scale);
+    };
+    EXPECT_TRUE(close(a.y, e.y)) << what << ": output";
+    EXPECT_TRUE(close(a.dh, e.dh)) << what << ": d gate / h";
+    EXPECT_TRUE(close(a.dw, e.dw)) << what << ": d weight";
+    if (e.du.defined()) EXPECT_TRUE(close(a.du, e.du)) << what << ": d up";
+    if (e.db.defined()) EXPECT_TRUE(close(a.db, e.db)) << what << ": d bias";
 }
 
 TEST(ActivationLinear, ForwardAndGradientsMatchTheReferenceOnEveryTarget) {

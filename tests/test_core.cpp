@@ -342,7 +342,7 @@ TEST(Flops, Bf16LinearOnOnednnMatchesFloat64) {
     {
         const Bf16GemmMode set_mode("fastest");
         const torch::Tensor x = bf16(torch::randn({2, 3})), w = bf16(torch::randn({4, 3}));
-        EXPECT_THROW(linvis::flops::linear(x, w), linvis::Error);
+        if (usable) EXPECT_THROW(linvis::flops::linear(x, w), linvis::Error);  // read where oneDNN takes bf16
     }
 }
 
