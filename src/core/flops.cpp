@@ -17,13 +17,15 @@ namespace linvis::flops {
 namespace {
 thread_local Counter* active_counter = nullptr;
 
+// A float32 copy of t (undefined stays undefined: an absent bias).
+torch::Tensor f32(const torch::Tensor& t) { return t.defined() ? t.to(torch::kFloat32) : t; }
+
 // Runs `product` on float32 copies of reduced-precision CPU operands when LibTorch would otherwise
 // accumulate in bf16/f16 (see linvis/core/precision.h), and rounds the result once to their dtype.
 template <typename Product>
 torch::Tensor accumulate_in_f32(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias,
                                 Product&& product) {
     if (!precision::product_needs_f32(a)) return product(a, b, bias);
-    const auto f32 = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kFloat32) : t; };
     return product(f32(a), f32(b), f32(bias)).to(a.scalar_type());
 }
 
@@ -41,7 +43,6 @@ torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const to
 // A bf16 product as float32 sgemm on widened copies of the operands, the activation in float32, one rounding.
 torch::Tensor bf16_on_widened_sgemm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias,
                                     onednn::Activation activation) {
-    const auto f32 = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kFloat32) : t; };
     return onednn_mm(f32(a), f32(b), f32(bias), activation).to(torch::kBFloat16);
 }
 
@@ -315,9 +316,8 @@ torch::Tensor linear_activated(const torch::Tensor& x, const torch::Tensor& weig
     if (backend(x, weight, bias) == Backend::Torch) {
         // A reduced-precision product activated in its own dtype would be rounded twice: on the CPU the activation
         // acts on the float32 product and the result is rounded once, as on oneDNN.
-        if (!x.device().is_cpu() || !(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf))
+        if (!x.device().is_cpu() || precision::accumulation_dtype(x) == x.scalar_type())
             return activate(linear(x, weight, bias), activation);
-        const auto f32 = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kFloat32) : t; };
         return activate(linear(f32(x), f32(weight), f32(bias)), activation).to(x.scalar_type());
     }
     if (counting()) add(x.numel() / x.size(-1) * weight.size(0) * weight.size(1));
