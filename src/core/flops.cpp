@@ -1,7 +1,6 @@
 #include "linvis/core/flops.h"
 
 #include <ATen/Parallel.h>
-#include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -9,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/onednn_calls.h"
 #include "core/onednn_matmul.h"
 #include "linvis/core/error.h"
 #include "linvis/core/precision.h"
@@ -350,6 +350,7 @@ std::string onednn_unusable_reason() { return onednn::unusable_reason(); }
 
 std::string linear_backend() {
     if (torch_gemm_forced()) return "LibTorch";
+    if (!onednn::load_error().empty()) return "LibTorch (oneDNN: " + onednn::load_error() + ")";
     const dnnl_version_t* v = dnnl_version();
     const std::string onednn =
         "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch);

@@ -1,6 +1,5 @@
 #include "core/onednn_matmul.h"
 
-#include <oneapi/dnnl/dnnl.hpp>
 #include <torch/csrc/autograd/variable.h>
 
 #include <cstdlib>
@@ -14,6 +13,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "core/onednn_calls.h"
 #include "linvis/core/error.h"
 
 namespace linvis::onednn {
@@ -270,7 +270,8 @@ int& weights_in_training_depth() {
 }
 
 const std::string& unusable_reason() {
-    static const std::string reason = [] {
+    static const std::string reason = []() -> std::string {
+        if (!load_error().empty()) return load_error();
         torch::NoGradGuard no_grad;
         // Shapes of a small ViT's products, large enough for oneDNN's JIT kernels rather than a small-size path.
         const int64_t M = 256, K = 192, N = 160;
@@ -299,9 +300,9 @@ const std::string& unusable_reason() {
     return reason;
 }
 
-bool bf16_matmul_available() { return probe().supported; }
+bool bf16_matmul_available() { return unusable_reason().empty() && probe().supported; }
 
-std::string bf16_matmul_implementation() { return probe().supported ? probe().implementation : "none"; }
+std::string bf16_matmul_implementation() { return bf16_matmul_available() ? probe().implementation : "none"; }
 
 size_t cached_primitives() { return cache().size(); }
 

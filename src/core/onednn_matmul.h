@@ -16,11 +16,9 @@ namespace linvis::onednn {
 // Activation applied to the float32 accumulator before the one rounding.
 enum class Activation { None, GeluErf, GeluTanh, Relu };
 
-// Empty when oneDNN computes correct products in this process, otherwise why not. Checked once, on first use: a
-// float32 sgemm and a float32 matmul primitive with bias and GELU (its weights packed) on small operands, against
-// LibTorch. A process can hold a second oneDNN: the libtorch_cpu of a pip torch 2.x carries its own and exports
-// the std::call_once helpers of its GEMM's kernel set-up under the same names as Debian's libdnnl, which then binds
-// to those and never creates its kernels (its sgemm returns dnnl_unimplemented, its primitives fail to execute).
+// Empty when oneDNN computes correct products in this process, otherwise why not. Checked once, on first use: libdnnl
+// loaded (core/onednn_api.h), then a float32 sgemm and a float32 matmul primitive with bias and GELU (its weights
+// packed) on small operands, against LibTorch. Where it is not empty every product is LibTorch's.
 const std::string& unusable_reason();
 
 // Whether this CPU and oneDNN build have a non-reference bf16 matmul (AVX-512 oneDNN kernels; with
