@@ -1,10 +1,10 @@
 // oneDNN's C API, loaded at run time instead of linked (private to core).
 //
-// liblinvis does not link libdnnl: the first call loads it with dlopen. Where LibTorch already holds it (Debian's
-// libtorch_cpu 1.13 links it) that is the same library. Where it does not, libdnnl is loaded with RTLD_DEEPBIND,
-// so that its own definitions come before those of the process: the libtorch_cpu of a pip torch 2.x carries a
-// oneDNN 3.x of its own and exports the weak std::call_once helpers of its GEMM's kernel set-up under the same
-// names as oneDNN 2.6's; bound to those, libdnnl never creates its kernels and its sgemm returns
+// liblinvis does not link libdnnl: it loads it with dlopen as it is loaded itself. Where LibTorch already holds it
+// (Debian's libtorch_cpu 1.13 links it) that is the same library. Where it does not, libdnnl is loaded with
+// RTLD_DEEPBIND, so that its own definitions come before those of the process: the libtorch_cpu of a pip torch 2.x
+// carries a oneDNN 3.x of its own and exports the weak std::call_once helpers of its GEMM's kernel set-up under the
+// same names as oneDNN 2.6's; bound to those, libdnnl never creates its kernels and its sgemm returns
 // dnnl_unimplemented. A pointer per function, found by name, then serves every call.
 //
 // Code that calls oneDNN includes core/onednn_calls.h, which sends every call through c_api().
@@ -62,7 +62,7 @@ struct CApi {
 };
 
 // Empty when libdnnl is loaded and has every function; otherwise why not (the library tried, dlerror's message or
-// the missing function). Loads it on the first call.
+// the missing function). Loaded with liblinvis.
 const std::string& load_error();
 
 // The loaded functions. Throws, naming load_error(), when libdnnl could not be loaded.
