@@ -291,6 +291,20 @@ TEST(Datasets, ImageFolderSortsClassesAndSkipsCorruptImages) {
     EXPECT_EQ(shared->skipped_count(), 1);
 }
 
+// A file over the folder's pixel limit is skipped like an unreadable one, before it is decoded.
+TEST(Datasets, ImageFolderSkipsImagesOverItsPixelLimit) {
+    TempDir dir;
+    fs::create_directories(dir.file("cat"));
+    linvis::io::write_image(dir.file("cat/a_small.png"), linvis::io::demo_image(16, 16));
+    linvis::io::write_image(dir.file("cat/b_large.png"), linvis::io::demo_image(30, 40));
+    ImageFolder folder(dir.path.string(), 16 * 16);
+    EXPECT_EQ(folder.get_raw(1).index, 0);
+    EXPECT_EQ(folder.skipped_files(), (std::vector<std::string>{dir.file("cat/b_large.png")}));
+    EXPECT_EQ(ImageFolder(dir.path.string(), 30 * 40).get_raw(1).image.sizes(), (std::vector<int64_t>{30, 40, 3}));
+    expect_error_containing([&] { ImageFolder bad(dir.path.string(), 0); },
+                            {dir.path.string(), "pixel limit must be 1..268435456, got 0"});
+}
+
 TEST(Datasets, ImageFolderRejectsBadLayouts) {
     TempDir dir;
     expect_error_containing([&] { ImageFolder folder(dir.file("missing")); }, {dir.file("missing"), "not a directory"});

@@ -248,6 +248,30 @@ TEST(Image, MalformedJpegHuffmanTablesAreErrors) {
                             {"overfull.jpg", "cannot decode JPEG", "Huffman"});
 }
 
+// The pixel limit is the caller's: a few kB can announce a huge image that decodes validly. Here an
+// arithmetic-coded JPEG (SOF9) whose scan holds a 41x27 image's Huffman data announces 2100x2100 pixels:
+// libjpeg-turbo's arithmetic decoder reads missing data as zeros (as T.81 lets encoders drop trailing zeros).
+TEST(Image, PixelLimitIsCheckedBeforeDecoding) {
+    auto jpeg = file_bytes(kImageDir / "rgb_q75_420.jpg");
+    const size_t sof = find_segment(jpeg, 0xc0);
+    jpeg[sof + 1] = 0xc9;
+    for (const size_t field : {sof + 5, sof + 7}) {  // height, width
+        jpeg[field] = uint8_t(2100 >> 8);
+        jpeg[field + 1] = uint8_t(2100 & 0xff);
+    }
+    const int64_t limit = int64_t(1) << 22;  // 2048 x 2048
+    EXPECT_EQ(decode_image(jpeg, "big.jpg").sizes(), torch::IntArrayRef({2100, 2100, 3}));
+    expect_error_containing([&] { decode_image(jpeg, "big.jpg", limit); },
+                            {"big.jpg", "JPEG image of 2100x2100 pixels", "limit of 4194304 pixels"});
+    const auto png = encode_image(smooth_image(48, 64), ImageFormat::Png);
+    EXPECT_EQ(decode_image(png, "small.png", 64 * 48).sizes(), torch::IntArrayRef({48, 64, 3}));
+    expect_error_containing([&] { decode_image(png, "small.png", 64 * 48 - 1); },
+                            {"small.png", "PNG image of 64x48 pixels", "limit of 3071 pixels"});
+    for (const int64_t bad : {int64_t(0), kMaxImagePixels + 1})
+        expect_error_containing([&] { decode_image(png, "small.png", bad); },
+                                {"small.png", "pixel limit must be 1..268435456, got " + std::to_string(bad)});
+}
+
 // A scan whose data stops early but whose file still ends with EOI would decode to a picture with a
 // grey remainder: an error, like a truncated file.
 TEST(Image, JpegScanEndingEarlyIsAnError) {

@@ -196,6 +196,13 @@ bool read_jpeg_header(JpegDecoder& decoder, const uint8_t* data, size_t size) {
     return true;
 }
 
+// Before any pixel buffer is allocated: the size announced by the header.
+void check_image_size(int64_t width, int64_t height, int64_t max_pixels, ImageFormat format, const std::string& name) {
+    LINVIS_CHECK(width > 0 && height > 0 && width * height <= max_pixels, name, ": ", image_format_name(format),
+                 " image of ", width, "x", height, " pixels is empty or larger than the limit of ", max_pixels,
+                 " pixels");
+}
+
 // Decodes into `pixels` (output_height rows of output_width * output_components bytes).
 bool read_jpeg_pixels(JpegDecoder& decoder, uint8_t* pixels) {
     jpeg_decompress_struct& cinfo = decoder.cinfo;
@@ -228,14 +235,13 @@ torch::Tensor cmyk_to_rgb(const torch::Tensor& cmyk, bool inverted) {
     return rgb;
 }
 
-torch::Tensor decode_jpeg(const uint8_t* data, size_t size, const std::string& name) {
+torch::Tensor decode_jpeg(const uint8_t* data, size_t size, const std::string& name, int64_t max_pixels) {
     JpegDecoder decoder;
     if (!read_jpeg_header(decoder, data, size))
         fail(name, ": cannot decode JPEG: ", decoder.error.message);
     const jpeg_decompress_struct& cinfo = decoder.cinfo;
     const int64_t width = cinfo.image_width, height = cinfo.image_height;
-    LINVIS_CHECK(width > 0 && height > 0 && width * height <= kMaxImagePixels, name, ": JPEG image of ", width, "x",
-                 height, " pixels is empty or larger than the limit of ", kMaxImagePixels, " pixels");
+    check_image_size(width, height, max_pixels, ImageFormat::Jpeg, name);
     const bool cmyk = cinfo.out_color_space == JCS_CMYK;
     auto pixels = torch::empty({height, width, cmyk ? 4 : 3}, torch::kUInt8);
     if (!read_jpeg_pixels(decoder, pixels.data_ptr<uint8_t>()))
@@ -296,33 +302,33 @@ ImageFormat sniff_image_format(const uint8_t* data, size_t size, const std::stri
     fail(name, ": not a JPEG, PNG or BMP file (first bytes ", first, ")");
 }
 
-torch::Tensor decode_image(const uint8_t* data, size_t size, const std::string& name) {
+torch::Tensor decode_image(const uint8_t* data, size_t size, const std::string& name, int64_t max_pixels) {
+    LINVIS_CHECK(max_pixels >= 1 && max_pixels <= kMaxImagePixels, name, ": the pixel limit must be 1..",
+                 kMaxImagePixels, ", got ", max_pixels);
     const ImageFormat format = sniff_image_format(data, size, name);
     switch (format) {
         case ImageFormat::Png: check_png_container(data, size, name); break;
         case ImageFormat::Jpeg: check_jpeg_container(data, size, name); break;
         case ImageFormat::Bmp: check_bmp_container(data, size, name); break;
     }
-    if (format == ImageFormat::Jpeg) return decode_jpeg(data, size, name);
+    if (format == ImageFormat::Jpeg) return decode_jpeg(data, size, name, max_pixels);
     LINVIS_CHECK(size <= size_t(INT_MAX), name, ": ", size, " bytes is larger than the decoder accepts (2 GiB)");
     const int length = int(size);
     int width = 0, height = 0, channels = 0;
     if (!stbi_info_from_memory(data, length, &width, &height, &channels))
         fail(name, ": cannot decode ", image_format_name(format), ": ", stbi_failure_reason());
-    LINVIS_CHECK(width > 0 && height > 0 && int64_t(width) * height <= kMaxImagePixels, name, ": ",
-                 image_format_name(format), " image of ", width, "x", height,
-                 " pixels is empty or larger than the limit of ", kMaxImagePixels, " pixels");
+    check_image_size(width, height, max_pixels, format, name);
     uint8_t* pixels = stbi_load_from_memory(data, length, &width, &height, &channels, 3);
     if (pixels == nullptr) fail(name, ": cannot decode ", image_format_name(format), ": ", stbi_failure_reason());
     return torch::from_blob(
         pixels, {height, width, 3}, [](void* p) { stbi_image_free(p); }, torch::TensorOptions().dtype(torch::kUInt8));
 }
 
-torch::Tensor decode_image(const std::vector<uint8_t>& bytes, const std::string& name) {
-    return decode_image(bytes.data(), bytes.size(), name);
+torch::Tensor decode_image(const std::vector<uint8_t>& bytes, const std::string& name, int64_t max_pixels) {
+    return decode_image(bytes.data(), bytes.size(), name, max_pixels);
 }
 
-torch::Tensor read_image(const std::string& path) {
+torch::Tensor read_image(const std::string& path, int64_t max_pixels) {
     std::error_code ec;
     const auto status = std::filesystem::status(path, ec);
     LINVIS_CHECK(std::filesystem::exists(status), path, ": no such file");
@@ -337,7 +343,7 @@ torch::Tensor read_image(const std::string& path) {
     const int saved_errno = errno;
     std::fclose(file);
     LINVIS_CHECK(!read_error, path, ": read failed: ", std::strerror(saved_errno));
-    return decode_image(bytes, path);
+    return decode_image(bytes, path, max_pixels);
 }
 
 std::vector<uint8_t> encode_image(const torch::Tensor& image, ImageFormat format, int jpeg_quality) {

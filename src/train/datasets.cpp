@@ -254,7 +254,9 @@ std::shared_ptr<InMemoryDataset> load_cifar100(const std::string& dir, Split spl
 
 // ---------------------------------------------------------------- ImageFolder
 
-ImageFolder::ImageFolder(const std::string& root) : root_(root) {
+ImageFolder::ImageFolder(const std::string& root, int64_t max_pixels) : root_(root), max_pixels_(max_pixels) {
+    LINVIS_CHECK(max_pixels >= 1 && max_pixels <= io::kMaxImagePixels, root, ": the pixel limit must be 1..",
+                 io::kMaxImagePixels, ", got ", max_pixels);
     std::error_code ec;
     LINVIS_CHECK(fs::is_directory(root, ec), root, ": not a directory (ImageFolder expects DIR/<class>/<images>)");
     try {
@@ -307,7 +309,7 @@ Example ImageFolder::get_raw(int64_t index) const {
         }
         const auto& [path, label] = samples_[size_t(candidate)];
         try {
-            return {io::read_image(path), label, candidate};
+            return {io::read_image(path, max_pixels_), label, candidate};
         } catch (const std::exception& e) {
             std::lock_guard<std::mutex> lock(skipped_mutex_);
             if (skipped_.insert(candidate).second)

@@ -32,17 +32,23 @@ enum class ImageFormat { Jpeg, Png, Bmp };
 const char* image_format_name(ImageFormat format);
 
 // Largest decoded image accepted (width * height), so that a forged header cannot make
-// the decoder allocate gigabytes: 2^28 pixels (e.g. 16384 x 16384).
+// the decoder allocate more than a few GiB: 2^28 pixels (e.g. 16384 x 16384).
 constexpr int64_t kMaxImagePixels = int64_t(1) << 28;
 
 // Reads and decodes an image file. Returns uint8 (H, W, 3) RGB, contiguous.
 // Throws linvis::Error "<path>: <reason>" when the file is missing, unreadable, empty,
-// not JPEG/PNG/BMP, truncated or corrupt.
-torch::Tensor read_image(const std::string& path);
+// not JPEG/PNG/BMP, truncated or corrupt, or when its header announces more than `max_pixels`
+// pixels (1..kMaxImagePixels). The default admits a 16384 x 16384 image, which a progressive
+// JPEG decodes through about 9 bytes per pixel (2.4 GB); a file of a few kB can announce that
+// much (an arithmetic-coded JPEG decodes even a nearly empty scan), so a caller decoding
+// untrusted files within a memory budget passes a lower limit, as Pillow's MAX_IMAGE_PIXELS.
+torch::Tensor read_image(const std::string& path, int64_t max_pixels = kMaxImagePixels);
 
 // Decodes an image held in memory; `name` (a file name, URL, "<buffer>") is used in errors.
-torch::Tensor decode_image(const uint8_t* data, size_t size, const std::string& name = "<buffer>");
-torch::Tensor decode_image(const std::vector<uint8_t>& bytes, const std::string& name = "<buffer>");
+torch::Tensor decode_image(const uint8_t* data, size_t size, const std::string& name = "<buffer>",
+                           int64_t max_pixels = kMaxImagePixels);
+torch::Tensor decode_image(const std::vector<uint8_t>& bytes, const std::string& name = "<buffer>",
+                           int64_t max_pixels = kMaxImagePixels);
 
 // The format told by the first bytes, or throws "<name>: not a JPEG, PNG or BMP file".
 ImageFormat sniff_image_format(const uint8_t* data, size_t size, const std::string& name = "<buffer>");

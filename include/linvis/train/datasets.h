@@ -24,6 +24,8 @@
 
 #include <torch/torch.h>
 
+#include "linvis/io/image.h"
+
 namespace linvis::train {
 
 enum class Split { Train, Test };
@@ -141,8 +143,9 @@ std::shared_ptr<InMemoryDataset> load_cifar100(const std::string& dir, Split spl
 class ImageFolder : public Dataset {
 public:
     // Throws naming the directory when it does not exist, has no class directories, or a class
-    // has no image file (as torchvision does).
-    explicit ImageFolder(const std::string& root);
+    // has no image file (as torchvision does). A file announcing more than `max_pixels` pixels
+    // (io::read_image's limit) is skipped as unreadable.
+    explicit ImageFolder(const std::string& root, int64_t max_pixels = io::kMaxImagePixels);
 
     int64_t size() const override { return int64_t(samples_.size()); }
     int64_t num_classes() const override { return int64_t(class_names_.size()); }
@@ -158,6 +161,7 @@ public:
 
 private:
     std::string root_;
+    int64_t max_pixels_;
     std::vector<std::string> class_names_;
     std::vector<std::pair<std::string, int64_t>> samples_;
     mutable std::mutex skipped_mutex_;
