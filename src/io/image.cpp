@@ -203,27 +203,9 @@ void check_image_size(int64_t width, int64_t height, int64_t max_pixels, ImageFo
                  " pixels");
 }
 
-// Decodes into `pixels` (output_height rows of output_width * output_components bytes).
-bool read_jpeg_pixels(JpegDecoder& decoder, uint8_t* pixels) {
-    jpeg_decompress_struct& cinfo = decoder.cinfo;
-    if (setjmp(decoder.error.jump)) return false;
-    jpeg_start_decompress(&cinfo);
-    const size_t row_bytes = size_t(cinfo.output_width) * size_t(cinfo.output_components);
-    while (cinfo.output_scanline < cinfo.output_height) {
-        JSAMPROW row = pixels + size_t(cinfo.output_scanline) * row_bytes;
-        jpeg_read_scanlines(&cinfo, &row, 1);
-    }
-    jpeg_finish_decompress(&cinfo);
-    return true;
-}
-
 // CMYK to RGB as Pillow's convert("RGB"): R = (255 - K) - (255 - K) * C / 255, rounded as its
 // MULDIV255. Files with an Adobe marker store the inks inverted (Photoshop's convention).
-torch::Tensor cmyk_to_rgb(const torch::Tensor& cmyk, bool inverted) {
-    const int64_t pixels = cmyk.size(0) * cmyk.size(1);
-    auto rgb = torch::empty({cmyk.size(0), cmyk.size(1), 3}, torch::kUInt8);
-    const uint8_t* in = cmyk.data_ptr<uint8_t>();
-    uint8_t* out = rgb.data_ptr<uint8_t>();
+void cmyk_row_to_rgb(const uint8_t* in, int64_t pixels, bool inverted, uint8_t* out) {
     for (int64_t i = 0; i < pixels; ++i, in += 4, out += 3) {
         const auto ink = [&](int c) { return inverted ? 255 - int(in[c]) : int(in[c]); };
         const int not_black = 255 - ink(3);
@@ -232,7 +214,24 @@ torch::Tensor cmyk_to_rgb(const torch::Tensor& cmyk, bool inverted) {
             out[c] = uint8_t(not_black - (((product >> 8) + product) >> 8));
         }
     }
-    return rgb;
+}
+
+// Decodes into `rgb` (output_height rows of output_width * 3 bytes). CMYK files go through
+// `cmyk_row` (output_width * 4 bytes, the caller's: nothing with a destructor may live between the
+// setjmp and libjpeg's jump), one row at a time, so that no whole CMYK image is held.
+bool read_jpeg_pixels(JpegDecoder& decoder, uint8_t* rgb, uint8_t* cmyk_row) {
+    jpeg_decompress_struct& cinfo = decoder.cinfo;
+    if (setjmp(decoder.error.jump)) return false;
+    jpeg_start_decompress(&cinfo);
+    const size_t row_bytes = size_t(cinfo.output_width) * 3;
+    while (cinfo.output_scanline < cinfo.output_height) {
+        uint8_t* out = rgb + size_t(cinfo.output_scanline) * row_bytes;
+        JSAMPROW row = cmyk_row != nullptr ? cmyk_row : out;
+        jpeg_read_scanlines(&cinfo, &row, 1);
+        if (cmyk_row != nullptr) cmyk_row_to_rgb(cmyk_row, cinfo.output_width, cinfo.saw_Adobe_marker, out);
+    }
+    jpeg_finish_decompress(&cinfo);
+    return true;
 }
 
 torch::Tensor decode_jpeg(const uint8_t* data, size_t size, const std::string& name, int64_t max_pixels) {
@@ -242,11 +241,11 @@ torch::Tensor decode_jpeg(const uint8_t* data, size_t size, const std::string& n
     const jpeg_decompress_struct& cinfo = decoder.cinfo;
     const int64_t width = cinfo.image_width, height = cinfo.image_height;
     check_image_size(width, height, max_pixels, ImageFormat::Jpeg, name);
-    const bool cmyk = cinfo.out_color_space == JCS_CMYK;
-    auto pixels = torch::empty({height, width, cmyk ? 4 : 3}, torch::kUInt8);
-    if (!read_jpeg_pixels(decoder, pixels.data_ptr<uint8_t>()))
+    auto pixels = torch::empty({height, width, 3}, torch::kUInt8);
+    std::vector<uint8_t> cmyk_row(cinfo.out_color_space == JCS_CMYK ? size_t(width) * 4 : 0);
+    if (!read_jpeg_pixels(decoder, pixels.data_ptr<uint8_t>(), cmyk_row.empty() ? nullptr : cmyk_row.data()))
         fail(name, ": cannot decode JPEG: ", decoder.error.message);
-    return cmyk ? cmyk_to_rgb(pixels, cinfo.saw_Adobe_marker) : pixels;
+    return pixels;
 }
 
 std::string lower(std::string s) {
