@@ -8,6 +8,7 @@
 #include "linvis/core/error.h"
 #include "linvis/io/safetensors.h"
 #include "linvis/io/state_dict.h"
+#include "linvis/models/registry.h"
 #include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
@@ -220,4 +221,26 @@ TEST(StateDict, KeysOfOneSharedBufferMustBringOneValue) {
               0u)
         << msg;
     EXPECT_TRUE(torch::equal(root.table->values, same));  // nothing changed
+}
+
+// Layers built without LibTorch's default draw (nn::uninitialised_linear) hold NaN until their model's init sets
+// them: every parameter and buffer of every family (the smallest size of each) is finite once the model is built.
+TEST(StateDict, EveryParameterIsSetWhenAModelIsBuilt) {
+    std::vector<std::shared_ptr<torch::nn::Module>> models;
+    std::vector<std::string> names;
+    for (const std::string name : {"deit_tiny", "t5_tiny", "vit3_tiny", "hvit3_tiny", "vittt_tiny", "vil_tiny"}) {
+        models.push_back(linvis::models::create_model(name));
+        names.push_back(name);
+    }
+    for (const std::string name : {"dit_s8", "dit3_s8", "dit5_s8"}) {
+        models.push_back(linvis::models::create_generative_model(name));
+        names.push_back(name);
+    }
+    for (size_t i = 0; i < models.size(); ++i) {
+        for (const auto& p : models[i]->named_parameters())
+            EXPECT_TRUE(torch::isfinite(p.value()).all().item<bool>()) << names[i] << ": " << p.key();
+        for (const auto& b : models[i]->named_buffers())
+            if (b.value().is_floating_point())
+                EXPECT_TRUE(torch::isfinite(b.value()).all().item<bool>()) << names[i] << ": " << b.key();
+    }
 }

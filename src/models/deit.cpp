@@ -18,8 +18,8 @@ class SoftmaxAttentionImpl : public nn::Mixer {
 public:
     SoftmaxAttentionImpl(int64_t dim, int64_t heads, ops::Impl impl)
         : heads_(heads), scale_(std::pow(static_cast<double>(dim / heads), -0.5)), impl_(impl) {
-        qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(dim, 3 * dim).bias(true)));
-        proj = register_module("proj", torch::nn::Linear(dim, dim));
+        qkv = register_module("qkv", nn::vit_linear(dim, 3 * dim));
+        proj = register_module("proj", nn::vit_linear(dim, dim));
     }
 
     torch::Tensor forward(const nn::NormedInput& x, int64_t, int64_t) override {

@@ -92,15 +92,9 @@ std::shared_ptr<PlainVit> make_timm_vit(const ModelConfig& config, const std::st
     defaults.class_token = class_token;
     defaults.fixed_input_size = true;
     defaults.pooling = class_token ? Pooling::ClassToken : Pooling::Mean;
-    std::shared_ptr<PlainVit> model = make_transformer_vit(config, defaults, num_heads, make_mixer);
-    for (const auto& module : model->modules(/*include_self=*/false)) {
-        if (auto* linear = module->as<torch::nn::Linear>()) {
-            nn::trunc_normal_(linear->weight, 0.02);
-            torch::NoGradGuard no_grad;
-            if (linear->bias.defined()) linear->bias.zero_();
-        }
-    }
-    return model;
+    // timm's init: every Linear trunc_normal(.02) with zero bias, as each is built (nn::vit_linear; the head
+    // with head_init_std .02).
+    return make_transformer_vit(config, defaults, num_heads, make_mixer);
 }
 
 PlainVit::PlainVit(const PlainVitOptions& o, const BlockFactory& make_block, torch::nn::AnyModule final_norm)
@@ -136,7 +130,7 @@ PlainVit::PlainVit(const PlainVitOptions& o, const BlockFactory& make_block, tor
     const int64_t features = num_features();
     if (o.pooling == Pooling::Bilateral)
         legacy_norm = register_module("legacy_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({features}).eps(1e-5)));
-    if (o.num_classes > 0) head = register_module("head", torch::nn::Linear(features, o.num_classes));
+    if (o.num_classes > 0) head = register_module("head", nn::uninitialised_linear(features, o.num_classes));
 
     if (cls_token.defined()) nn::trunc_normal_(cls_token, 0.02);
     if (pos_embed.defined()) nn::trunc_normal_(pos_embed, 0.02);

@@ -26,8 +26,8 @@ public:
         nn::trunc_normal_(w1, 0.02);
         nn::trunc_normal_(w2, 0.02);
         nn::trunc_normal_(w3, 0.02);
-        qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(C, 3 * C).bias(true)));
-        proj = register_module("proj", torch::nn::Linear(C, C));
+        qkv = register_module("qkv", nn::vit_linear(C, 3 * C));
+        proj = register_module("proj", nn::vit_linear(C, C));
         auto dw = torch::nn::Conv2dOptions(C, C, 3).padding(1).groups(C).bias(true);
         q_conv2d = register_module("q_conv2d", torch::nn::Conv2d(dw));
         k_conv2d = register_module("k_conv2d", torch::nn::Conv2d(dw));

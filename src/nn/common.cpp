@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
@@ -55,6 +56,19 @@ NormedInput NormedInput::modulated(torch::Tensor x, torch::Tensor shift, torch::
     in.eps_ = eps;
     in.norm_ = Norm::Modulated;
     return in;
+}
+
+torch::nn::Linear uninitialised_linear(int64_t in, int64_t out, bool bias) {
+    LINVIS_CHECK(in > 0 && out > 0, "uninitialised_linear: in and out features must be positive, got ", in, " and ",
+                 out);
+    // One input feature, not zero: the constructor's kaiming bound divides by the fan-in.
+    torch::nn::Linear layer(torch::nn::LinearOptions(1, 0).bias(bias));
+    layer->options.in_features(in).out_features(out);
+    torch::NoGradGuard no_grad;
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    layer->weight.set_data(torch::full({out, in}, nan, layer->weight.options()));
+    if (bias) layer->bias.set_data(torch::full({out}, nan, layer->bias.options()));
+    return layer;
 }
 
 torch::Tensor NormedInput::value(ops::Impl impl) const {

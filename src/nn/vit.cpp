@@ -35,7 +35,7 @@ void trunc_normal_(torch::Tensor t, double std, double a, double b) {
 }
 
 torch::nn::Linear vit_linear(int64_t in, int64_t out, bool bias) {
-    torch::nn::Linear layer(torch::nn::LinearOptions(in, out).bias(bias));
+    torch::nn::Linear layer = uninitialised_linear(in, out, bias);
     trunc_normal_(layer->weight);
     if (bias) {
         torch::NoGradGuard no_grad;

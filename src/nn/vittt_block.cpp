@@ -17,10 +17,6 @@ namespace {
 
 namespace F = torch::nn::functional;
 
-torch::nn::Linear make_linear(int64_t in, int64_t out, bool bias) {
-    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
-}
-
 // Linear weights N(0, 0.02), bias 0 (spec/vittt.md "Initialisation").
 void init_linear(torch::nn::Linear& linear) {
     torch::NoGradGuard no_grad;
@@ -48,8 +44,8 @@ TttLinearBranchImpl::TttLinearBranchImpl(const TttBranchOptions& options) : opti
     ttt_norm_bias = register_parameter("ttt_norm_bias", torch::zeros({nh, d}));
     W1 = register_parameter("W1", torch::zeros({nh, d, d}), options.learnable_w0);
     b1 = register_parameter("b1", torch::zeros({nh, 1, d}), options.learnable_w0);
-    q_proj = register_module("q_proj", make_linear(D, D, false));
-    v_proj = register_module("v_proj", make_linear(D, D, false));
+    q_proj = register_module("q_proj", uninitialised_linear(D, D, false));
+    v_proj = register_module("v_proj", uninitialised_linear(D, D, false));
     auto conv = torch::nn::Conv1dOptions(D, D, options.conv_kernel).groups(D).bias(true);
     conv_q = register_module("conv_q", torch::nn::Conv1d(conv));
     conv_k = register_module("conv_k", torch::nn::Conv1d(conv));
@@ -137,9 +133,9 @@ torch::Tensor TttLinearBranchImpl::forward(const torch::Tensor& x, torch::Tensor
 
 // ------------------------------------------------------------------ SwiGluMlp
 SwiGluMlpImpl::SwiGluMlpImpl(int64_t dim, int64_t hidden, ops::Impl impl) : impl_(elementwise_impl(impl)) {
-    gate_proj = register_module("gate_proj", make_linear(dim, hidden, false));
-    up_proj = register_module("up_proj", make_linear(dim, hidden, false));
-    down_proj = register_module("down_proj", make_linear(hidden, dim, false));
+    gate_proj = register_module("gate_proj", uninitialised_linear(dim, hidden, false));
+    up_proj = register_module("up_proj", uninitialised_linear(dim, hidden, false));
+    down_proj = register_module("down_proj", uninitialised_linear(hidden, dim, false));
     init_linear(gate_proj);
     init_linear(up_proj);
     init_linear(down_proj);
@@ -199,14 +195,14 @@ VitttBlockImpl::VitttBlockImpl(const VitttBlockOptions& options) : options_(opti
     const int64_t D = options.branch.dim;
     dwconv = register_module("dwconv", torch::nn::Conv2d(torch::nn::Conv2dOptions(D, D, 3).padding(1).groups(D)));
     norm1 = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({D}).eps(options.norm_eps)));
-    g_proj = register_module("g_proj", make_linear(D, D, false));
+    g_proj = register_module("g_proj", uninitialised_linear(D, D, false));
     if (options.shared_directions) {
         ttt = register_module("ttt", TttLinearBranch(options.branch));
     } else {
         forth = register_module("forth", TttLinearBranch(options.branch));
         back = register_module("back", TttLinearBranch(options.branch));
     }
-    o_proj = register_module("o_proj", make_linear(D, D, false));
+    o_proj = register_module("o_proj", uninitialised_linear(D, D, false));
     norm2 = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({D}).eps(options.norm_eps)));
     mlp = register_module("mlp", SwiGluMlp(D, options.mlp_hidden, options.branch.impl));
     init_linear(g_proj);

@@ -64,6 +64,12 @@ private:
     Norm norm_ = Norm::None;
 };
 
+// nn.Linear(in, out) for a layer whose caller sets every parameter right after (each model's own init, or a
+// checkpoint): LibTorch's constructor draws kaiming-uniform values, serially in LibTorch 1.13 (0.38 s for
+// DeiT-B's 85 M weights), which every linvis model then draws again. Built at size 0 and resized, without
+// that draw; the parameters hold NaN until set, so a missed init shows in any output (tested per model).
+torch::nn::Linear uninitialised_linear(int64_t in, int64_t out, bool bias = true);
+
 // Stochastic depth (timm DropPath, scale_by_keep): in training, zeroes the whole residual
 // branch of each sample with probability `rate` and scales the kept ones by 1 / (1 - rate).
 // Identity in evaluation or when rate <= 0. Uses the LibTorch generator (checkpointed by the trainer).
