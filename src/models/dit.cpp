@@ -37,19 +37,13 @@ torch::Tensor linear(const torch::nn::Linear& l, const torch::Tensor& x) {
     return flops::linear(x, l->weight, l->bias);
 }
 
-void xavier_linear_(const torch::nn::Linear& l) {
-    torch::NoGradGuard g;
-    torch::nn::init::xavier_uniform_(l->weight);
-    if (l->bias.defined()) l->bias.zero_();
-}
-
 torch::nn::Conv2d depthwise3x3(int64_t channels) {
     return torch::nn::Conv2d(torch::nn::Conv2dOptions(channels, channels, 3).padding(1).groups(channels).bias(true));
 }
 
 // Sequential(SiLU, Linear(in -> out)): key `<name>.1.*`.
 torch::nn::Sequential silu_linear(int64_t in, int64_t out) {
-    return torch::nn::Sequential(torch::nn::SiLU(), torch::nn::Linear(in, out));
+    return torch::nn::Sequential(torch::nn::SiLU(), nn::uninitialised_linear(in, out));
 }
 
 torch::nn::Linear seq_linear(const torch::nn::Sequential& s, size_t index) {
@@ -71,15 +65,14 @@ public:
     // u: the block's modulated input (B, N, C) on a G x G grid (the mixer's first product takes it through
     // NormedInput::linear) -> (B, N, C).
     virtual torch::Tensor forward(const nn::NormedInput& u, int64_t grid) = 0;
-    virtual void init_linears() = 0;
 };
 
 // timm Attention(qkv_bias=True): rows of qkv [q | k | v], head i = channels i*d...
 class SoftmaxMixer : public DitMixer {
 public:
     SoftmaxMixer(int64_t dim, int64_t heads, ops::Impl impl) : heads_(heads), impl_(impl) {
-        qkv = register_module("qkv", torch::nn::Linear(dim, 3 * dim));
-        proj = register_module("proj", torch::nn::Linear(dim, dim));
+        qkv = register_module("qkv", nn::uninitialised_linear(dim, 3 * dim));
+        proj = register_module("proj", nn::uninitialised_linear(dim, dim));
     }
     torch::Tensor forward(const nn::NormedInput& u, int64_t) override {
         const int64_t B = u.input().size(0), N = u.input().size(1), C = u.input().size(2), d = C / heads_;
@@ -88,10 +81,6 @@ public:
             u.linear(qkv, nn::elementwise_impl(impl_)).reshape({B, N, 3, heads_, d}).permute({2, 0, 3, 1, 4}).unbind(0);
         torch::Tensor o = ops::softmax_attention(p[0], p[1], p[2], std::pow(static_cast<double>(d), -0.5), {}, impl_);
         return linear(proj, o.transpose(1, 2).reshape({B, N, C}));
-    }
-    void init_linears() override {
-        xavier_linear_(qkv);
-        xavier_linear_(proj);
     }
     torch::nn::Linear qkv{nullptr}, proj{nullptr};
 
@@ -111,10 +100,6 @@ public:
         register_module("proj", ttt->proj);
     }
     torch::Tensor forward(const nn::NormedInput& u, int64_t grid) override { return ttt->forward(u, grid, grid); }
-    void init_linears() override {
-        xavier_linear_(ttt->qkv);
-        xavier_linear_(ttt->proj);
-    }
     nn::Vit3Ttt ttt{nullptr};
 };
 
@@ -130,8 +115,8 @@ public:
         nn::trunc_normal_(w2, 0.02);
         qk_scale_ttt = register_parameter("qk_scale_ttt", torch::ones({1, 1, dim, 2}));
         qk_offset_ttt = register_parameter("qk_offset_ttt", torch::zeros({1, 1, dim, 2}));
-        qkv = register_module("qkv", torch::nn::Linear(dim, 3 * dim));
-        proj = register_module("proj", torch::nn::Linear(dim, dim));
+        qkv = register_module("qkv", nn::uninitialised_linear(dim, 3 * dim));
+        proj = register_module("proj", nn::uninitialised_linear(dim, dim));
         q_conv2d = register_module("q_conv2d", depthwise3x3(dim));
         k_conv2d = register_module("k_conv2d", depthwise3x3(dim));
     }
@@ -148,10 +133,6 @@ public:
                                                         small_grid_.value_or(ops::NatSmallGrid::WholeAxis), impl_);
         return linear(proj, mixed);
     }
-    void init_linears() override {
-        xavier_linear_(qkv);
-        xavier_linear_(proj);
-    }
     torch::Tensor w1, w2, qk_scale_ttt, qk_offset_ttt;
     torch::nn::Linear qkv{nullptr}, proj{nullptr};
     torch::nn::Conv2d q_conv2d{nullptr}, k_conv2d{nullptr};
@@ -167,8 +148,8 @@ private:
 class GeluTanhMlp : public torch::nn::Module {
 public:
     GeluTanhMlp(int64_t dim, int64_t hidden, ops::Impl impl) : impl_(impl) {
-        fc1 = register_module("fc1", torch::nn::Linear(dim, hidden));
-        fc2 = register_module("fc2", torch::nn::Linear(hidden, dim));
+        fc1 = register_module("fc1", nn::uninitialised_linear(dim, hidden));
+        fc2 = register_module("fc2", nn::uninitialised_linear(hidden, dim));
     }
     torch::Tensor forward(const nn::NormedInput& x) {
         return nn::gelu_mlp(x, fc1, fc2, ops::GeluForm::Tanh, nn::elementwise_impl(impl_));
@@ -214,8 +195,8 @@ private:
 class TimestepEmbedder : public torch::nn::Module {
 public:
     explicit TimestepEmbedder(int64_t C) {
-        mlp = register_module("mlp", torch::nn::Sequential(torch::nn::Linear(256, C), torch::nn::SiLU(),
-                                                           torch::nn::Linear(C, C)));
+        mlp = register_module("mlp", torch::nn::Sequential(nn::uninitialised_linear(256, C), torch::nn::SiLU(),
+                                                           nn::uninitialised_linear(C, C)));
     }
     torch::Tensor forward(const torch::Tensor& t) {
         // The sinusoids are computed in float32 (as the official code does) and given to the MLP in its dtype.
@@ -249,7 +230,7 @@ private:
 class FinalLayer : public torch::nn::Module {
 public:
     FinalLayer(int64_t C, int64_t patch, int64_t out_channels, ops::Impl impl) : impl_(impl) {
-        linear = register_module("linear", torch::nn::Linear(C, patch * patch * out_channels));
+        linear = register_module("linear", nn::uninitialised_linear(C, patch * patch * out_channels));
         adaLN_modulation = register_module("adaLN_modulation", silu_linear(C, 2 * C));
     }
     torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cond) {

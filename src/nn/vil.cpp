@@ -73,8 +73,8 @@ torch::Tensor LinearHeadwiseImpl::forward(const torch::Tensor& x) {
 MatrixLstmCellImpl::MatrixLstmCellImpl(int64_t dim, int64_t num_heads_, ops::MlstmMode mode_, int64_t chunk_size_,
                                        ops::Impl impl_)
     : num_heads(num_heads_), mode(mode_), chunk_size(chunk_size_), impl(impl_) {
-    igate = register_module("igate", torch::nn::Linear(3 * dim, num_heads));
-    fgate = register_module("fgate", torch::nn::Linear(3 * dim, num_heads));
+    igate = register_module("igate", uninitialised_linear(3 * dim, num_heads));
+    fgate = register_module("fgate", uninitialised_linear(3 * dim, num_heads));
     outnorm = register_module("outnorm", MultiHeadLayerNorm(dim, 1e-5));
     torch::NoGradGuard no_grad;
     fgate->weight.zero_();
@@ -114,13 +114,13 @@ VilLayerImpl::VilLayerImpl(int64_t dim, bool reversed_, ops::MlstmMode mode, int
     : reversed(reversed_), inner_dim(kExpansion * dim), impl(impl) {
     const int64_t I = inner_dim;
     learnable_skip = register_parameter("learnable_skip", torch::ones({I}));
-    proj_up = register_module("proj_up", torch::nn::Linear(dim, 2 * I));
+    proj_up = register_module("proj_up", uninitialised_linear(dim, 2 * I));
     q_proj = register_module("q_proj", LinearHeadwise(I, kQkvBlock, impl));
     k_proj = register_module("k_proj", LinearHeadwise(I, kQkvBlock, impl));
     v_proj = register_module("v_proj", LinearHeadwise(I, kQkvBlock, impl));
     conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(I, I, 3).padding(1).groups(I)));
     mlstm_cell = register_module("mlstm_cell", MatrixLstmCell(I, kQkvBlock, mode, chunk_size, impl));
-    proj_down = register_module("proj_down", torch::nn::Linear(I, dim));
+    proj_down = register_module("proj_down", uninitialised_linear(I, dim));
     // Official init (1.14; init_weights="original": wang init with num_blocks = 1).
     small_init(proj_up->weight, dim);
     for (auto* p : {&q_proj, &k_proj, &v_proj}) small_init((*p)->weight, dim);
