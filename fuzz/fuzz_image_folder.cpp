@@ -103,8 +103,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     std::unique_ptr<train::ImageFolder> folder;
     try {
-        // fuzz_image's pixel limit, for the same reason (a valid 2 kB JPEG can decode to 2.4 GB).
-        folder = std::make_unique<train::ImageFolder>(root.string(), int64_t(1) << 22);
+        folder = std::make_unique<train::ImageFolder>(root.string(), fuzz::kMaxPixels);
     } catch (const Error&) {
         return 0;
     }
