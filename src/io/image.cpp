@@ -301,9 +301,13 @@ ImageFormat sniff_image_format(const uint8_t* data, size_t size, const std::stri
     fail(name, ": not a JPEG, PNG or BMP file (first bytes ", first, ")");
 }
 
-torch::Tensor decode_image(const uint8_t* data, size_t size, const std::string& name, int64_t max_pixels) {
+void check_pixel_limit(int64_t max_pixels, const std::string& name) {
     LINVIS_CHECK(max_pixels >= 1 && max_pixels <= kMaxImagePixels, name, ": the pixel limit must be 1..",
                  kMaxImagePixels, ", got ", max_pixels);
+}
+
+torch::Tensor decode_image(const uint8_t* data, size_t size, const std::string& name, int64_t max_pixels) {
+    check_pixel_limit(max_pixels, name);
     const ImageFormat format = sniff_image_format(data, size, name);
     switch (format) {
         case ImageFormat::Png: check_png_container(data, size, name); break;

@@ -255,8 +255,7 @@ std::shared_ptr<InMemoryDataset> load_cifar100(const std::string& dir, Split spl
 // ---------------------------------------------------------------- ImageFolder
 
 ImageFolder::ImageFolder(const std::string& root, int64_t max_pixels) : root_(root), max_pixels_(max_pixels) {
-    LINVIS_CHECK(max_pixels >= 1 && max_pixels <= io::kMaxImagePixels, root, ": the pixel limit must be 1..",
-                 io::kMaxImagePixels, ", got ", max_pixels);
+    io::check_pixel_limit(max_pixels, root);
     std::error_code ec;
     LINVIS_CHECK(fs::is_directory(root, ec), root, ": not a directory (ImageFolder expects DIR/<class>/<images>)");
     try {

@@ -44,6 +44,9 @@ constexpr int64_t kMaxImagePixels = int64_t(1) << 28;
 // untrusted files within a memory budget passes a lower limit, as Pillow's MAX_IMAGE_PIXELS.
 torch::Tensor read_image(const std::string& path, int64_t max_pixels = kMaxImagePixels);
 
+// Throws "<name>: the pixel limit must be 1..kMaxImagePixels, got N" unless max_pixels is in that range.
+void check_pixel_limit(int64_t max_pixels, const std::string& name);
+
 // Decodes an image held in memory; `name` (a file name, URL, "<buffer>") is used in errors.
 torch::Tensor decode_image(const uint8_t* data, size_t size, const std::string& name = "<buffer>",
                            int64_t max_pixels = kMaxImagePixels);
