@@ -172,6 +172,7 @@ int run_train_segmentation(int argc, const char* const* argv) {
     add_number(app, "--min-lr", c.min_lr, "final learning rate of the poly decay");
     add_number(app, "--backbone-lr-mult", c.backbone_lr_mult, "backbone learning-rate multiplier (0.1 for pretrained)");
     add_number(app, "--weight-decay", c.weight_decay, "AdamW weight decay");
+    add_opt_eps_option(app, c.eps);
     add_number(app, "--warmup-steps", c.warmup_steps, "linear warm-up steps");
     add_number(app, "--clip-grad", c.clip_grad, "clip the global gradient norm (0: off)");
     add_number(app, "--eval-every", c.eval_every, "evaluate every N steps (0: at the end only)");

@@ -328,6 +328,7 @@ int run_train(int argc, const char* const* argv) {
     add_number(app, "--warmup-epochs", config.warmup_epochs, "linear warm-up length");
     add_number(app, "--weight-decay", config.optimizer.weight_decay,
                "AdamW weight decay (norms, biases, position embeddings excluded)");
+    add_opt_eps_option(app, config.optimizer.eps);
     add_number(app, "--smoothing", config.mixup.label_smoothing, "label smoothing");
     add_number(app, "--mixup", config.mixup.mixup_alpha, "mixup alpha (0: off)");
     add_number(app, "--cutmix", config.mixup.cutmix_alpha, "cutmix alpha (0: off)");

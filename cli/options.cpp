@@ -173,6 +173,11 @@ CLI::Option* add_seed_option(CLI::App& app, int64_t& seed) {
                       "seed of the random initialisation (and of data order and augmentation in training)");
 }
 
+CLI::Option* add_opt_eps_option(CLI::App& app, double& eps) {
+    // 0 is refused: a parameter without gradient would get 0 / 0.
+    return add_number(app, "--opt-eps", eps, "AdamW epsilon", 1e-30);
+}
+
 CLI::Option* add_format_option(CLI::App& app, std::string& format, const std::vector<std::string>& choices) {
     return add_choice(app, "--format", format, choices, "output format");
 }

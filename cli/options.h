@@ -74,6 +74,9 @@ CLI::Option* add_list(CLI::App& app, const std::string& name, std::vector<std::s
 CLI::Option* add_threads_option(CLI::App& app, int& threads);
 // --seed N: seed of the random initialisation (and of data order and augmentation in training).
 CLI::Option* add_seed_option(CLI::App& app, int64_t& seed);
+// --opt-eps E: AdamW's epsilon (timm's name), > 0. A larger one turns the steps of parameters whose gradients are
+// far below it from +-lr into lr * gradient / eps.
+CLI::Option* add_opt_eps_option(CLI::App& app, double& eps);
 // --format: the output format among `choices` (text|json, or table|json for bench).
 CLI::Option* add_format_option(CLI::App& app, std::string& format,
                                const std::vector<std::string>& choices = {"text", "json"});

@@ -106,6 +106,10 @@ TEST(CliArgs, RejectsBadNumbersAndChoicesNamingTheAcceptedValues) {
                           "--lr expects a number, got '1e-3x'");
     expect_one_line_error("train --model deit_tiny --output o --dataset fashion-mnist --drop-path high",
                           "--drop-path expects a number, got 'high'");
+    expect_one_line_error("train --model deit_tiny --output o --dataset fashion-mnist --opt-eps 0",
+                          "--opt-eps expects a number >= 1e-30, got '0'");
+    expect_one_line_error("train --task segmentation --model hvit3_tiny --output o --dataset folder:d --opt-eps -1",
+                          "--opt-eps expects a number >= 1e-30, got '-1'");
     expect_one_line_error("models --res 224,x", "--res expects comma-separated integers, got 'x'");
     expect_one_line_error("version --format xml", "--format must be text or json, got 'xml'");
     expect_one_line_error("inspect --format yaml f.safetensors", "--format must be text or json, got 'yaml'");

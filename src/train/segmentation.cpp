@@ -345,6 +345,7 @@ SegEvalResult SegmentationTrainer::fit(const SegmentationDataset& train, const S
     OptimizerConfig oc;
     oc.lr = config_.lr;
     oc.weight_decay = config_.weight_decay;
+    oc.eps = config_.eps;
     for (const auto& p : model_->named_parameters())
         if (p.key().rfind("backbone.", 0) == 0) oc.boosted_parameters.insert(p.key());
     oc.lr_multiplier = config_.backbone_lr_mult;

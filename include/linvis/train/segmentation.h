@@ -140,6 +140,7 @@ struct SegTrainConfig {
     double min_lr = 0;
     double backbone_lr_mult = 1.0;
     double weight_decay = 0.01;
+    double eps = 1e-8;             // AdamW's epsilon (mmseg's default)
     int64_t warmup_steps = 50;
     double poly_power = 1.0;
     double clip_grad = 0;
