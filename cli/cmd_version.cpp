@@ -6,6 +6,7 @@
 #include "command.h"
 #include "linvis/core/flops.h"
 #include "linvis/core/runtime.h"
+#include "linvis/core/tensor_arena.h"
 #include "linvis/ops/impl.h"
 #include "options.h"
 
@@ -37,6 +38,7 @@ int run_version(int argc, const char* const* argv) {
                             {"blas_threads", info.blas_threads},
                             {"openmp_wait", runtime::openmp_wait_policy()},
                             {"malloc", runtime::malloc_policy()},
+                            {"tensor_arena", tensor_arena::installed()},
                             {"simd", runtime::simd_name(info.simd)},
                             {"fused_kernels", kernels},
                             {"cuda_available", info.cuda_available},
@@ -50,7 +52,8 @@ int run_version(int argc, const char* const* argv) {
               << "GEMM       " << flops::linear_backend() << "\n"
               << "threads    " << info.torch_threads << " LibTorch (OpenMP, " << runtime::openmp_wait_policy() << " wait), "
               << (info.blas_threads > 0 ? std::to_string(info.blas_threads) : std::string("?")) << " BLAS\n"
-              << "memory     malloc: " << runtime::malloc_policy() << "\n"
+              << "memory     malloc: " << runtime::malloc_policy() << "; tensors of 256 KiB and more: "
+              << (tensor_arena::installed() ? "tensor arena (LINVIS_TENSOR_ARENA=0: malloc)" : "malloc") << "\n"
               << "SIMD       " << runtime::simd_name(info.simd) << "\n"
               << "kernels    fused ops run their " << kernels
               << " code; impl auto picks fused or reference per op (docs/ops.md)\n"

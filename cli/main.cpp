@@ -10,6 +10,7 @@
 #include "command.h"
 #include "linvis/core/error.h"
 #include "linvis/core/runtime.h"
+#include "linvis/core/tensor_arena.h"
 
 namespace linvis::cli {
 
@@ -45,6 +46,8 @@ int main(int argc, char** argv) {
     using namespace linvis::cli;
     // The OpenMP wait and OpenBLAS's kernels are read at start-up: restart once with them set.
     linvis::runtime::restart_with_runtime_environment(argv);
+    // Large tensors from one first-fit range: the same placement in every pass (core/tensor_arena.h).
+    linvis::tensor_arena::install();
     if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" ||
         std::string(argv[1]) == "help") {
         print_help();

@@ -18,6 +18,8 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include "linvis/core/tensor_arena.h"
+
 namespace linvis::runtime {
 namespace {
 
@@ -152,6 +154,7 @@ bool user_malloc_settings() {
 }  // namespace
 
 void release_free_memory() {
+    tensor_arena::release_free();
     if (tcmalloc_answers()) {
         if (auto release = find_symbol<void (*)()>("MallocExtension_ReleaseFreeMemory")) release();
         return;

@@ -1,7 +1,8 @@
-// Bytes the process's malloc has handed out and not taken back (glibc's mallinfo2: the arena's blocks in use
-// plus its mmap'd blocks), for tests of how much memory an autograd graph keeps. LibTorch's CPU tensors come
-// from malloc, so a tensor of N bytes kept alive shows as about N more. The test binary uses glibc's malloc
-// (tcmalloc is linked into the linvis command only).
+// Bytes the process has handed out for data and not taken back, for tests of how much memory an autograd graph
+// keeps: glibc malloc's (mallinfo2: its arena's blocks in use plus its mmap'd blocks) and the tensor arena's
+// (core/tensor_arena.h, installed by the test program: LibTorch's CPU tensors of 256 KiB and more). A tensor of
+// N bytes kept alive shows as about N more. The test binary uses glibc's malloc (tcmalloc is linked into the
+// linvis command only).
 #pragma once
 
 #include <malloc.h>
@@ -9,12 +10,13 @@
 #include <cstdint>
 
 #include "linvis/core/flops.h"
+#include "linvis/core/tensor_arena.h"
 
 namespace linvis::testing {
 
 inline int64_t heap_bytes_in_use() {
     const struct mallinfo2 m = mallinfo2();
-    return static_cast<int64_t>(m.uordblks + m.hblkhd);
+    return static_cast<int64_t>(m.uordblks + m.hblkhd + tensor_arena::stats().live_bytes);
 }
 
 // What fn's result keeps alive (with an autograd graph: the graph's saved tensors and the result itself), not

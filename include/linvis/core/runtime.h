@@ -70,7 +70,8 @@ inline constexpr const char* kTcmallocReportBytes = "1099511627776";
 std::string malloc_policy();
 
 // Hands the memory malloc holds free back to the kernel (tcmalloc's ReleaseFreeMemory, glibc's
-// malloc_trim), so that a later resident-set peak shows what is allocated after this call.
+// malloc_trim), and the free pages of the tensor arena (core/tensor_arena.h) when one is installed, so that
+// a later resident-set peak shows what is allocated after this call.
 void release_free_memory();
 
 // Cores kept busy by all processes over a window of `window_ms`, from /proc/stat (-1 when unreadable).
