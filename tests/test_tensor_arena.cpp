@@ -57,6 +57,7 @@ TEST(TensorArena, PlacesFirstFitAndJoinsFreedNeighbours) {
     EXPECT_EQ(s.live_bytes, 0u);
     EXPECT_EQ(s.live_blocks, 0u);
     EXPECT_EQ(s.high_water_bytes, 7 * kPageBytes);
+    EXPECT_EQ(s.peak_live_bytes, 7 * kPageBytes);  // the three-page block and the four-page one
     EXPECT_EQ(s.overflow_blocks, 0u);
 }
 
@@ -111,6 +112,7 @@ TEST(TensorArena, ReleaseFreeHandsPagesBackAndLowersTheHighWater) {
     a.free(freed);
     EXPECT_EQ(a.release_free(), 4 * kPageBytes);
     EXPECT_EQ(a.stats().high_water_bytes, kPageBytes);
+    EXPECT_EQ(a.stats().peak_live_bytes, kPageBytes);  // counted afresh from the release on
     EXPECT_EQ(kept[kPageBytes - 1], 0xab);  // live blocks keep their contents
     // The released pages come back as fresh zeroed pages.
     auto* again = static_cast<unsigned char*>(a.allocate(4 * kPageBytes));

@@ -50,6 +50,7 @@ void* Arena::allocate(std::size_t bytes) {
         if (rest > 0) free_.emplace(offset + size, rest);
         live_.emplace(offset, size);
         live_bytes_ += size;
+        peak_live_bytes_ = std::max(peak_live_bytes_, live_bytes_);
         high_water_ = std::max(high_water_, offset + size);
         return base_ + offset;
     }
@@ -100,6 +101,7 @@ std::size_t Arena::release_free() {
     std::size_t top = 0;
     for (const auto& [offset, length] : live_) top = std::max(top, offset + length);
     high_water_ = top;
+    peak_live_bytes_ = live_bytes_;
     return released;
 }
 
@@ -110,6 +112,7 @@ Stats Arena::stats() const {
     s.high_water_bytes = high_water_;
     s.live_bytes = live_bytes_;
     s.live_blocks = live_.size();
+    s.peak_live_bytes = peak_live_bytes_;
     for (const auto& range : free_)
         if (range.first < high_water_) ++s.free_ranges;
     s.overflow_blocks = overflow_blocks_;

@@ -6,9 +6,9 @@
 // activations resident under tcmalloc after the second pass, because tcmalloc's page heap places the same
 // blocks differently from pass to pass, among its small objects. First-fit placement in a range of their
 // own reaches the same high water in every pass: the range ends each pass as it began, so every pass
-// places its blocks where the one before did. Measured with `linvis bench` (docs/performance.md, "The
-// tensor arena"): hvit3_tiny 56 MiB of activations at 1024 px (tcmalloc alone 67-70), vit3_tiny 40 (56),
-// 135 and 112 MiB at 2048 px (176, 151), at the same speed.
+// places its blocks where the one before did. Measured with `linvis bench` against tcmalloc alone, in
+// alternate processes (docs/performance.md, "The tensor arena"): hvit3_tiny's activations at 1024 px
+// 56-58 MiB (71), vit3_tiny's 40 (46-56); at 2048 px 134-135 (161) and 112 (151); the same speed.
 //
 // Blocks of kMinBlockBytes and more come from the range; smaller ones, and any block the range cannot
 // hold, from the allocator that was installed before (LibTorch's default: malloc). Pages are taken from the
@@ -34,6 +34,8 @@ struct Stats {
     std::size_t high_water_bytes = 0;  // end of the highest block ever placed: pages beyond were never touched
     std::size_t live_bytes = 0;        // blocks allocated and not yet freed (page-rounded)
     std::size_t live_blocks = 0;
+    std::size_t peak_live_bytes = 0;   // most live bytes at once since the last release_free() (or the start):
+                                       // the high water above it is what placement lost to holes
     std::size_t free_ranges = 0;       // holes below the high water
     std::size_t overflow_blocks = 0;   // requests the range could not hold (served by the previous allocator)
 };
@@ -68,6 +70,7 @@ private:
     std::unordered_map<std::size_t, std::size_t> live_;  // offset -> length
     std::size_t high_water_ = 0;
     std::size_t live_bytes_ = 0;
+    std::size_t peak_live_bytes_ = 0;
     std::size_t overflow_blocks_ = 0;
 };
 
