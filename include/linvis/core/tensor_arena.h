@@ -31,7 +31,8 @@ inline constexpr std::size_t kPageBytes = 4096;
 
 struct Stats {
     std::size_t reserved_bytes = 0;    // the address range (virtual: only written pages are resident)
-    std::size_t high_water_bytes = 0;  // end of the highest block ever placed: pages beyond were never touched
+    std::size_t high_water_bytes = 0;  // end of the highest block placed since the last release_free() (or the
+                                       // start): no page above it is resident
     std::size_t live_bytes = 0;        // blocks allocated and not yet freed (page-rounded)
     std::size_t live_blocks = 0;
     std::size_t peak_live_bytes = 0;   // most live bytes at once since the last release_free() (or the start):
