@@ -14,6 +14,11 @@
 
 namespace linvis::testing {
 
+// What LibTorch's small objects (tensor headers and the like, freed or made around a measurement) can move the
+// count by: a tensor of N bytes made between two readings shows as at least N - kHeapNoiseBytes. (glibc's mmap'd
+// blocks used to hide this noise in their page of header; the arena's blocks are exact.)
+inline constexpr int64_t kHeapNoiseBytes = 4096;
+
 inline int64_t heap_bytes_in_use() {
     const struct mallinfo2 m = mallinfo2();
     return static_cast<int64_t>(m.uordblks + m.hblkhd + tensor_arena::stats().live_bytes);
@@ -23,9 +28,12 @@ inline int64_t heap_bytes_in_use() {
 // counting the weights fn's inference products packed for oneDNN (a cache of the weights, flops.h).
 template <typename Fn>
 int64_t bytes_kept_by(Fn&& fn) {
-    const int64_t before = heap_bytes_in_use(), packed_before = flops::packed_weight_bytes();
+    // packed_weight_bytes() first: it frees the copies of weights that died since (an earlier model's), which
+    // would otherwise count as memory fn released.
+    const int64_t packed_before = flops::packed_weight_bytes(), before = heap_bytes_in_use();
     const auto kept = fn();
-    return heap_bytes_in_use() - before - (flops::packed_weight_bytes() - packed_before);
+    const int64_t packed_after = flops::packed_weight_bytes();
+    return heap_bytes_in_use() - before - (packed_after - packed_before);
 }
 
 }  // namespace linvis::testing
