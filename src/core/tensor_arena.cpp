@@ -144,7 +144,7 @@ c10::DataPtr allocate_block(std::size_t bytes) {
     return g_previous->allocate(bytes);
 }
 
-// LibTorch 2.3 made Allocator::allocate non-const and added the pure virtual copy_data; the
+// LibTorch 2.x made Allocator::allocate non-const and added the pure virtual copy_data (1.13 has neither); the
 // signature is detected rather than tied to a version number.
 constexpr bool kConstAllocate =
     std::is_same_v<decltype(&c10::Allocator::allocate), c10::DataPtr (c10::Allocator::*)(std::size_t) const>;
@@ -163,7 +163,7 @@ struct ArenaAllocator final
     c10::DeleterFnPtr raw_deleter() const override {
         return g_previous_raw_deleter != nullptr ? &delete_any_block : nullptr;
     }
-    // An override where LibTorch declares it (2.3 and later), an unused member before.
+    // An override where LibTorch declares it (2.x), an unused member in 1.13.
     void copy_data(void* destination, const void* source, std::size_t bytes) const {
         std::memcpy(destination, source, bytes);
     }
