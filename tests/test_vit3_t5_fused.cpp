@@ -420,12 +420,13 @@ void check_t5(const T5Case& c, const std::string& what) {
 TEST(T5TttFused, AttentionMatchesReference) {
     for_each_simd_target([](const SimdTarget&) {
         torch::manual_seed(10);
-        // Token blocks: ceil(N / 2) rounded up to 8, at most 256; reduction groups of ceil(blocks / 8) blocks.
-        check_t5({1, 4, 5, 16, 2}, "B1 4x5 C16 h2");  // N = 20: blocks of 16 and 4
-        check_t5({2, 17, 19, 48, 3}, "B2 17x19 C48 h3");  // N = 323: blocks of 168 and 155
+        // Token blocks: max(2, ceil(N / 256)) of equal length (up to one token); reduction groups of ceil(blocks / 8)
+        // blocks.
+        check_t5({1, 4, 5, 16, 2}, "B1 4x5 C16 h2");  // N = 20: two blocks of 10
+        check_t5({2, 17, 19, 48, 3}, "B2 17x19 C48 h3");  // N = 323: blocks of 162 and 161
         check_t5({1, 16, 32, 128, 2}, "B1 16x32 C128 h2");  // d = 64, N = 512: two exact blocks of 256
-        check_t5({2, 3, 1, 12, 1}, "3x1 grid, one head");  // N = 3: one block
-        check_t5({1, 33, 40, 16, 2}, "B1 33x40 C16 h2");  // N = 1320: 6 blocks, one per group
+        check_t5({2, 3, 1, 12, 1}, "3x1 grid, one head");  // N = 3: blocks of 2 and 1
+        check_t5({1, 33, 40, 16, 2}, "B1 33x40 C16 h2");  // N = 1320: 6 blocks of 220, one per group
         check_t5({1, 48, 48, 16, 2}, "B1 48x48 C16 h2");  // N = 2304: 9 blocks in 5 groups (the last of one block)
         check_t5({2, 11, 13, 24, 2}, "B2 11x13 C24 h2");  // d = 12
     });
@@ -525,10 +526,10 @@ void check_dit5(const T5Case& c, const std::string& what) {
 TEST(Dit5TttFused, MatchesReference) {
     for_each_simd_target([](const SimdTarget&) {
         torch::manual_seed(20);
-        check_dit5({1, 4, 5, 16, 2}, "B1 4x5 C16 h2");    // N = 20: blocks of 16 and 4
-        check_dit5({2, 17, 19, 48, 3}, "B2 17x19 C48 h3");  // N = 323: blocks of 168 and 155
+        check_dit5({1, 4, 5, 16, 2}, "B1 4x5 C16 h2");    // N = 20: two blocks of 10
+        check_dit5({2, 17, 19, 48, 3}, "B2 17x19 C48 h3");  // N = 323: blocks of 162 and 161
         check_dit5({1, 16, 32, 128, 2}, "B1 16x32 C128 h2");  // d = 64, N = 512: two exact blocks of 256
-        check_dit5({2, 3, 1, 12, 1}, "3x1 grid, one head");  // N = 3: one block
+        check_dit5({2, 3, 1, 12, 1}, "3x1 grid, one head");  // N = 3: blocks of 2 and 1
         check_dit5({1, 48, 48, 16, 2}, "B1 48x48 C16 h2");  // N = 2304: 9 blocks in 5 groups (the last of one block)
         check_dit5({2, 11, 13, 24, 2}, "B2 11x13 C24 h2");  // d = 12
     });

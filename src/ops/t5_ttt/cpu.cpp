@@ -28,23 +28,9 @@ using torch::autograd::variable_list;
 using namespace t5_parts;
 
 
-struct HeadWeights {  // per head (shared over the batch): W1, W2, W3 and transposes
-    std::vector<float> w1, w2, w3, w1T, w2T, w3T;
-};
-HeadWeights head_weights(const Tensor& w1, const Tensor& w2, const Tensor& w3, int64_t h, int64_t d) {
-    HeadWeights hw;
-    hw.w1 = flat_f32(w1);
-    hw.w2 = flat_f32(w2);
-    hw.w3 = flat_f32(w3);
-    hw.w1T.resize(h * d * d);
-    hw.w2T.resize(h * d * d);
-    hw.w3T.resize(h * d * d);
-    for (int64_t hh = 0; hh < h; ++hh) {
-        transpose(hw.w1.data() + hh * d * d, d, d, d, hw.w1T.data() + hh * d * d);
-        transpose(hw.w2.data() + hh * d * d, d, d, d, hw.w2T.data() + hh * d * d);
-        transpose(hw.w3.data() + hh * d * d, d, d, d, hw.w3T.data() + hh * d * d);
-    }
-    return hw;
+// W1, W2, W3 in place; the inner step reads W3ᵀ, the backward also W1ᵀ and W2ᵀ.
+HeadWeights head_weights(const T5TttParams& p, bool backward) {
+    return HeadWeights({p.w1, p.w2, p.w3}, {backward, backward, true}, p.w1.size(-1));
 }
 
 // ---- elementwise bodies (compiled for every SIMD target, see LINVIS_SIMD_CLONES)
@@ -125,14 +111,14 @@ LINVIS_SIMD_CLONES(inner_backward, (int64_t count, const float* z1, const float*
 void inner_block(const Kernels& kr, const Tokens& K2, const Tokens& V, const HeadWeights& hw, int64_t b, int64_t hh,
                  int64_t n0, int64_t T, const Dims& s, float* z1, float* z2, float* sg, float* e, float* a2,
                  float* da2, float* p1, float* p2) {
-    const int64_t d = s.d, dd = d * d;
+    const int64_t d = s.d;
     const float* kb = K2.head_row(b, hh, n0, d);
-    kr.gemm(T, d, d, kb, K2.sn, 1, hw.w1.data() + hh * dd, d, z1, d, false);
-    kr.gemm(T, d, d, kb, K2.sn, 1, hw.w2.data() + hh * dd, d, z2, d, false);
+    kr.gemm(T, d, d, kb, K2.sn, 1, hw.w(0, hh), d, z1, d, false);
+    kr.gemm(T, d, d, kb, K2.sn, 1, hw.w(1, hh), d, z2, d, false);
     kr.sigmoid(z1, sg, T * d);
     inner_elementwise1(T, d, V.head_row(b, hh, n0, d), V.sn, static_cast<float>(s.N), static_cast<float>(s.scale), z1,
                        z2, sg, e, a2);
-    kr.gemm(T, d, d, e, d, 1, hw.w3T.data() + hh * dd, d, da2, d, false);
+    kr.gemm(T, d, d, e, d, 1, hw.wT(2, hh), d, da2, d, false);
     inner_elementwise2(T * d, z1, z2, sg, da2, p1, p2);
 }
 
@@ -153,7 +139,7 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
     query_locality(Q, taps_of(p.q_conv_weight, s.C), qb.data_ptr<float>(), s, tokens_of(q2));
     kn = Tensor();
     const Tokens K2 = tokens_of(k2), Q2 = tokens_of(q2);
-    const HeadWeights hw = head_weights(p.w1, p.w2, p.w3, s.h, d);
+    const HeadWeights hw = head_weights(p, false);
     const Kernels& kr = kernels();
 
     const Scratch pa(rtasks * dd), pb(rtasks * dd), pc(rtasks * dd);  // first block of a group overwrites
@@ -172,18 +158,8 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
     });
     k2 = Tensor();  // only the read-out (q2) is still needed
     Tensor g = torch::empty({3, s.B, s.h, d, d}, torch::kFloat32);
-    float* gp = g.data_ptr<float>();
-    reduce_partials(pa.get(), BH, s.groups, dd, gp);
-    reduce_partials(pb.get(), BH, s.groups, dd, gp + BH * dd);
-    reduce_partials(pc.get(), BH, s.groups, dd, gp + 2 * BH * dd);
-    // Updated weights W' = W - G per (sample, head).
-    std::vector<float> wn(3 * BH * dd);
-    for (int i = 0; i < 3; ++i) {
-        const std::vector<float>& w = i == 0 ? hw.w1 : i == 1 ? hw.w2 : hw.w3;
-        for (int64_t bh = 0; bh < BH; ++bh)
-            for (int64_t j = 0; j < dd; ++j)
-                wn[(i * BH + bh) * dd + j] = w[(bh % s.h) * dd + j] - gp[(i * BH + bh) * dd + j];
-    }
+    const Scratch wn(3 * BH * dd);  // W' = W - G per (sample, head)
+    updated_weights({pa.get(), pb.get(), pc.get()}, s.groups, hw, s, wn.get(), g.data_ptr<float>());
     Tensor out = torch::empty({s.B, s.N, s.C}, torch::kFloat32);
     const Tokens O = tokens_of(out);
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
@@ -193,11 +169,11 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
             const int64_t bh = s.head_of(task), blk = s.block_of(task), b = bh / s.h, hh = bh % s.h;
             const int64_t n0 = blk * s.block, T = std::min(s.block, s.N - n0);
             const float* qr = Q2.head_row(b, hh, n0, d);
-            kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + bh * dd, d, y1, d, false);
-            kr.gemm(T, d, d, qr, Q2.sn, 1, wn.data() + (BH + bh) * dd, d, y2, d, false);
+            kr.gemm(T, d, d, qr, Q2.sn, 1, wn.get() + bh * dd, d, y1, d, false);
+            kr.gemm(T, d, d, qr, Q2.sn, 1, wn.get() + (BH + bh) * dd, d, y2, d, false);
             kr.sigmoid(y1, sg, T * d);
             gate(T * d, y1, y2, sg, hb);
-            kr.gemm(T, d, d, hb, d, 1, wn.data() + (2 * BH + bh) * dd, d, O.head_row(b, hh, n0, d), O.sn, false);
+            kr.gemm(T, d, d, hb, d, 1, wn.get() + (2 * BH + bh) * dd, d, O.head_row(b, hh, n0, d), O.sn, false);
         }
     });
     // Inner: z1, z2, da2, G1, G2, G3; read-out: three products; convs 2 x 9 MACs per element.
@@ -220,18 +196,10 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
     const Tensor kbias = p.k_conv_bias.to(torch::kFloat32).contiguous();
     query_locality(Q, qtaps, qbias.data_ptr<float>(), s, tokens_of(q2));
     const Tokens Q2 = tokens_of(q2);
-    const HeadWeights hw = head_weights(p.w1, p.w2, p.w3, s.h, d);
+    const HeadWeights hw = head_weights(p, true);
     const float* gp = g.data_ptr<float>();
-    // W' and W'ᵀ per (sample, head).
-    std::vector<float> wn(3 * BH * dd), wnT(3 * BH * dd);
-    for (int i = 0; i < 3; ++i) {
-        const std::vector<float>& w = i == 0 ? hw.w1 : i == 1 ? hw.w2 : hw.w3;
-        for (int64_t bh = 0; bh < BH; ++bh) {
-            float* o = wn.data() + (i * BH + bh) * dd;
-            for (int64_t j = 0; j < dd; ++j) o[j] = w[(bh % s.h) * dd + j] - gp[(i * BH + bh) * dd + j];
-            transpose(o, d, d, d, wnT.data() + (i * BH + bh) * dd);
-        }
-    }
+    std::vector<float> wn(3 * BH * dd), wnT(3 * BH * dd);  // W' and W'ᵀ per (sample, head)
+    updated_weights({gp, gp + BH * dd, gp + 2 * BH * dd}, 1, hw, s, wn.data(), nullptr, wnT.data());
     const Kernels& kr = kernels();
 
     // Pass B: read-out backward -> dq2, dW' (per sample, head).
@@ -300,13 +268,13 @@ std::vector<Tensor> t5_backward(const Prepared& in, const T5TttParams& p, const 
             kr.gemm(T, d, d, e, d, 1, dGT.data() + (2 * BH + bh) * dd, d, da2, d, false);
             kr.gemm(T, d, d, a2, d, 1, dG.data() + (2 * BH + bh) * dd, d, de, d, false);
             inner_backward(T * d, z1, z2, sg, da2f, dp1, dp2, da2, dda2, dz1, dz2);
-            kr.gemm(T, d, d, dda2, d, 1, hw.w3.data() + hh * dd, d, de, d, true);
+            kr.gemm(T, d, d, dda2, d, 1, hw.w(2, hh), d, de, d, true);
             scale_rows(T, d, de, dv_scale, DV.head_row(b, hh, n0, d), DV.sn);
             float* dk = DK2.head_row(b, hh, n0, d);
             kr.gemm(T, d, d, p1, d, 1, dGT.data() + bh * dd, d, dk, DK2.sn, false);
             kr.gemm(T, d, d, p2, d, 1, dGT.data() + (BH + bh) * dd, d, dk, DK2.sn, true);
-            kr.gemm(T, d, d, dz1, d, 1, hw.w1T.data() + hh * dd, d, dk, DK2.sn, true);
-            kr.gemm(T, d, d, dz2, d, 1, hw.w2T.data() + hh * dd, d, dk, DK2.sn, true);
+            kr.gemm(T, d, d, dz1, d, 1, hw.wT(0, hh), d, dk, DK2.sn, true);
+            kr.gemm(T, d, d, dz2, d, 1, hw.wT(1, hh), d, dk, DK2.sn, true);
             kr.gemm(d, d, T, kbk, 1, K2.sn, dz1, d, pa.get() + part * dd, d, acc);
             kr.gemm(d, d, T, kbk, 1, K2.sn, dz2, d, pb.get() + part * dd, d, acc);
             kr.gemm(d, d, T, dda2, 1, d, e, d, pc.get() + part * dd, d, acc);

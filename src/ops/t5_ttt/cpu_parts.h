@@ -19,9 +19,10 @@ namespace linvis::ops::fused_detail::t5_parts {
 // float32 with unit channel stride (a copy only when needed).
 torch::Tensor f32_rows(const torch::Tensor& t);
 
-// How a head's tokens are split into tasks. Blocks of at most kTokenBlock tokens, at least kMinBlocks of them:
-// a tiny model has 3 heads, and 3 tasks on 2 cores leave one core idle a third of the time (t5_tiny at 224 px,
-// 2 threads: 2 blocks of 104 tokens ran 4 % faster than 4 of 56). The d x d partial sums of consecutive blocks
+// How a head's tokens are split into tasks. Blocks of equal length (up to one token), at most kTokenBlock tokens and
+// at least kMinBlocks of them: a tiny model has 3 heads, and 3 tasks on 2 cores leave one core idle a third of the
+// time (t5_tiny at 224 px, 2 threads: 2 blocks of 104 tokens ran 4 % faster than 4 of 56, and 2 of 98 another
+// 4 % faster than 104 + 92). The d x d partial sums of consecutive blocks
 // are reduced in at most kGroupsPerHead groups per head (one task each, added in a fixed order). Both depend on
 // N only, so results do not depend on the thread count.
 constexpr int64_t kMinBlocks = 2;
@@ -75,8 +76,31 @@ MutImage mut_image_of(const Tokens& t, int64_t b, const Dims& s);
 // (C, 1, 3, 3) conv weight -> (9, C) taps.
 std::vector<float> taps_of(const torch::Tensor& w, int64_t C);
 
-// The values of w as float32, in row-major order.
-std::vector<float> flat_f32(const torch::Tensor& w);
+// The inner model's weights, (1, h, d, d) each and shared over the batch: read in place as float32 rows (a copy
+// only for another dtype or layout), with the per-head transposes a pass reads. (Copying and transposing every
+// weight took 23 us of T5's 320 us forward at 224 px, on one core while the other waited.)
+class HeadWeights {
+public:
+    // transposed[i]: whether the pass reads the transposes of weights[i].
+    HeadWeights(const std::vector<torch::Tensor>& weights, const std::vector<bool>& transposed, int64_t d);
+    // Head hh of weight i (d x d, row-major), and its transpose (when asked for).
+    const float* w(int64_t i, int64_t hh) const { return ptr_[i] + hh * dd_; }
+    const float* wT(int64_t i, int64_t hh) const { return transposes_[i].data() + hh * dd_; }
+
+private:
+    std::vector<torch::Tensor> rows_;  // keeps the float32 rows alive
+    std::vector<const float*> ptr_;
+    std::vector<std::vector<float>> transposes_;
+    int64_t dd_;
+};
+
+// The fast weights after the inner step, W'(i, bh) = W(i, head of bh) - G(i, bh) for every weight i of hw and
+// (sample*head) bh, where G(i, bh) is the sum of bh's parts_per_head partial matrices in parts[i] (added in
+// their order, as reduce_partials does, so results do not depend on the thread count). Writes W' into wn, and G
+// into g and W'ᵀ into wnT when they are not null; each is (weights, B*h, d, d). In parallel over the matrices:
+// serially this took 28 us of T5's 320 us forward at 224 px.
+void updated_weights(const std::vector<const float*>& parts, int64_t parts_per_head, const HeadWeights& hw,
+                     const Dims& s, float* wn, float* g = nullptr, float* wnT = nullptr);
 
 // The fast weights' gradients of the (sample, head) matrices in the backward:
 // dG = -dW' per matrix and its transpose (count d x d matrices each), for the inner step's backward ...

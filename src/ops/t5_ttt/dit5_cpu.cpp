@@ -101,16 +101,9 @@ LINVIS_SIMD_INLINE void silu_backward_plus_body(int64_t count, const float* __re
 LINVIS_SIMD_CLONES(silu_backward_plus, (int64_t count, const float* z, const float* sg, const float* dzp, float* da),
                    (count, z, sg, dzp, da))
 
-struct HeadWeights {  // per head (shared over the batch): W1, W2 and their transposes
-    std::vector<float> w1, w2, w1T, w2T;
-};
-HeadWeights head_weights(const Tensor& w1, const Tensor& w2, int64_t h, int64_t d) {
-    HeadWeights hw{flat_f32(w1), flat_f32(w2), std::vector<float>(h * d * d), std::vector<float>(h * d * d)};
-    for (int64_t hh = 0; hh < h; ++hh) {
-        transpose(hw.w1.data() + hh * d * d, d, d, d, hw.w1T.data() + hh * d * d);
-        transpose(hw.w2.data() + hh * d * d, d, d, d, hw.w2T.data() + hh * d * d);
-    }
-    return hw;
+// W1 and W2 in place; the inner step reads W2ᵀ, the backward also W1ᵀ.
+HeadWeights head_weights(const Dit5TttParams& p, bool backward) {
+    return HeadWeights({p.w1, p.w2}, {backward, true}, p.w1.size(-1));
 }
 
 // The (C) scale and offset of q (column 0) or k (column 1) of qk_scale_ttt / qk_offset_ttt (1, 1, C, 2).
@@ -139,13 +132,13 @@ Tensor affine_queries(const Tokens& Q, const std::vector<float>& scale, const st
 // a = silu(z), e = ((a W2 - v) / N) * s, da = e W2ᵀ, p = da * silu'(z).
 void inner_block(const Kernels& kr, const Tokens& K2, const Tokens& V, const HeadWeights& hw, int64_t b, int64_t hh,
                  int64_t n0, int64_t T, const Dims& s, float* z, float* sg, float* a, float* e, float* da, float* p) {
-    const int64_t d = s.d, dd = d * d;
-    kr.gemm(T, d, d, K2.head_row(b, hh, n0, d), K2.sn, 1, hw.w1.data() + hh * dd, d, z, d, false);
+    const int64_t d = s.d;
+    kr.gemm(T, d, d, K2.head_row(b, hh, n0, d), K2.sn, 1, hw.w(0, hh), d, z, d, false);
     kr.sigmoid(z, sg, T * d);
     silu_of(T * d, z, sg, a);
-    kr.gemm(T, d, d, a, d, 1, hw.w2.data() + hh * dd, d, e, d, false);
+    kr.gemm(T, d, d, a, d, 1, hw.w(1, hh), d, e, d, false);
     loss_gradient(T, d, V.head_row(b, hh, n0, d), V.sn, static_cast<float>(s.N), static_cast<float>(s.scale), e);
-    kr.gemm(T, d, d, e, d, 1, hw.w2T.data() + hh * dd, d, da, d, false);
+    kr.gemm(T, d, d, e, d, 1, hw.wT(1, hh), d, da, d, false);
     std::copy(da, da + T * d, p);
     times_silu_grad(T * d, z, sg, p);
 }
@@ -153,19 +146,6 @@ void inner_block(const Kernels& kr, const Tokens& K2, const Tokens& V, const Hea
 struct ForwardResult {
     Tensor out, mean, rstd, inv_std, g;  // g: (2, B, h, d, d)
 };
-
-// W' = W - G per (sample, head): 2 x (B*h) d x d matrices.
-std::vector<float> updated_weights(const HeadWeights& hw, const float* g, const Dims& s) {
-    const int64_t dd = s.d * s.d, BH = s.B * s.h;
-    std::vector<float> wn(2 * BH * dd);
-    for (int i = 0; i < 2; ++i) {
-        const std::vector<float>& w = i == 0 ? hw.w1 : hw.w2;
-        for (int64_t bh = 0; bh < BH; ++bh)
-            for (int64_t j = 0; j < dd; ++j)
-                wn[(i * BH + bh) * dd + j] = w[(bh % s.h) * dd + j] - g[(i * BH + bh) * dd + j];
-    }
-    return wn;
-}
 
 ForwardResult dit5_forward(const Prepared& in, const Dit5TttParams& p) {
     const Dims& s = in.s;
@@ -180,7 +160,7 @@ ForwardResult dit5_forward(const Prepared& in, const Dit5TttParams& p) {
     key_locality(K, mean.data_ptr<float>(), rstd.data_ptr<float>(), taps_of(p.k_conv_weight, s.C),
                  kb.data_ptr<float>(), s, tokens_of(kn), tokens_of(k2));
     kn = Tensor();
-    const HeadWeights hw = head_weights(p.w1, p.w2, s.h, d);
+    const HeadWeights hw = head_weights(p, false);
     const Kernels& kr = kernels();
     const Tokens K2 = tokens_of(k2);
 
@@ -197,10 +177,8 @@ ForwardResult dit5_forward(const Prepared& in, const Dit5TttParams& p) {
     });
     k2 = Tensor();
     Tensor g = torch::empty({2, s.B, s.h, d, d}, torch::kFloat32);
-    float* gp = g.data_ptr<float>();
-    reduce_partials(pa.get(), BH, s.groups, dd, gp);
-    reduce_partials(pb.get(), BH, s.groups, dd, gp + BH * dd);
-    const std::vector<float> wn = updated_weights(hw, gp, s);
+    const Scratch wn(2 * BH * dd);  // W' = W - G per (sample, head)
+    updated_weights({pa.get(), pb.get()}, s.groups, hw, s, wn.get(), g.data_ptr<float>());
 
     // q2 = q_t + dwconv(q_t) (q_t freed once q2 is written), then the read-out silu(q2 W1') W2'.
     Tensor q2 = torch::empty({s.B, s.N, s.C}, torch::kFloat32);
@@ -218,10 +196,10 @@ ForwardResult dit5_forward(const Prepared& in, const Dit5TttParams& p) {
         for (int64_t task = begin; task < end; ++task) {
             const int64_t bh = s.head_of(task), blk = s.block_of(task), b = bh / s.h, hh = bh % s.h;
             const int64_t n0 = blk * s.block, T = std::min(s.block, s.N - n0);
-            kr.gemm(T, d, d, Q2.head_row(b, hh, n0, d), Q2.sn, 1, wn.data() + bh * dd, d, y1, d, false);
+            kr.gemm(T, d, d, Q2.head_row(b, hh, n0, d), Q2.sn, 1, wn.get() + bh * dd, d, y1, d, false);
             kr.sigmoid(y1, sg, T * d);
             silu_of(T * d, y1, sg, h);
-            kr.gemm(T, d, d, h, d, 1, wn.data() + (BH + bh) * dd, d, O.head_row(b, hh, n0, d), O.sn, false);
+            kr.gemm(T, d, d, h, d, 1, wn.get() + (BH + bh) * dd, d, O.head_row(b, hh, n0, d), O.sn, false);
         }
     });
     // Inner: z, y, da, G1, G2; read-out: two products; convs 2 x 9 MACs per element.
@@ -275,10 +253,10 @@ std::vector<Tensor> dit5_backward(const Prepared& in, const Dit5TttParams& p, co
     Tensor q2 = torch::empty({s.B, s.N, C}, torch::kFloat32);
     query_locality(tokens_of(qt), qtaps, qbias.data_ptr<float>(), s, tokens_of(q2));
     const Tokens Q2 = tokens_of(q2);
-    const HeadWeights hw = head_weights(p.w1, p.w2, s.h, d);
-    const std::vector<float> wn = updated_weights(hw, g.data_ptr<float>(), s);
-    std::vector<float> wnT(2 * BH * dd);
-    for (int64_t i = 0; i < 2 * BH; ++i) transpose(wn.data() + i * dd, d, d, d, wnT.data() + i * dd);
+    const HeadWeights hw = head_weights(p, true);
+    const float* gp = g.data_ptr<float>();
+    std::vector<float> wn(2 * BH * dd), wnT(2 * BH * dd);  // W' and W'ᵀ per (sample, head)
+    updated_weights({gp, gp + BH * dd}, 1, hw, s, wn.data(), nullptr, wnT.data());
     const Kernels& kr = kernels();
 
     // Pass B: read-out backward -> dq2, dW' (per sample, head).
@@ -338,17 +316,17 @@ std::vector<Tensor> dit5_backward(const Prepared& in, const Dit5TttParams& p, co
             silu_grad_backward(T * d, z, sg, da, dp, dzp);
             // G2 = aᵀ e and da = e W2ᵀ: de = a dG2 + d(da) W2; then e = ((y - v) / N) s: dy = de s / N, dv = -dy.
             kr.gemm(T, d, d, a, d, 1, dG.data() + (BH + bh) * dd, d, de, d, false);
-            kr.gemm(T, d, d, dp, d, 1, hw.w2.data() + hh * dd, d, de, d, true);
+            kr.gemm(T, d, d, dp, d, 1, hw.w(1, hh), d, de, d, true);
             loss_gradient_backward(T * d, de, n, sc, dy);
             scale_rows(T, d, dy, -1.0f, DV.head_row(b, hh, n0, d), DV.sn);
             // da' = e dG2ᵀ + dy W2ᵀ (a feeds G2 and y = a W2), then dz = da' silu'(z) + dzp.
             kr.gemm(T, d, d, e, d, 1, dGT.data() + (BH + bh) * dd, d, dz, d, false);
-            kr.gemm(T, d, d, dy, d, 1, hw.w2T.data() + hh * dd, d, dz, d, true);
+            kr.gemm(T, d, d, dy, d, 1, hw.wT(1, hh), d, dz, d, true);
             silu_backward_plus(T * d, z, sg, dzp, dz);
             // dk2 = p dG1ᵀ + dz W1ᵀ.
             float* dkr = DK2.head_row(b, hh, n0, d);
             kr.gemm(T, d, d, pp, d, 1, dGT.data() + bh * dd, d, dkr, DK2.sn, false);
-            kr.gemm(T, d, d, dz, d, 1, hw.w1T.data() + hh * dd, d, dkr, DK2.sn, true);
+            kr.gemm(T, d, d, dz, d, 1, hw.wT(0, hh), d, dkr, DK2.sn, true);
             // dW1 += k2ᵀ dz; dW2 += d(da)ᵀ e + aᵀ dy.
             kr.gemm(d, d, T, kbk, 1, K2.sn, dz, d, pa.get() + part * dd, d, acc);
             kr.gemm(d, d, T, dp, 1, d, e, d, pb.get() + part * dd, d, acc);
