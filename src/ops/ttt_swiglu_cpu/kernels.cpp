@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 namespace linvis::ops::fused_detail {
 namespace {
@@ -96,32 +97,93 @@ LINVIS_SIMD_CLONES(stencil_reduce,
                    (const ImageOf<double>& a, const ImageOf<double>& b, double* acc, int64_t y0, int64_t y1),
                    (a, b, acc, y0, y1))
 
+// Both walk G in memory order, row by row, with one double accumulator per group: each group's terms are still
+// added in index order (the same sums as a loop over one group at a time), but the column groups no longer make a
+// strided chain of dependent adds. Serial in ViT³'s forward, the column-at-a-time loop took a tenth of the mixer's
+// time at 224 px.
+namespace {
+
+LINVIS_SIMD_INLINE void group_normalise_body(const float* G, int64_t rows, int64_t cols, int64_t ld,
+                                              bool columns_are_groups, float* out, float* norms,
+                                              double* __restrict sq, float* __restrict denom) {
+    const int64_t groups = columns_are_groups ? cols : rows;
+    for (int64_t g = 0; g < groups; ++g) sq[g] = 0.0;
+    for (int64_t i = 0; i < rows; ++i) {
+        const float* __restrict r = G + i * ld;
+        if (columns_are_groups) {
+            for (int64_t j = 0; j < cols; ++j) sq[j] += static_cast<double>(r[j]) * r[j];
+        } else {
+            for (int64_t j = 0; j < cols; ++j) sq[i] += static_cast<double>(r[j]) * r[j];
+        }
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+        norms[g] = static_cast<float>(std::sqrt(sq[g]));
+        denom[g] = norms[g] + 1.0f;
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+        const float* __restrict r = G + i * ld;
+        float* __restrict o = out + i * ld;
+        if (columns_are_groups) {
+            for (int64_t j = 0; j < cols; ++j) o[j] = r[j] / denom[j];
+        } else {
+            for (int64_t j = 0; j < cols; ++j) o[j] = r[j] / denom[i];
+        }
+    }
+}
+LINVIS_SIMD_CLONES(group_normalise,
+                   (const float* G, int64_t rows, int64_t cols, int64_t ld, bool columns_are_groups, float* out,
+                    float* norms, double* sq, float* denom),
+                   (G, rows, cols, ld, columns_are_groups, out, norms, sq, denom))
+
+LINVIS_SIMD_INLINE void group_normalise_backward_body(const float* G, const float* dOut, const float* norms,
+                                                       int64_t rows, int64_t cols, int64_t ld, bool columns_are_groups,
+                                                       float* dG, double* __restrict dot, double* __restrict coef) {
+    const int64_t groups = columns_are_groups ? cols : rows;
+    for (int64_t g = 0; g < groups; ++g) dot[g] = 0.0;
+    for (int64_t i = 0; i < rows; ++i) {
+        const float* __restrict r = G + i * ld;
+        const float* __restrict dr = dOut + i * ld;
+        if (columns_are_groups) {
+            for (int64_t j = 0; j < cols; ++j) dot[j] += static_cast<double>(dr[j]) * r[j];
+        } else {
+            for (int64_t j = 0; j < cols; ++j) dot[i] += static_cast<double>(dr[j]) * r[j];
+        }
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+        const double nrm = norms[g], denom = nrm + 1.0;
+        coef[g] = nrm > 0.0 ? dot[g] / (nrm * denom * denom) : 0.0;
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+        const float* __restrict r = G + i * ld;
+        const float* __restrict dr = dOut + i * ld;
+        float* __restrict o = dG + i * ld;
+        for (int64_t j = 0; j < cols; ++j) {
+            const int64_t g = columns_are_groups ? j : i;
+            const double denom = static_cast<double>(norms[g]) + 1.0;
+            o[j] = static_cast<float>(dr[j] / denom - coef[g] * r[j]);
+        }
+    }
+}
+LINVIS_SIMD_CLONES(group_normalise_backward,
+                   (const float* G, const float* dOut, const float* norms, int64_t rows, int64_t cols, int64_t ld,
+                    bool columns_are_groups, float* dG, double* dot, double* coef),
+                   (G, dOut, norms, rows, cols, ld, columns_are_groups, dG, dot, coef))
+
+}  // namespace
+
 void normalize_groups(const float* G, int64_t rows, int64_t cols, int64_t ld, bool columns_are_groups, float* out,
                       float* norms) {
-    const int64_t groups = columns_are_groups ? cols : rows, len = columns_are_groups ? rows : cols;
-    for (int64_t g = 0; g < groups; ++g) {
-        auto idx = [&](int64_t i) { return columns_are_groups ? i * ld + g : g * ld + i; };
-        double sq = 0.0;
-        for (int64_t i = 0; i < len; ++i) sq += static_cast<double>(G[idx(i)]) * G[idx(i)];
-        const float nrm = static_cast<float>(std::sqrt(sq));
-        norms[g] = nrm;
-        const float denom = nrm + 1.0f;
-        for (int64_t i = 0; i < len; ++i) out[idx(i)] = G[idx(i)] / denom;
-    }
+    const int64_t groups = columns_are_groups ? cols : rows;
+    std::vector<double> sq(groups);
+    std::vector<float> denom(groups);
+    group_normalise(G, rows, cols, ld, columns_are_groups, out, norms, sq.data(), denom.data());
 }
 
 void normalize_groups_backward(const float* G, const float* dOut, const float* norms, int64_t rows, int64_t cols,
                                int64_t ld, bool columns_are_groups, float* dG) {
-    const int64_t groups = columns_are_groups ? cols : rows, len = columns_are_groups ? rows : cols;
-    for (int64_t g = 0; g < groups; ++g) {
-        auto idx = [&](int64_t i) { return columns_are_groups ? i * ld + g : g * ld + i; };
-        const double nrm = norms[g], denom = nrm + 1.0;
-        double dot = 0.0;
-        for (int64_t i = 0; i < len; ++i) dot += static_cast<double>(dOut[idx(i)]) * G[idx(i)];
-        const double coef = nrm > 0.0 ? dot / (nrm * denom * denom) : 0.0;
-        for (int64_t i = 0; i < len; ++i)
-            dG[idx(i)] = static_cast<float>(dOut[idx(i)] / denom - coef * G[idx(i)]);
-    }
+    const int64_t groups = columns_are_groups ? cols : rows;
+    std::vector<double> dot(groups), coef(groups);
+    group_normalise_backward(G, dOut, norms, rows, cols, ld, columns_are_groups, dG, dot.data(), coef.data());
 }
 
 void reduce_partials(const float* parts, int64_t bh_count, int64_t parts_per_head, int64_t dd, float* out) {
