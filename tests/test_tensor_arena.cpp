@@ -187,6 +187,25 @@ TEST(TensorArena, ServesLibTorchsLargeCpuTensors) {
     EXPECT_EQ(arena::stats().live_bytes, before.live_bytes);
 }
 
+// A long-lived tensor made mid-pass (a folded weight) takes its memory from malloc: usable as any tensor, and never
+// a block of the range.
+TEST(TensorArena, EmptyOutsideArenaIsNotInTheRange) {
+    const int64_t count = 4 * static_cast<int64_t>(arena::kMinBlockBytes / sizeof(float));
+    const arena::Stats before = arena::stats();
+    {
+        torch::Tensor kept = arena::empty_outside_arena({count / 4, 4}, torch::kFloat32);
+        EXPECT_EQ(kept.sizes(), torch::IntArrayRef({count / 4, 4}));
+        EXPECT_EQ(kept.scalar_type(), torch::kFloat32);
+        kept.fill_(2.0f);
+        EXPECT_EQ(kept.sum().item<float>(), 2.0f * static_cast<float>(count));
+        EXPECT_EQ(arena::stats().live_blocks, before.live_blocks);
+        EXPECT_EQ(arena::stats().live_bytes, before.live_bytes);
+        EXPECT_EQ(arena::empty_outside_arena({0}, torch::kFloat64).numel(), 0);
+        EXPECT_THROW(arena::empty_outside_arena({-1}, torch::kFloat32), linvis::Error);
+    }
+    EXPECT_EQ(arena::stats().live_bytes, before.live_bytes);
+}
+
 // What the arena is for: once a model's first pass has packed its weights, every later pass needs no new
 // memory and ends where it started. H-ViT3 at batch 4 and 224 px has stage-1 tensors of 3 MiB and more.
 TEST(TensorArena, ModelPassesReuseTheirMemory) {

@@ -10,6 +10,7 @@
 #include <iterator>
 #include <type_traits>
 
+#include <ATen/Functions.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
@@ -205,6 +206,19 @@ Stats stats() {
 
 std::size_t release_free() {
     return g_arena != nullptr ? g_arena->release_free() : 0;
+}
+
+at::Tensor empty_outside_arena(at::IntArrayRef sizes, const at::TensorOptions& options) {
+    if (g_arena == nullptr || !options.device().is_cpu()) return at::empty(sizes, options);
+    std::size_t count = 1;
+    for (const int64_t size : sizes) {
+        LINVIS_CHECK(size >= 0, "empty_outside_arena: expected sizes >= 0, got ", size);
+        count *= static_cast<std::size_t>(size);
+    }
+    const std::size_t bytes = std::max<std::size_t>(1, count * options.dtype().itemsize());
+    void* data = std::malloc(bytes);
+    LINVIS_CHECK(data != nullptr, "empty_outside_arena: out of memory for ", bytes, " bytes");
+    return at::from_blob(data, sizes, [](void* p) { std::free(p); }, options);
 }
 
 }  // namespace linvis::tensor_arena

@@ -20,6 +20,9 @@
 #include <mutex>
 #include <unordered_map>
 
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorOptions.h>
+
 namespace linvis::tensor_arena {
 
 // Smaller blocks stay with malloc, which is good at them; from 256 KiB on tcmalloc serves a block from
@@ -85,5 +88,11 @@ bool installed();
 Stats stats();
 // release_free() of the installed arena; 0 when none is installed.
 std::size_t release_free();
+
+// An uninitialised CPU tensor whose memory comes from malloc, never from the arena: for a long-lived tensor made
+// during a pass (a cache such as a conv's folded weights). In the range it would stay where that pass placed it,
+// between blocks that come and go, and keep the free ranges around it from joining: hvit3_tiny's folded stem
+// weights (one block of 288 KiB) raised its activations at 1024 px by 2.8 MiB. Other devices: at::empty.
+at::Tensor empty_outside_arena(at::IntArrayRef sizes, const at::TensorOptions& options);
 
 }  // namespace linvis::tensor_arena
