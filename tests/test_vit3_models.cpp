@@ -351,6 +351,55 @@ TEST(HVit3, ConvLayerNormAndReluInPlaceInInference) {
     EXPECT_TRUE(all_close(t, want, 1e-6, 1e-6));
 }
 
+// In inference the eval-mode norm is folded into the conv (weights up to kMaxFoldedWeights elements): the folded
+// weights follow every change of the six tensors they are made from, in place or replaced, and a larger conv keeps
+// the norm as a pass over its output; each gives the values of conv -> BatchNorm -> [ReLU].
+TEST(HVit3, FoldedNormFollowsTheConvAndNormTensors) {
+    torch::manual_seed(63);
+    for (const int64_t kernel : {int64_t{3}, int64_t{1}}) {
+        linvis::nn::Vit3ConvLayer layer(5, 6, kernel, 1, kernel / 2, 1, true, true, kernel == 3);
+        randomise_norm(*layer->norm);
+        layer->eval();
+        const torch::Tensor x = torch::randn({2, 5, 7, 9}).contiguous(torch::MemoryFormat::ChannelsLast);
+        const auto expected = [&] {
+            torch::NoGradGuard no_grad;
+            torch::Tensor y = layer->norm->forward(torch::conv2d(x, layer->conv->weight, layer->conv->bias, 1,
+                                                                 kernel / 2));
+            return kernel == 3 ? torch::relu(y) : y;
+        };
+        const auto check = [&](const std::string& what) {
+            torch::NoGradGuard no_grad;
+            EXPECT_TRUE(all_close(layer->forward(x), expected(), 1e-5, 1e-6)) << "kernel " << kernel << ": " << what;
+        };
+        check("first call");
+        check("the folded weights kept");
+        torch::NoGradGuard no_grad;
+        layer->norm->running_mean.add_(0.5);
+        check("running_mean changed in place");
+        layer->norm->running_var.mul_(3.0);
+        check("running_var changed in place");
+        layer->norm->weight.neg_();
+        check("gamma changed in place");
+        layer->norm->bias.add_(1.0);
+        check("beta changed in place");
+        layer->conv->weight.copy_(torch::randn_like(layer->conv->weight));
+        check("conv weight loaded in place");
+        layer->conv->bias.sub_(2.0);
+        check("conv bias changed in place");
+        layer->norm->running_mean.set_(torch::randn({6}));
+        check("running_mean's storage replaced");
+    }
+    // A weight above the fold's size limit: the norm stays a pass over the conv's output.
+    const int64_t wide = linvis::nn::Vit3ConvLayerImpl::kMaxFoldedWeights / 9 + 1;
+    linvis::nn::Vit3ConvLayer big(wide, 1, 3, 1, 1, 1, false, true, false);
+    randomise_norm(*big->norm);
+    big->eval();
+    const torch::Tensor x = torch::randn({1, wide, 3, 3});
+    torch::NoGradGuard no_grad;
+    const torch::Tensor expected = big->norm->forward(torch::conv2d(x, big->conv->weight, {}, 1, 1));
+    EXPECT_TRUE(all_close(big->forward(x), expected, 1e-4, 1e-5));
+}
+
 // At high resolution H-ViT3's stem and patch mergings run in bands of output rows in inference (their widest maps
 // never exist whole): the same features as the layers run on whole maps.
 // Inference at 1024 px: the stem, the patch mergings and the first stages' blocks run in bands of rows.

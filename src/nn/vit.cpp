@@ -72,6 +72,11 @@ std::optional<std::array<int64_t, 2>> conv_zero_padding(const torch::nn::Conv2dI
 }
 
 torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& x, bool pad_rows) {
+    return conv_forward(layer, layer->weight, layer->bias, x, pad_rows);
+}
+
+torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& layer_weight,
+                           const torch::Tensor& layer_bias, const torch::Tensor& x, bool pad_rows) {
     const auto& o = layer->options;
     const std::optional<std::array<int64_t, 2>> pad = conv_zero_padding(*layer);
     LINVIS_CHECK(pad.has_value(), "conv_forward: only symmetric zero padding is supported");
@@ -86,16 +91,16 @@ torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& 
     const int64_t C = x.dim() == 4 ? x.size(1) : 0, bytes = x.numel() * static_cast<int64_t>(x.element_size());
     const bool depthwise = o.groups() == C && o.out_channels() == C && C > 1;
     const bool graph = torch::GradMode::is_enabled() &&
-                       (x.requires_grad() || layer->weight.requires_grad() ||
-                        (layer->bias.defined() && layer->bias.requires_grad()));
-    if (!depthwise || graph || bytes <= kDepthwiseChunkBytes) return conv(x, layer->weight, layer->bias, o.groups());
+                       (x.requires_grad() || layer_weight.requires_grad() ||
+                        (layer_bias.defined() && layer_bias.requires_grad()));
+    if (!depthwise || graph || bytes <= kDepthwiseChunkBytes) return conv(x, layer_weight, layer_bias, o.groups());
     const int64_t chunks = std::min(C, (bytes + kDepthwiseChunkBytes - 1) / kDepthwiseChunkBytes);
     const int64_t per_chunk = (C + chunks - 1) / chunks;
     torch::Tensor out;
     for (int64_t c0 = 0; c0 < C; c0 += per_chunk) {
         const int64_t n = std::min(per_chunk, C - c0);
-        const torch::Tensor part = conv(x.narrow(1, c0, n), layer->weight.narrow(0, c0, n),
-                                        layer->bias.defined() ? layer->bias.narrow(0, c0, n) : torch::Tensor(), n);
+        const torch::Tensor part = conv(x.narrow(1, c0, n), layer_weight.narrow(0, c0, n),
+                                        layer_bias.defined() ? layer_bias.narrow(0, c0, n) : torch::Tensor(), n);
         if (!out.defined())  // in the layout of the input (a channels-last map stays channels-last)
             out = torch::empty({x.size(0), C, part.size(2), part.size(3)},
                                part.options().memory_format(part.suggest_memory_format()));

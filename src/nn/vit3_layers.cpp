@@ -1,9 +1,13 @@
+#include <atomic>
+#include <memory>
+
 #include "linvis/nn/common.h"
 #include "linvis/nn/batch_norm.h"
 #include "linvis/nn/checkpoint.h"
 #include "linvis/nn/vit3_layers.h"
 
 #include "linvis/core/error.h"
+#include "linvis/core/tensor_arena.h"
 #include "linvis/core/flops.h"
 #include "linvis/ops/vit3_ttt.h"
 
@@ -120,25 +124,65 @@ Vit3ConvLayerImpl::Vit3ConvLayerImpl(int64_t in, int64_t out, int64_t kernel, in
     if (with_norm) norm = register_module("norm", torch::nn::BatchNorm2d(torch::nn::BatchNorm2dOptions(out).eps(1e-5)));
 }
 
+std::shared_ptr<const Vit3ConvLayerImpl::FoldedConv> Vit3ConvLayerImpl::folded_conv(const torch::Tensor& x) {
+    if (is_training() || !norm || norm->is_training() || conv->weight.numel() > kMaxFoldedWeights) return nullptr;
+    const torch::Tensor &w = conv->weight, &b = conv->bias, &mean = norm->running_mean, &var = norm->running_var;
+    const torch::Tensor &gamma = norm->weight, &beta = norm->bias;
+    if (!mean.defined() || !var.defined() || !w.is_floating_point() || w.scalar_type() != x.scalar_type()) return nullptr;
+    const std::vector<const torch::Tensor*> made_from{&w, &b, &mean, &var, &gamma, &beta};
+    for (const torch::Tensor* t : made_from)
+        if (t->defined() && !can_overwrite({*t})) return nullptr;  // a graph would need the norm's own gradients
+    if (!can_overwrite({x})) return nullptr;
+    std::vector<std::pair<const void*, int64_t>> key;
+    for (const torch::Tensor* t : made_from)
+        key.emplace_back(t->defined() ? t->data_ptr() : nullptr, t->defined() ? t->_version() : -1);
+    std::shared_ptr<const FoldedConv> kept = std::atomic_load(&folded_);
+    if (kept && kept->made_from == key) return kept;
+    torch::NoGradGuard no_grad;
+    const auto f64 = [](const torch::Tensor& t) { return t.to(torch::kFloat64); };
+    torch::Tensor a = torch::rsqrt(f64(var) + norm->options.eps());
+    if (gamma.defined()) a = a * f64(gamma);
+    torch::Tensor shift = (b.defined() ? f64(b) - f64(mean) : -f64(mean)) * a;
+    if (beta.defined()) shift = shift + f64(beta);
+    std::vector<int64_t> per_channel(static_cast<size_t>(w.dim()), 1);
+    per_channel[0] = w.size(0);
+    // Kept across passes: outside the tensor arena, whose free ranges a block made mid-pass would split.
+    torch::Tensor weight = tensor_arena::empty_outside_arena(w.sizes(), w.options());
+    torch::Tensor bias = tensor_arena::empty_outside_arena(shift.sizes(), w.options());
+    weight.copy_(f64(w) * a.view(per_channel));
+    bias.copy_(shift);
+    auto folded = std::make_shared<const FoldedConv>(FoldedConv{weight, bias, std::move(key)});
+    std::atomic_store(&folded_, folded);
+    return folded;
+}
+
 torch::Tensor Vit3ConvLayerImpl::forward(const torch::Tensor& x, bool pad_rows) {
+    const std::shared_ptr<const FoldedConv> folded = folded_conv(x);
+    const torch::Tensor& weight = folded ? folded->weight : conv->weight;
+    const torch::Tensor& bias = folded ? folded->bias : conv->bias;
+    const auto rectified = [this](torch::Tensor y) {
+        return !relu ? y : can_overwrite({y}) ? y.relu_() : torch::relu(y);
+    };
     // Eval mode only: a training step's checkpointed forward (no graph) must match its recomputation (LibTorch's conv).
     const bool product = !is_training() && is_pointwise(conv) && x.dim() == 4 && x.device().is_cpu() &&
-                         x.is_contiguous(at::MemoryFormat::ChannelsLast) && can_overwrite({x, conv->weight}) &&
-                         (!conv->bias.defined() || can_overwrite({conv->bias}));
-    if (!product) return post(conv_forward(conv, x, pad_rows));
+                         x.is_contiguous(at::MemoryFormat::ChannelsLast) && can_overwrite({x, weight}) &&
+                         (!bias.defined() || can_overwrite({bias}));
+    if (!product) {
+        torch::Tensor y = conv_forward(conv, weight, bias, x, pad_rows);
+        return folded ? rectified(std::move(y)) : post(std::move(y));
+    }
     // In inference, a 1x1 conv on a channels-last map (a patch merging's input: the blocks' tokens seen as a map)
     // is one product over its pixels, (B H W, C_in) x (C_in, C_out), on oneDNN with the bias, and a ReLU not preceded
-    // by a norm, applied to each tile; the result is channels-last again. LibTorch 1.13 runs this conv in another
-    // layout and returns a channels-first map (docs/performance.md, "H-ViT³ against its torch peer, and its pointwise
-    // convs as products").
-    const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), out = conv->weight.size(0);
+    // by a norm (or after a folded one), applied to each tile; the result is channels-last again. LibTorch 1.13 runs
+    // this conv in another layout and returns a channels-first map (docs/performance.md, "H-ViT³ against its torch
+    // peer, and its pointwise convs as products").
+    const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), out = weight.size(0);
     const torch::Tensor pixels = x.permute({0, 2, 3, 1}).reshape({B * H * W, C});  // a view
-    const torch::Tensor weight = conv->weight.view({out, C});
-    const bool relu_in_product = relu && !norm;
-    torch::Tensor y = relu_in_product ? flops::linear_relu(pixels, weight, conv->bias)
-                                      : flops::linear(pixels, weight, conv->bias);
+    const torch::Tensor matrix = weight.view({out, C});
+    const bool relu_in_product = relu && (!norm || folded);
+    torch::Tensor y = relu_in_product ? flops::linear_relu(pixels, matrix, bias) : flops::linear(pixels, matrix, bias);
     y = y.view({B, H, W, out}).permute({0, 3, 1, 2});
-    return relu_in_product ? y : post(std::move(y));
+    return relu_in_product || folded ? y : post(std::move(y));
 }
 
 torch::Tensor Vit3ConvLayerImpl::post(torch::Tensor y) {

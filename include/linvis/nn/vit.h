@@ -43,6 +43,9 @@ std::optional<std::array<int64_t, 2>> conv_zero_padding(const torch::nn::Conv2dI
 // padding above and below (a caller running the conv on a band of rows supplies those rows itself). Outside a graph a
 // depthwise conv with more than kDepthwiseChunkBytes of input runs a group of channels at a time (as conv_backward).
 torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& x, bool pad_rows = true);
+// The same with the layer's geometry and another weight and bias (e.g. with a BatchNorm folded in).
+torch::Tensor conv_forward(const torch::nn::Conv2d& layer, const torch::Tensor& weight, const torch::Tensor& bias,
+                           const torch::Tensor& x, bool pad_rows = true);
 // The gradients of y = conv_forward(layer, x) from dy (y's shape), each only where `needs` (dx, dweight, dbias) asks:
 // LibTorch's convolution backward, without a graph and without recomputing y. A depthwise conv whose input is larger
 // than `chunk_bytes` runs a group of channels at a time into one dx: LibTorch 1.13's depthwise backward on oneDNN

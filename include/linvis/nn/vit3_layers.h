@@ -4,7 +4,10 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -73,7 +76,8 @@ public:
                       bool bias, bool norm, bool relu);
     // pad_rows false: the conv without its padding above and below (nn::conv_forward), for a band of rows. In eval mode
     // outside a graph a pointwise conv on a channels-last CPU map is a product over the pixels (flops::linear /
-    // linear_relu) and returns a channels-last map.
+    // linear_relu) and returns a channels-last map, and a norm whose conv weight has at most kMaxFoldedWeights
+    // elements is folded into the conv (see folded_conv).
     torch::Tensor forward(const torch::Tensor& x, bool pad_rows = true);
     // What follows the conv: the norm and the ReLU, each where the layer has it (forward = post(conv(x))).
     torch::Tensor post(torch::Tensor conv_output);
@@ -81,6 +85,23 @@ public:
     torch::nn::Conv2d conv{nullptr};
     torch::nn::BatchNorm2d norm{nullptr};
     bool relu;
+
+    // Inference folds the eval-mode norm into the conv: W a and (b - mean) a + beta per output channel, a = gamma /
+    // sqrt(var + eps), so that no pass over the conv's output applies it. Only for weights of at most this many
+    // elements, as the folded weights are a copy kept beside the module's: H-ViT³-T's stem (0.4 MiB in all, on its
+    // largest maps), not its patch mergings' last convs (up to 4 MiB each, on maps smaller than their weights).
+    static constexpr int64_t kMaxFoldedWeights = int64_t{1} << 17;
+
+private:
+    struct FoldedConv {
+        torch::Tensor weight, bias;
+        std::vector<std::pair<const void*, int64_t>> made_from;  // data and version of the six tensors
+    };
+    // The folded weight and bias for an input x, made on first use and again after any of the conv's or the norm's
+    // tensors changed (a new tensor, or an in-place update such as load_state_dict's copy_); null where the norm is
+    // not folded (training, a graph, no norm, a larger weight). Forward may run on several threads.
+    std::shared_ptr<const FoldedConv> folded_conv(const torch::Tensor& x);
+    std::shared_ptr<const FoldedConv> folded_;
 };
 TORCH_MODULE(Vit3ConvLayer);
 
