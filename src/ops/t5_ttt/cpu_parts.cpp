@@ -42,13 +42,8 @@ void updated_weights(const std::vector<const float*>& parts, int64_t parts_per_h
         std::vector<float> sum(g == nullptr ? dd : 0);
         for (int64_t m = begin; m < end; ++m) {
             const int64_t i = m / BH, bh = m % BH;
-            const float* p = parts[i] + bh * parts_per_head * dd;
             float* __restrict acc = g != nullptr ? g + m * dd : sum.data();
-            std::copy(p, p + dd, acc);
-            for (int64_t part = 1; part < parts_per_head; ++part) {
-                const float* __restrict q = p + part * dd;
-                for (int64_t j = 0; j < dd; ++j) acc[j] += q[j];
-            }
+            reduce_partials(parts[i] + bh * parts_per_head * dd, 1, parts_per_head, dd, acc);
             const float* __restrict w = hw.w(i, bh % s.h);
             float* __restrict o = wn + m * dd;
             for (int64_t j = 0; j < dd; ++j) o[j] = w[j] - acc[j];

@@ -96,7 +96,7 @@ private:
 
 // The fast weights after the inner step, W'(i, bh) = W(i, head of bh) - G(i, bh) for every weight i of hw and
 // (sample*head) bh, where G(i, bh) is the sum of bh's parts_per_head partial matrices in parts[i] (added in
-// their order, as reduce_partials does, so results do not depend on the thread count). Writes W' into wn, and G
+// their order by reduce_partials, so results do not depend on the thread count). Writes W' into wn, and G
 // into g and W'ᵀ into wnT when they are not null; each is (weights, B*h, d, d). In parallel over the matrices:
 // serially this took 28 us of T5's 320 us forward at 224 px.
 void updated_weights(const std::vector<const float*>& parts, int64_t parts_per_head, const HeadWeights& hw,
