@@ -258,12 +258,20 @@ bool batch_norm_eval_into(const torch::nn::BatchNorm2dImpl& bn, torch::Tensor& x
     torch::NoGradGuard no_grad;
     std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);
     shape[1] = x.size(1);
-    torch::Tensor alpha = torch::sqrt(var + bn.options.eps()).reciprocal_();
-    if (weight.defined()) alpha.mul_(weight);
-    torch::Tensor beta = -(mean * alpha);
-    if (bias.defined()) beta.add_(bias);
-    at::addcmul_out(x, beta.view(shape), x, alpha.view(shape));
+    const BatchNormAffine a = batch_norm_eval_affine(bn, x.scalar_type());
+    at::addcmul_out(x, a.beta.view(shape), x, a.alpha.view(shape));
     return true;
+}
+
+BatchNormAffine batch_norm_eval_affine(const torch::nn::BatchNorm2dImpl& bn, torch::ScalarType dtype) {
+    LINVIS_CHECK(bn.running_mean.defined() && bn.running_var.defined(),
+                 "batch_norm_eval_affine: the norm keeps no running statistics");
+    torch::NoGradGuard no_grad;
+    torch::Tensor alpha = torch::sqrt(bn.running_var.to(dtype) + bn.options.eps()).reciprocal_();
+    if (bn.weight.defined()) alpha.mul_(bn.weight.to(dtype));
+    torch::Tensor beta = -(bn.running_mean.to(dtype) * alpha);
+    if (bn.bias.defined()) beta.add_(bn.bias.to(dtype));
+    return {alpha, beta};
 }
 
 }  // namespace linvis::nn

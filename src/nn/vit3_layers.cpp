@@ -139,18 +139,15 @@ std::shared_ptr<const Vit3ConvLayerImpl::FoldedConv> Vit3ConvLayerImpl::folded_c
     std::shared_ptr<const FoldedConv> kept = std::atomic_load(&folded_);
     if (kept && kept->made_from == key) return kept;
     torch::NoGradGuard no_grad;
-    const auto f64 = [](const torch::Tensor& t) { return t.to(torch::kFloat64); };
-    torch::Tensor a = torch::rsqrt(f64(var) + norm->options.eps());
-    if (gamma.defined()) a = a * f64(gamma);
-    torch::Tensor shift = (b.defined() ? f64(b) - f64(mean) : -f64(mean)) * a;
-    if (beta.defined()) shift = shift + f64(beta);
+    // conv(x, W) alpha + beta = conv(x, W alpha) + b alpha + beta, in float64.
+    const BatchNormAffine a = batch_norm_eval_affine(*norm, torch::kFloat64);
     std::vector<int64_t> per_channel(static_cast<size_t>(w.dim()), 1);
     per_channel[0] = w.size(0);
     // Kept across passes: outside the tensor arena, whose free ranges a block made mid-pass would split.
     torch::Tensor weight = tensor_arena::empty_outside_arena(w.sizes(), w.options());
-    torch::Tensor bias = tensor_arena::empty_outside_arena(shift.sizes(), w.options());
-    weight.copy_(f64(w) * a.view(per_channel));
-    bias.copy_(shift);
+    torch::Tensor bias = tensor_arena::empty_outside_arena(a.beta.sizes(), w.options());
+    weight.copy_(w.to(torch::kFloat64) * a.alpha.view(per_channel));
+    bias.copy_(b.defined() ? b.to(torch::kFloat64) * a.alpha + a.beta : a.beta);
     auto folded = std::make_shared<const FoldedConv>(FoldedConv{weight, bias, std::move(key)});
     std::atomic_store(&folded_, folded);
     return folded;

@@ -41,6 +41,12 @@ torch::Tensor batch_norm(BatchNormImpl& bn, const torch::Tensor& x) {
 // false, leaving x as it was, where that does not apply: training mode, no running statistics, a graph being
 // recorded through x or the parameters, or x not float32 / float64 of the parameters' dtype.
 bool batch_norm_eval_into(const torch::nn::BatchNorm2dImpl& bn, torch::Tensor& x);
+// Those per-channel terms, alpha and beta (C), computed in `dtype` from the norm's running statistics (which it
+// must have) and its affine parameters where defined; also what a conv with the norm folded in needs.
+struct BatchNormAffine {
+    torch::Tensor alpha, beta;
+};
+BatchNormAffine batch_norm_eval_affine(const torch::nn::BatchNorm2dImpl& bn, torch::ScalarType dtype);
 
 // conv_forward(conv, [relu](batch_norm(bn, x))) for a BatchNorm2d between two convs in a training step, as one graph
 // node that keeps x (the first conv's output, contiguous) and the batch's per-channel mean and 1/std, and no map
