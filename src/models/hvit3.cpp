@@ -109,6 +109,12 @@ public:
     Tensor forward(Tensor x) {
         if (!is_training() && !x.requires_grad() && !torch::GradMode::is_enabled()) {
             if (auto banded = forward_in_bands(x)) return *banded;
+            // Inference on channels-last maps (the stem's image copied: 0.6 MiB at 224 px; a patch merging's input
+            // is so already): oneDNN's convs then read and write them without reordering to and from its blocked
+            // layout, a pointwise conv is a product (Vit3ConvLayerImpl::forward), and the stem's output is the
+            // blocks' tokens without a copy: at 224 px about 2 % of a pass (docs/performance.md, "H-ViT3's stem
+            // channels-last"). Not in bands: there the copies' memory outweighed a gain that did not show.
+            x = x.contiguous(at::MemoryFormat::ChannelsLast);
         }
         if (is_training() && torch::GradMode::is_enabled()) return forward_keeping_conv_outputs(x);
         for (const auto& layer : *conv) x = layer->as<lnn::Vit3ConvLayerImpl>()->forward(x);
