@@ -248,12 +248,19 @@ PackedWeights& packed_weights() {
     return p;
 }
 
-// Whether b is a weight to keep packed: a float32 product of more than a few rows (a classifier head's single row
-// gains nothing from the copy) outside a graph, b with a version counter and not in a live graph. A weight in a
-// live graph is being trained (a training step's recomputation in a checkpoint or a backward runs without a graph
-// of its own): the optimizer changes it after the step, so a copy would be redone every step and kept between them.
+// Products of fewer rows read their weights in place. From a weight in place oneDNN copies it into its layout on
+// every call, which on few rows costs as much as the products: H-ViT3's last stage at 224 px (49 tokens) ran its
+// products 16 % faster from packed weights (hvit3_tiny about 2 % faster). Below 16 rows (a classifier head's single
+// row, DiT's adaLN products at batch 1 or 2) the copies would take memory (DiT-S's adaLN weights: 42 MiB, DiT-XL's:
+// 890 MiB, past the cap) for about 0.1 ms a pass.
+constexpr int64_t kMinPackedRows = 16;
+
+// Whether b is a weight to keep packed: a float32 product of at least kMinPackedRows rows outside a graph, b with a
+// version counter and not in a live graph. A weight in a live graph is being trained (a training step's
+// recomputation in a checkpoint or a backward runs without a graph of its own): the optimizer changes it after the
+// step, so a copy would be redone every step and kept between them.
 bool packs(const torch::Tensor& b, torch::ScalarType type, int64_t M) {
-    if (type != torch::kFloat32 || M < 64 || torch::GradMode::is_enabled() || b.is_inference() ||
+    if (type != torch::kFloat32 || M < kMinPackedRows || torch::GradMode::is_enabled() || b.is_inference() ||
         packed_budget_bytes() == 0 || weights_in_training_depth() > 0)
         return false;
     const torch::Tensor leaf = b.is_view() ? torch::Tensor(b._base()) : b;

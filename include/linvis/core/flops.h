@@ -96,7 +96,7 @@ torch::Tensor linear_relu(const torch::Tensor& x, const torch::Tensor& weight, c
 // the weight from a copy reordered once into the primitive's own blocked layout, where it has one (AVX-512; up to
 // 11 % faster for ViT-T's products, docs/performance.md). A copy is kept while its weight's storage is alive and
 // redone when the weight changes in place (its version counter). Read in place instead: weights in a live graph
-// or under WeightsInTraining (below), inference tensors (no version counter), products of fewer than 64 rows.
+// or under WeightsInTraining (below), inference tensors (no version counter), products of fewer than 16 rows.
 // LINVIS_PACKED_WEIGHTS_MIB (read once, default 256) caps the kept copies' total; 0 turns them off.
 // packed_weight_bytes() is that total now: weight memory, constant in the image size.
 int64_t packed_weight_bytes();
