@@ -68,7 +68,10 @@ TEST(Flops, OnednnLinearMatchesLibTorch) {
     for (const Case& c : {Case{{7}, 5, true, false, false}, Case{{197, 192}, 576, true, false, false},
                           Case{{1, 1, 1}, 1, true, false, true}, Case{{1025, 192}, 576, true, false, false},
                           Case{{3, 341, 257}, 131, false, false, false}, Case{{3, 400, 129}, 700, true, true, false},
-                          Case{{4, 250, 96}, 1500, true, false, true}}) {
+                          Case{{4, 250, 96}, 1500, true, false, true},
+                          // Narrow products (at most 3 columns, 16 rows or more) run as their transpose.
+                          Case{{2, 300, 192}, 3, true, false, false}, Case{{64, 40}, 1, false, true, false},
+                          Case{{16, 33}, 2, true, false, true}, Case{{15, 33}, 2, true, true, true}}) {
         torch::Tensor x = torch::randn(c.x);
         if (c.transposed_x) x = x.transpose(0, 1).contiguous().transpose(0, 1);  // same sizes, other strides
         const int64_t k = c.x.back();
@@ -96,10 +99,13 @@ TEST(Flops, OnednnLinearMatchesLibTorch) {
         torch::NoGradGuard no_grad;
         const torch::Tensor wide_w = torch::randn({8, 3 * 96}), wide_x = torch::randn({2, 197, 2 * 96});
         const torch::Tensor w = wide_w.narrow(1, 96, 96), x = wide_x.narrow(2, 96, 96), b = torch::randn({8});
-        const torch::Tensor y = linvis::flops::linear(x, w, b);
-        const torch::Tensor judge = torch::nn::functional::linear(x.to(torch::kFloat64), w.to(torch::kFloat64),
-                                                                  b.to(torch::kFloat64));
-        EXPECT_LT(((y.to(torch::kFloat64) - judge).norm() / judge.norm()).item<double>(), 1e-6);
+        for (int64_t n : {8, 3}) {  // ViL's gate weights; Vision-TTT's learning-rate gates are narrow
+            const torch::Tensor wn = w.narrow(0, 0, n), bn = b.narrow(0, 0, n);
+            const torch::Tensor y = linvis::flops::linear(x, wn, bn);
+            const torch::Tensor judge = torch::nn::functional::linear(x.to(torch::kFloat64), wn.to(torch::kFloat64),
+                                                                      bn.to(torch::kFloat64));
+            EXPECT_LT(((y.to(torch::kFloat64) - judge).norm() / judge.norm()).item<double>(), 1e-6) << n;
+        }
     }
     // Empty products stay with LibTorch: no rows gives no rows, K = 0 gives the bias alone.
     const torch::Tensor no_rows = torch::randn({0, 8}), no_k = torch::randn({3, 0}), w8 = torch::randn({4, 8});
@@ -110,10 +116,11 @@ TEST(Flops, OnednnLinearMatchesLibTorch) {
     EXPECT_TRUE(torch::equal(linvis::flops::linear(no_k, torch::randn({4, 0}), bias4), bias4.expand({3, 4})));
     // In a graph: first derivatives (some inputs frozen) and a second derivative through a create_graph backward
     // equal LibTorch's.
-    const auto derivatives = [onednn](bool weight_grad) {
+    const auto derivatives = [onednn](bool weight_grad, int64_t n) {
         torch::manual_seed(5);
         torch::Tensor x = torch::randn({3, 200, 240}, torch::requires_grad());
-        torch::Tensor w = torch::randn({240, 240}).requires_grad_(weight_grad), b = torch::randn({240}, torch::requires_grad());
+        torch::Tensor w = torch::randn({n, 240}).requires_grad_(weight_grad);
+        torch::Tensor b = torch::randn({n}, torch::requires_grad());
         EXPECT_EQ(linvis::flops::linear_takes_onednn(x, w, b), onednn && std::getenv("LINVIS_GEMM") == nullptr);
         torch::Tensor y = linvis::flops::linear(x, w, b);
         torch::Tensor gx = torch::autograd::grad({(y * y).sum()}, {x}, {}, true, true)[0];
@@ -122,14 +129,16 @@ TEST(Flops, OnednnLinearMatchesLibTorch) {
         if (weight_grad) out.push_back(w.grad());
         return out;
     };
-    for (bool weight_grad : {true, false}) {
-        const auto onednn = derivatives(weight_grad);
-        setenv("LINVIS_GEMM", "torch", 1);
-        const auto torch_ref = derivatives(weight_grad);
-        unsetenv("LINVIS_GEMM");
-        for (size_t i = 0; i < onednn.size(); ++i)
-            EXPECT_LT(((onednn[i] - torch_ref[i]).norm() / torch_ref[i].norm()).item<double>(), 1e-5) << i;
-    }
+    for (int64_t n : {240, 3})  // a square weight, and a narrow product (its transpose in the forward)
+        for (bool weight_grad : {true, false}) {
+            const auto onednn = derivatives(weight_grad, n);
+            setenv("LINVIS_GEMM", "torch", 1);
+            const auto torch_ref = derivatives(weight_grad, n);
+            unsetenv("LINVIS_GEMM");
+            for (size_t i = 0; i < onednn.size(); ++i)
+                EXPECT_LT(((onednn[i] - torch_ref[i]).norm() / torch_ref[i].norm()).item<double>(), 1e-5)
+                    << n << " " << i;
+        }
     // First derivatives alone (the oneDNN backward products).
     torch::Tensor x = torch::randn({1100, 200}, torch::requires_grad()), w = torch::randn({160, 200}, torch::requires_grad());
     torch::Tensor probe = torch::randn({1100, 160});
@@ -402,43 +411,46 @@ TEST(Flops, Bf16LinearGeluMatchesFloat64) {
 TEST(Flops, LinearReluIsReluOfTheProduct) {
     torch::manual_seed(13);
     for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{{9}, {197, 192}, {2, 65, 33}}) {
-        const int64_t k = shape.back(), n = 2 * k + 3;
-        const torch::Tensor x = torch::randn(shape), w = torch::randn({n, k}) / std::sqrt(static_cast<double>(k));
-        const torch::Tensor b = torch::randn({n});
-        const torch::Tensor pre = torch::nn::functional::linear(x.to(torch::kFloat64), w.to(torch::kFloat64),
-                                                                b.to(torch::kFloat64));
-        const torch::Tensor abs_pre = torch::nn::functional::linear(x.abs().to(torch::kFloat64),
-                                                                    w.abs().to(torch::kFloat64),
-                                                                    b.abs().to(torch::kFloat64));
-        torch::Tensor y, y16;
-        int64_t macs = 0;
-        {
-            torch::NoGradGuard no_grad;
-            const linvis::flops::Counter counter;
-            y = linvis::flops::linear_relu(x, w, b);
-            macs = counter.macs();
-            y16 = linvis::flops::linear_relu(x.to(torch::kBFloat16), w.to(torch::kBFloat16), b.to(torch::kBFloat16));
+        for (const bool narrow : {false, true}) {  // narrow: 2 outputs, a product run as its transpose
+            const int64_t k = shape.back(), n = narrow ? 2 : 2 * k + 3;
+            const torch::Tensor x = torch::randn(shape), w = torch::randn({n, k}) / std::sqrt(static_cast<double>(k));
+            const torch::Tensor b = torch::randn({n});
+            const torch::Tensor pre = torch::nn::functional::linear(x.to(torch::kFloat64), w.to(torch::kFloat64),
+                                                                    b.to(torch::kFloat64));
+            const torch::Tensor abs_pre = torch::nn::functional::linear(x.abs().to(torch::kFloat64),
+                                                                        w.abs().to(torch::kFloat64),
+                                                                        b.abs().to(torch::kFloat64));
+            torch::Tensor y, y16;
+            int64_t macs = 0;
+            {
+                torch::NoGradGuard no_grad;
+                const linvis::flops::Counter counter;
+                y = linvis::flops::linear_relu(x, w, b);
+                macs = counter.macs();
+                y16 = linvis::flops::linear_relu(x.to(torch::kBFloat16), w.to(torch::kBFloat16),
+                                                 b.to(torch::kBFloat16));
+            }
+            EXPECT_EQ(macs, x.numel() / k * n * k);
+            ASSERT_EQ(y.sizes(), pre.sizes());
+            EXPECT_TRUE(torch::equal(y.clamp_min(0), y)) << "negative outputs";
+            const torch::Tensor judge = torch::relu(pre);
+            const torch::Tensor excess = (y.to(torch::kFloat64) - judge).abs() - k * std::ldexp(1.0, -23) * abs_pre;
+            EXPECT_LE((excess - 1e-7).max().item<double>(), 0.0);
+            // bf16: the operands' own values, one rounding of the float32 result.
+            const torch::Tensor pre16 = torch::nn::functional::linear(
+                x.to(torch::kBFloat16).to(torch::kFloat64), w.to(torch::kBFloat16).to(torch::kFloat64),
+                b.to(torch::kBFloat16).to(torch::kFloat64));
+            ASSERT_EQ(y16.scalar_type(), torch::kBFloat16);
+            EXPECT_LE(((y16.to(torch::kFloat64) - torch::relu(pre16)).abs() - std::ldexp(1.0, -8) * torch::relu(pre16) -
+                       k * std::ldexp(1.0, -23) * abs_pre - 1e-7)
+                          .max()
+                          .item<double>(),
+                      0.0);
+            const torch::Tensor xg = x.detach().requires_grad_(true);
+            const torch::Tensor yg = linvis::flops::linear_relu(xg, w, b);
+            EXPECT_TRUE(yg.requires_grad());
+            EXPECT_TRUE(torch::equal(yg.detach(), torch::relu(linvis::flops::linear(x, w, b))));
         }
-        EXPECT_EQ(macs, x.numel() / k * n * k);
-        ASSERT_EQ(y.sizes(), pre.sizes());
-        EXPECT_TRUE(torch::equal(y.clamp_min(0), y)) << "negative outputs";
-        const torch::Tensor judge = torch::relu(pre);
-        EXPECT_LE(((y.to(torch::kFloat64) - judge).abs() - k * std::ldexp(1.0, -23) * abs_pre - 1e-7).max().item<double>(),
-                  0.0);
-        // bf16: the operands' own values, one rounding of the float32 result.
-        const torch::Tensor pre16 = torch::nn::functional::linear(
-            x.to(torch::kBFloat16).to(torch::kFloat64), w.to(torch::kBFloat16).to(torch::kFloat64),
-            b.to(torch::kBFloat16).to(torch::kFloat64));
-        ASSERT_EQ(y16.scalar_type(), torch::kBFloat16);
-        EXPECT_LE(((y16.to(torch::kFloat64) - torch::relu(pre16)).abs() - std::ldexp(1.0, -8) * torch::relu(pre16) -
-                   k * std::ldexp(1.0, -23) * abs_pre - 1e-7)
-                      .max()
-                      .item<double>(),
-                  0.0);
-        const torch::Tensor xg = x.detach().requires_grad_(true);
-        const torch::Tensor yg = linvis::flops::linear_relu(xg, w, b);
-        EXPECT_TRUE(yg.requires_grad());
-        EXPECT_TRUE(torch::equal(yg.detach(), torch::relu(linvis::flops::linear(x, w, b))));
     }
 }
 

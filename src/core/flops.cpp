@@ -161,11 +161,40 @@ torch::Tensor activate(torch::Tensor y, Activation activation) {
     return torch::gelu_(y, activation == Activation::GeluTanh ? "tanh" : "none");
 }
 
+// A float32 product with at most this many output columns (and at least kNarrowMinRows rows) runs as its transpose,
+// C^T = b^T . a^T: oneDNN's matmul primitive pads N to a vector of 16 columns and its sgemm packs the tall operand,
+// while the transposed product streams a once. Vision-TTT's learning-rate gates (192 -> 3, on 196-16384 tokens) ran
+// 1.47-2.5x faster, and 1.5-5x for N = 1 to 3 with K = 192 and 1152 on up to 65536 rows; from N = 4 on the transposed
+// form lost on inputs beyond the caches (Zen 4, docs/performance.md, "Narrow products as their transpose").
+constexpr int64_t kNarrowMaxColumns = 3;
+constexpr int64_t kNarrowMinRows = 16;
+
+// The narrow case of onednn_mm: C^T (N x M) from sgemm, then transposed back with the bias added in the same pass.
+torch::Tensor narrow_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias,
+                        Activation activation) {
+    const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+    const SgemmOperand Bt = sgemm_operand(b.t());
+    const SgemmOperand At = sgemm_operand(a.t());
+    const torch::Tensor ct = torch::empty({N, M}, a.options());
+    sgemm(Bt.trans, At.trans, N, M, K, Bt.t.data_ptr<float>(), Bt.ld, At.t.data_ptr<float>(), At.ld,
+          ct.data_ptr<float>());
+    torch::Tensor c = torch::empty({M, N}, a.options());
+    const torch::Tensor row = bias.defined() ? bias.contiguous() : torch::zeros({N}, a.options());
+    const float* src = ct.data_ptr<float>();
+    const float* add = row.data_ptr<float>();
+    float* dst = c.data_ptr<float>();
+    at::parallel_for(0, M, 4096, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i)
+            for (int64_t j = 0; j < N; ++j) dst[i * N + j] = src[j * M + i] + add[j];
+    });
+    return activate(c, activation);
+}
+
 // a (M x K) . b (K x N) [+ bias], then `activation`, for 2-D CPU tensors of one dtype through oneDNN. float32:
-// with a bias or an activation its matmul primitive, which applies them to each tile of the product while it is
-// in cache (1-32 % faster than sgemm and a pass over the output for ViT-T's products, docs/performance.md), a
-// plain product its sgemm (as fast, and faster on the backward's transposed operands); sgemm and a pass where
-// the primitive has no kernel. bf16: the matmul primitive where bf16_on_matmul_primitive() and the primitive has
+// a narrow product as its transpose (narrow_mm); else with a bias or an activation its matmul primitive, which
+// applies them to each tile of the product while it is in cache (1-32 % faster than sgemm and a pass over the
+// output for ViT-T's products, docs/performance.md), a plain product its sgemm (as fast, and faster on the
+// backward's transposed operands); sgemm and a pass where the primitive has no kernel. bf16: the matmul primitive where bf16_on_matmul_primitive() and the primitive has
 // a kernel for the case, else sgemm on float32 copies.
 torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias,
                         Activation activation) {
@@ -177,6 +206,7 @@ torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const to
         }
         return bf16_on_widened_sgemm(a, b, bias, activation);
     }
+    if (N <= kNarrowMaxColumns && M >= kNarrowMinRows) return narrow_mm(a, b, bias, activation);
     if (bias.defined() || activation != Activation::None) {
         torch::Tensor c = torch::empty({M, N}, a.options());
         if (onednn::matmul(a, b, bias, c, activation)) return c;
