@@ -167,8 +167,10 @@ std::vector<T> taps_of(const Tensor& weight) {
     const int64_t C = w.size(0), taps = w.numel() / C;
     const T* p = w.data_ptr<T>();
     std::vector<T> out(taps * C);
-    for (int64_t c = 0; c < C; ++c)
-        for (int64_t t = 0; t < taps; ++t) out[t * C + c] = p[c * taps + t];
+    // Tap-major writes: the other order's stores, C values apart, fell on a few cache sets at C = 2048 (an H-ViT3
+    // MLP's width) and took 38 us a call against 7.
+    for (int64_t t = 0; t < taps; ++t)
+        for (int64_t c = 0; c < C; ++c) out[t * C + c] = p[c * taps + t];
     return out;
 }
 template <typename T>
