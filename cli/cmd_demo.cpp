@@ -31,7 +31,7 @@ struct Measurement {
 };
 
 Measurement measure(models::VisionModel& model, const torch::Tensor& image) {
-    torch::NoGradGuard no_grad;
+    const c10::InferenceMode inference;
     Measurement m;
     {
         flops::Counter counter;
@@ -85,7 +85,7 @@ void trained_model_part(const DemoOptions& o) {
     std::sort(images.begin(), images.end());
     LINVIS_CHECK(!images.empty(), o.samples, ": no sample PNG images");
     const io::EvalTransform transform = input_transform(described, 0, false, 1.0, false);
-    torch::NoGradGuard no_grad;
+    const c10::InferenceMode inference;
     const torch::Tensor probs = torch::softmax(model->forward(io::load_image_batch(images, transform)), -1);
     std::printf("   %-34s %-26s %s\n", "sample image", "predicted (probability)", "");
     int correct = 0;

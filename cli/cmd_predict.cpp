@@ -53,7 +53,7 @@ int run_predict(int argc, const char* const* argv) {
         if (!described.classes.empty()) return described.classes[static_cast<size_t>(index)];
         return imagenet ? models::imagenet_lemmas(index) : "class " + std::to_string(index);
     };
-    torch::NoGradGuard no_grad;
+    const c10::InferenceMode inference;
     for (const auto& path : o.images) {
         torch::Tensor batch = io::load_image_batch({path}, transform);
         torch::Tensor probs = torch::softmax(model->forward(batch).to(torch::kFloat32), -1)[0];

@@ -49,7 +49,7 @@ int run_generative(const RunOptions& o, bool cfg_given, torch::ScalarType dtype)
         LINVIS_CHECK(!cfg_given, "--cfg-scale applies to diffusion models, not to the VAE ", o.model.model);
         std::shared_ptr<models::Model> vae = build_generative_model(o.model);
         vae->to(dtype);
-        torch::NoGradGuard no_grad;
+        const c10::InferenceMode inference;
         if (auto decoder = std::dynamic_pointer_cast<models::VaeDecoder>(vae)) {
             torch::Tensor latent = require_tensor(input_file, o.input, "latent");
             LINVIS_CHECK(latent.dim() == 4, o.input, ": tensor 'latent': expected (B, C, h, w), got ",
@@ -75,7 +75,7 @@ int run_generative(const RunOptions& o, bool cfg_given, torch::ScalarType dtype)
         if (x.size(2) == x.size(3)) defaults["input_size"] = std::to_string(x.size(2));
         auto model = std::dynamic_pointer_cast<models::DiffusionModel>(build_generative_model(o.model, defaults));
         model->to(dtype);
-        torch::NoGradGuard no_grad;
+        const c10::InferenceMode inference;
         const torch::Tensor xx = x.to(dtype);
         out["out"] = (cfg_given ? model->forward_with_cfg(xx, t, y, o.cfg_scale) : model->forward(xx, t, y)).contiguous();
     }
@@ -133,7 +133,7 @@ int run_run(int argc, const char* const* argv) {
     torch::manual_seed(static_cast<uint64_t>(o.seed));
     models::ModelPtr model = build_model(o.model, defaults);
     model->to(dtype);
-    torch::NoGradGuard no_grad;
+    const c10::InferenceMode inference;
     if (const std::vector<int64_t> stages = model->feature_indices(); !stages.empty()) {
         // A features_only backbone: its maps, features.0 ... (NCHW), in out_indices order.
         std::vector<torch::Tensor> maps = model->forward_feature_maps(input.to(dtype), stages);

@@ -304,7 +304,7 @@ int run_predict_segmentation(int argc, const char* const* argv) {
     const torch::Tensor image = io::read_image(image_path);
     torch::Tensor pred;
     {
-        torch::NoGradGuard no_grad;
+        const c10::InferenceMode inference;
         pred = model->forward(train::normalize_image(image).unsqueeze(0)).argmax(1)[0].contiguous();
     }
     const int h = int(image.size(0)), w = int(image.size(1));

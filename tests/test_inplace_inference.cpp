@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "linvis/core/flops.h"
 #include "linvis/models/registry.h"
 #include "linvis/nn/common.h"
 #include "support/testing.h"
@@ -74,6 +75,12 @@ TEST_P(InPlaceInferenceFamily, SameOutputsAsTheOutOfPlacePath) {
     EXPECT_TRUE(linvis::testing::all_close(logits, logits_graph, 1e-5, 1e-6));
     EXPECT_TRUE(linvis::testing::all_close(features, features_graph, 1e-5, 1e-6));
     EXPECT_TRUE(torch::equal(logits, logits_again));
+    // Under c10::InferenceMode (linvis bench and the inference commands, as torch.inference_mode in the torch peer):
+    // the same logits.
+    {
+        const c10::InferenceMode inference;
+        EXPECT_TRUE(linvis::testing::all_close(model->forward(input), logits, 1e-5, 1e-6));
+    }
     // Frozen weights with grad mode on take the in-place path too, and give the same logits.
     for (auto& p : model->parameters()) p.requires_grad_(false);
     EXPECT_TRUE(linvis::testing::all_close(model->forward(input), logits_graph, 1e-5, 1e-6));
@@ -96,10 +103,37 @@ TEST_P(InPlaceInferenceFamily, TrainingGradientsUnchangedByInferencePasses) {
         torch::NoGradGuard no_grad;
         model->forward(input);
     }
+    // Nothing an inference-mode pass leaves in the model (a cache of inference tensors) reaches the graph.
+    {
+        const c10::InferenceMode inference;
+        model->forward(input);
+    }
     const auto after = step_grads();
     ASSERT_EQ(before.size(), after.size());
     ASSERT_FALSE(before.empty());
     for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i])) << "parameter " << i;
+}
+
+// A pass under c10::InferenceMode packs the same weights for oneDNN as one under NoGradGuard: what the model keeps
+// across passes (H-ViT3's convs with their BatchNorm folded in) is made of normal tensors, whose version counters the
+// packed copies follow; inference tensors have none and are never packed.
+TEST_P(InPlaceInferenceFamily, InferenceModePacksWhatNoGradPacks) {
+    const torch::Tensor input = torch::randn({2, 3, 64, 64});
+    const auto packed_by_a_pass = [&](bool inference_mode) {
+        auto model = small_model(GetParam());
+        const int64_t before = linvis::flops::packed_weight_bytes();
+        if (inference_mode) {
+            const c10::InferenceMode inference;
+            model->forward(input);
+        } else {
+            torch::NoGradGuard no_grad;
+            model->forward(input);
+        }
+        return linvis::flops::packed_weight_bytes() - before;
+    };
+    const int64_t no_grad = packed_by_a_pass(false);
+    EXPECT_GT(no_grad, 0);
+    EXPECT_EQ(packed_by_a_pass(true), no_grad);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, InPlaceInferenceFamily,

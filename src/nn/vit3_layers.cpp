@@ -138,6 +138,9 @@ std::shared_ptr<const Vit3ConvLayerImpl::FoldedConv> Vit3ConvLayerImpl::folded_c
         key.emplace_back(t->defined() ? t->data_ptr() : nullptr, t->defined() ? t->_version() : -1);
     std::shared_ptr<const FoldedConv> kept = std::atomic_load(&folded_);
     if (kept && kept->made_from == key) return kept;
+    // Normal tensors even under c10::InferenceMode: an inference tensor has no version counter, so the products
+    // would not keep the folded weight packed (onednn::matmul), and a later graph could not use it.
+    const c10::InferenceMode normal_tensors(false);
     torch::NoGradGuard no_grad;
     // conv(x, W) alpha + beta = conv(x, W alpha) + b alpha + beta, in float64.
     const BatchNormAffine a = batch_norm_eval_affine(*norm, torch::kFloat64);

@@ -61,7 +61,7 @@ void record_timings(BenchResult& result, const std::vector<double>& times, int64
 // One timed unit of work: an inference pass, or a training step's forward and backward.
 void run_pass(models::VisionModel& model, const torch::Tensor& images, const torch::Tensor& labels, bool train) {
     if (!train) {
-        torch::NoGradGuard no_grad;
+        const c10::InferenceMode inference;  // as the torch peer (bench/compare_torch.py) runs its passes
         model.forward(images);
         return;
     }
@@ -100,7 +100,7 @@ BenchResult measure_dense_case(const BenchCase& c) {
     const std::vector<int64_t> indices = backbone->feature_indices();
     auto pass = [&] {
         if (!c.train) {
-            torch::NoGradGuard no_grad;
+            const c10::InferenceMode inference;
             if (seg) seg->forward(images);
             else backbone->forward_feature_maps(images, indices);
             return;
@@ -171,14 +171,14 @@ BenchResult measure_diffusion_case(const BenchCase& c) {
     std::vector<int64_t> label_list(labels.data_ptr<int64_t>(), labels.data_ptr<int64_t>() + B);
     auto pass = [&] {
         if (c.task == "sample") {
-            torch::NoGradGuard no_grad;
+            const c10::InferenceMode inference;
             models::SamplerConfig sampler;
             sampler.sampler = "ddim";
             sampler.steps = c.sampler_steps;
             sampler.cfg_scale = kGuidance;
             models::sample_class_conditional(*model, noise, label_list, sampler);
         } else if (!c.train) {
-            torch::NoGradGuard no_grad;
+            const c10::InferenceMode inference;
             const torch::Tensor x = torch::cat({noise, noise});
             const torch::Tensor t = torch::full({2 * B}, 500, torch::kLong);
             const torch::Tensor y = torch::cat({labels, torch::full({B}, model->num_classes(), torch::kLong)});
