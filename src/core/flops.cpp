@@ -194,8 +194,8 @@ torch::Tensor narrow_mm(const torch::Tensor& a, const torch::Tensor& b, const to
 // a narrow product as its transpose (narrow_mm); else with a bias or an activation its matmul primitive, which
 // applies them to each tile of the product while it is in cache (1-32 % faster than sgemm and a pass over the
 // output for ViT-T's products, docs/performance.md), a plain product its sgemm (as fast, and faster on the
-// backward's transposed operands); sgemm and a pass where the primitive has no kernel. bf16: the matmul primitive where bf16_on_matmul_primitive() and the primitive has
-// a kernel for the case, else sgemm on float32 copies.
+// backward's transposed operands); sgemm and a pass where the primitive has no kernel. bf16: the matmul primitive
+// where bf16_on_matmul_primitive() and the primitive has a kernel for the case, else sgemm on float32 copies.
 torch::Tensor onednn_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias,
                         Activation activation) {
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
