@@ -69,7 +69,7 @@ TEST(Flops, OnednnLinearMatchesLibTorch) {
                           Case{{1, 1, 1}, 1, true, false, true}, Case{{1025, 192}, 576, true, false, false},
                           Case{{3, 341, 257}, 131, false, false, false}, Case{{3, 400, 129}, 700, true, true, false},
                           Case{{4, 250, 96}, 1500, true, false, true},
-                          // Narrow products (at most 3 columns, 16 rows or more) run as their transpose.
+                          // Narrow products (at most 3 columns, 16 rows or more) run as their transpose; 15 rows not.
                           Case{{2, 300, 192}, 3, true, false, false}, Case{{64, 40}, 1, false, true, false},
                           Case{{16, 33}, 2, true, false, true}, Case{{15, 33}, 2, true, true, true}}) {
         torch::Tensor x = torch::randn(c.x);
