@@ -12,6 +12,7 @@
 #include "linvis/core/flops.h"
 #include "linvis/core/runtime.h"
 #include "linvis/models/registry.h"
+#include "linvis/ops/depthwise_conv.h"
 #include "linvis/ops/ttt_linear.h"
 #include "support/simd_targets.h"
 #include "support/testing.h"
@@ -365,6 +366,156 @@ TEST(TttLinearFused, VitttTinyFusedEqualsReference) {
     }
 }
 
+// Queries and keys given as convolutions of u (ops::TttQkConv, Vision-TTT's conv_q / conv_k).
+struct QkConvCase {
+    int64_t B, nh, T, d, b, k;
+    bool bias;
+};
+
+// u as a narrowed (B, T, nh * d) slice of a wider tensor (strided tokens), the convolution weights and biases, and
+// the remaining scan inputs; in dtype.
+linvis::ops::TttLinearInputs qk_conv_inputs(const QkConvCase& c, torch::ScalarType dtype, uint64_t seed) {
+    const TttInputs in = make_inputs(c.B, c.nh, c.T, c.d, c.b, seed).to(dtype, false);
+    const int64_t D = c.nh * c.d;
+    auto o = torch::TensorOptions().dtype(torch::kFloat64);
+    linvis::ops::TttLinearInputs s{{}, {}, in.v, in.lr, in.lti, in.w0, in.b0, in.gamma, in.beta, {}};
+    s.qk_conv.u = torch::randn({c.B, c.T, D + 5}, o).to(dtype).narrow(2, 3, D);
+    s.qk_conv.q_weight = (0.5 * torch::randn({D, 1, c.k}, o)).to(dtype);
+    s.qk_conv.k_weight = (0.5 * torch::randn({D, 1, c.k}, o) / std::sqrt(static_cast<double>(c.d))).to(dtype);
+    if (c.bias) {
+        s.qk_conv.q_bias = (0.2 * torch::randn({D}, o)).to(dtype);
+        s.qk_conv.k_bias = (0.2 * torch::randn({D}, o)).to(dtype);
+    }
+    return s;
+}
+
+// The same scan with xq and xk computed first by the convolution op (Impl impl) and qk_conv cleared.
+linvis::ops::TttLinearInputs with_convolutions_done(linvis::ops::TttLinearInputs s, Impl impl) {
+    const int64_t nh = s.xv.size(1);
+    const linvis::ops::TttQkConv c = s.qk_conv;
+    s.xq = linvis::ops::causal_depthwise_conv1d_heads(c.u, c.q_weight, c.q_bias, nh, impl);
+    s.xk = linvis::ops::causal_depthwise_conv1d_heads(c.u, c.k_weight, c.k_bias, nh, impl);
+    s.qk_conv = linvis::ops::TttQkConv();
+    return s;
+}
+
+// In inference the fused kernel computes a mini-batch's queries and keys from u's rows: the result is that of the
+// fused convolution op followed by the scan (the same float operations: equal on the vectorised targets),
+// and close to the reference scan of the reference convolutions, on every SIMD target and dtype; causal and not;
+// masked widths, a remainder mini-batch, kernel sizes 4 and 2, with and without biases.
+TEST(TttLinearFused, QkConvFoldedEqualsConvolutionsThenScanEveryTarget) {
+    const std::vector<QkConvCase> cases{{2, 3, 37, 64, 16, 4, true}, {1, 2, 21, 13, 6, 2, false}};
+    linvis::testing::for_each_simd_target([&](const linvis::testing::SimdTarget& t) {
+        for (const auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat64})
+            for (const QkConvCase& c : cases)
+                for (const bool causal : {true, false}) {
+                    SCOPED_TRACE(std::string(t.env) + " " + c10::toString(dtype) + " d" + std::to_string(c.d) + " k" +
+                                 std::to_string(c.k) + (causal ? " causal" : " non-causal"));
+                    RunOptions o = options(c.b, causal, Impl::Fused);
+                    o.return_grad_norms = true;
+                    const linvis::ops::TttLinearInputs folded = qk_conv_inputs(c, dtype, 300 + c.d);
+                    torch::NoGradGuard no_grad;
+                    const TttLinearResult f = linvis::ops::ttt_linear_many({folded}, o, Impl::Fused)[0];
+                    const TttLinearResult e =
+                        linvis::ops::ttt_linear_many({with_convolutions_done(folded, Impl::Fused)}, o, Impl::Fused)[0];
+                    const TttLinearResult r = linvis::ops::ttt_linear_many(
+                        {with_convolutions_done(folded, Impl::Reference)}, o, Impl::Reference)[0];
+                    EXPECT_EQ(f.output.scalar_type(), dtype);
+                    if (t.target != linvis::ops::simd::Target::Scalar) {
+                        // Both convolutions multiply-add the taps in one order: the same bits (bfloat16: the
+                        // queries and keys rounded to bfloat16 as the convolution op's result is).
+                        EXPECT_TRUE(torch::equal(f.output, e.output));
+                        EXPECT_TRUE(torch::equal(f.final_W, e.final_W));
+                        EXPECT_TRUE(torch::equal(f.grad_norms, e.grad_norms));
+                    } else {
+                        // Without fused multiply-add the convolution op's loop may round each product.
+                        const double tol = dtype == torch::kFloat64 ? 1e-12 : dtype == torch::kFloat32 ? 1e-5 : 2e-2;
+                        EXPECT_TRUE(all_close(f.output, e.output, tol, tol));
+                        EXPECT_TRUE(all_close(f.final_W, e.final_W, tol, tol));
+                        EXPECT_TRUE(all_close(f.grad_norms, e.grad_norms, tol, tol));
+                    }
+                    EXPECT_LT(relative_error(f.output, r.output), dtype == torch::kBFloat16 ? 2e-2 : 1e-5);
+                }
+    });
+}
+
+// Where the kernel does not fold the convolutions (a graph, RoPE, the reference), the op runs them first: the same
+// outputs and gradients (conv weights and biases, u) as the explicit convolutions; FLOPs counted alike; inputs that
+// contradict each other are errors naming the tensor.
+TEST(TttLinearFused, QkConvInGraphsAndErrors) {
+    const QkConvCase c{1, 2, 21, 16, 8, 4, true};
+    for (const Impl impl : {Impl::Fused, Impl::Reference}) {
+        SCOPED_TRACE(linvis::ops::impl_name(impl));
+        const RunOptions o = options(c.b, true, impl);
+        const linvis::ops::TttLinearInputs base = qk_conv_inputs(c, torch::kFloat32, 77);
+        const auto leaf = [](const torch::Tensor& t) { return t.detach().clone().requires_grad_(true); };
+        linvis::ops::TttLinearInputs folded = base, explicit_convs = base;
+        for (auto* s : {&folded, &explicit_convs}) {
+            s->qk_conv.u = leaf(base.qk_conv.u);
+            s->qk_conv.q_weight = leaf(base.qk_conv.q_weight);
+            s->qk_conv.k_bias = leaf(base.qk_conv.k_bias);
+        }
+        const torch::Tensor out_folded = linvis::ops::ttt_linear_many({folded}, o, impl)[0].output;
+        const torch::Tensor out_explicit =
+            linvis::ops::ttt_linear_many({with_convolutions_done(explicit_convs, impl)}, o, impl)[0].output;
+        ASSERT_NE(out_folded.grad_fn(), nullptr);
+        EXPECT_TRUE(torch::equal(out_folded, out_explicit));
+        out_folded.square().sum().backward();
+        out_explicit.square().sum().backward();
+        EXPECT_TRUE(torch::equal(folded.qk_conv.u.grad(), explicit_convs.qk_conv.u.grad()));
+        EXPECT_TRUE(torch::equal(folded.qk_conv.q_weight.grad(), explicit_convs.qk_conv.q_weight.grad()));
+        EXPECT_TRUE(torch::equal(folded.qk_conv.k_bias.grad(), explicit_convs.qk_conv.k_bias.grad()));
+        // FLOPs: the scan's and both convolutions', folded or not.
+        torch::NoGradGuard no_grad;
+        int64_t macs_folded = 0, macs_explicit = 0;
+        {
+            linvis::flops::Counter counter;
+            linvis::ops::ttt_linear_many({base}, o, impl);
+            macs_folded = counter.macs();
+        }
+        {
+            linvis::flops::Counter counter;
+            linvis::ops::ttt_linear_many({with_convolutions_done(base, impl)}, o, impl);
+            macs_explicit = counter.macs();
+        }
+        EXPECT_EQ(macs_folded, macs_explicit);
+    }
+    // RoPE: applied to the convolutions' results, so not folded; the same as the explicit convolutions.
+    {
+        torch::NoGradGuard no_grad;
+        RunOptions o = options(c.b, true, Impl::Fused);
+        o.use_rope = true;
+        const linvis::ops::TttLinearInputs base = qk_conv_inputs(c, torch::kFloat32, 78);
+        EXPECT_TRUE(torch::equal(linvis::ops::ttt_linear_many({base}, o, Impl::Fused)[0].output,
+                                 linvis::ops::ttt_linear_many({with_convolutions_done(base, Impl::Auto)}, o,
+                                                              Impl::Fused)[0].output));
+    }
+    const auto expect_error = [&](linvis::ops::TttLinearInputs s, const std::string& needle) {
+        try {
+            linvis::ops::ttt_linear_many({s}, options(c.b, true, Impl::Fused), Impl::Fused);
+            ADD_FAILURE() << "accepted: " << needle;
+        } catch (const linvis::Error& e) {
+            EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+        }
+    };
+    const linvis::ops::TttLinearInputs base = qk_conv_inputs(c, torch::kFloat32, 79);
+    linvis::ops::TttLinearInputs both = base;
+    both.xq = with_convolutions_done(base, Impl::Auto).xq;
+    expect_error(both, "xq and xk must be undefined when qk_conv.u gives them");
+    linvis::ops::TttLinearInputs short_u = base;
+    short_u.qk_conv.u = base.qk_conv.u.narrow(1, 0, 20);
+    expect_error(short_u, "ttt_linear: qk_conv.u: expected [1, 21, 32]");
+    linvis::ops::TttLinearInputs kernels = base;
+    kernels.qk_conv.k_weight = base.qk_conv.k_weight.narrow(2, 0, 3);
+    expect_error(kernels, "the q and k kernels differ in size (4 and 3)");
+    linvis::ops::TttLinearInputs dtype = base;
+    dtype.qk_conv.q_bias = base.qk_conv.q_bias.to(torch::kFloat64);
+    expect_error(dtype, "qk_conv.q_bias: expected dtype Float (as xv), got Double");
+    linvis::ops::TttLinearInputs no_keys = base;
+    no_keys.qk_conv = linvis::ops::TttQkConv();
+    expect_error(no_keys, "ttt_linear: xq: expected shape [1, 2, 21, 16] (as xv), got undefined");
+}
+
 // Several scans in one call (ops::ttt_linear_many; vittt's two directions): each result equals the single
 // scan's, fused (one parallel region in inference, one autograd node per scan with gradients) and
 // reference, on every SIMD target; scans of different sizes; more (sample, head) tasks than threads and fewer.
@@ -375,7 +526,7 @@ TEST(TttLinearFused, ManyScansEqualSingleScansEveryTarget) {
     auto many_inputs = [](const std::vector<const TttInputs*>& list) {
         std::vector<linvis::ops::TttLinearInputs> scans;
         for (const TttInputs* in : list)
-            scans.push_back({in->q, in->k, in->v, in->lr, in->lti, in->w0, in->b0, in->gamma, in->beta});
+            scans.push_back({in->q, in->k, in->v, in->lr, in->lti, in->w0, in->b0, in->gamma, in->beta, {}});
         return scans;
     };
     const std::vector<const TttInputs*> list{&a, &b, &c};

@@ -69,13 +69,6 @@ void TttLinearBranchImpl::reset_parameters() {
     post_norm->reset_parameters();
 }
 
-torch::Tensor TttLinearBranchImpl::causal_conv(const torch::nn::Conv1d& conv, const torch::Tensor& u) const {
-    // As the reference: pad k-1 on both sides, keep the first T outputs, i.e.
-    // out[t] = bias + sum_s w[s] u[t-(k-1)+s] with u[<0] = 0 (FLOPs: the T kept outputs). In heads (B, nh, T, d):
-    // head-major in inference, where the scan reads each head's rows contiguously.
-    return ops::causal_depthwise_conv1d_heads(u, conv->weight, conv->bias, options_.num_heads, options_.impl);
-}
-
 std::vector<ops::NormedProduct> TttLinearBranchImpl::products() const {
     const int64_t nh = options_.num_heads;
     return {{q_proj->weight, q_proj->bias},
@@ -88,28 +81,31 @@ ops::TttLinearInputs TttLinearBranchImpl::scan_inputs(const torch::Tensor& x, bo
                  options_.dim, "), got ", shape_string(x.sizes()));
     const std::vector<ops::NormedProduct> lr_gate{products()[2]};
     const torch::Tensor lr_logits = NormedInput(x).linear(lr_gate, ops::Impl::Auto)[0];
-    return assemble(linear(q_proj, x), [&] { return linear(v_proj, x); }, lr_logits, reversed);
+    return assemble(linear(q_proj, x), linear(v_proj, x), lr_logits, reversed);
 }
 
 ops::TttLinearInputs TttLinearBranchImpl::scan_inputs(const std::vector<torch::Tensor>& products, bool reversed) {
     LINVIS_CHECK(products.size() == 3, "vittt TTT branch: expected the 3 products of products(), got ",
                  products.size());
-    return assemble(products[0], [&] { return products[1]; }, products[2], reversed);
+    return assemble(products[0], products[1], products[2], reversed);
 }
 
-ops::TttLinearInputs TttLinearBranchImpl::assemble(torch::Tensor u, const std::function<torch::Tensor()>& v,
-                                                   const torch::Tensor& lr_logits, bool reversed) {
+ops::TttLinearInputs TttLinearBranchImpl::assemble(torch::Tensor u, torch::Tensor v, const torch::Tensor& lr_logits,
+                                                   bool reversed) {
     const int64_t B = u.size(0), T = u.size(1), nh = options_.num_heads, d = options_.dim / nh;
     // The products act on each token alone, so flipping their results equals computing them on flip(x).
     auto order = [&](torch::Tensor t, int64_t token_dim) { return reversed ? torch::flip(t, {token_dim}) : t; };
-    u = order(std::move(u), 1);
-    auto heads = [&](const torch::Tensor& t) { return t.reshape({B, T, nh, d}).permute({0, 2, 1, 3}); };
-    torch::Tensor xq = causal_conv(conv_q, u);
-    torch::Tensor xk = causal_conv(conv_k, u);
-    u = torch::Tensor();  // freed before xv exists: one (B, T, D) less at the mixer's peak
-    torch::Tensor xv = heads(order(v(), 1));
-    torch::Tensor lr = order(ops::ttt_learning_rate_of_logits(lr_logits, options_.eta_base, d), 2);
-    return {xq, xk, xv, lr, learnable_token_idx, W1, b1, ttt_norm_weight, ttt_norm_bias};
+    ops::TttLinearInputs in;
+    in.xv = order(std::move(v), 1).reshape({B, T, nh, d}).permute({0, 2, 1, 3});
+    in.lr = order(ops::ttt_learning_rate_of_logits(lr_logits, options_.eta_base, d), 2);
+    in.learnable_token_idx = learnable_token_idx;
+    in.w0 = W1;
+    in.b0 = b1;
+    in.ln_weight = ttt_norm_weight;
+    in.ln_bias = ttt_norm_bias;
+    // XQ, XK = conv_q(u), conv_k(u) as the reference: pad k-1 on both sides, keep the first T outputs.
+    in.qk_conv = {order(std::move(u), 1), conv_q->weight, conv_q->bias, conv_k->weight, conv_k->bias};
+    return in;
 }
 
 ops::TttLinearOptions TttLinearBranchImpl::scan_options(bool grad_norms) const {

@@ -60,11 +60,9 @@ public:
     torch::nn::LayerNorm post_norm{nullptr};
 
 private:
-    torch::Tensor causal_conv(const torch::nn::Conv1d& conv, const torch::Tensor& u) const;
-    // The scan inputs from u = q_proj(x), v_proj(x) (called once u's convolutions are done, so u is freed before
-    // it exists: one (B, T, D) less at the mixer's peak) and the lr logits.
-    ops::TttLinearInputs assemble(torch::Tensor u, const std::function<torch::Tensor()>& v,
-                                  const torch::Tensor& lr_logits, bool reversed);
+    // The scan inputs from u = q_proj(x), v = v_proj(x) and the lr logits. XQ and XK are conv_q(u) and conv_k(u),
+    // left to the op (ops::TttQkConv): in inference its fused scan computes them from u's rows as it goes.
+    ops::TttLinearInputs assemble(torch::Tensor u, torch::Tensor v, const torch::Tensor& lr_logits, bool reversed);
     TttBranchOptions options_;
 };
 TORCH_MODULE(TttLinearBranch);

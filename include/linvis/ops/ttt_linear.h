@@ -80,9 +80,20 @@ TttLinearResult ttt_linear(const torch::Tensor& xq, const torch::Tensor& xk, con
                            const torch::Tensor& ln_bias, const TttLinearOptions& options = TttLinearOptions(),
                            Impl impl = Impl::Auto);
 
-// The inputs of one scan, as ttt_linear takes them.
+// Vision-TTT's queries and keys as causal depthwise convolutions of one projection u (B, T, nh * d), unit
+// channel stride: xq = causal_depthwise_conv1d_heads(u, q_weight, q_bias, nh), xk the same with k_weight, k_bias
+// (weights (nh * d, 1, k), biases (nh * d) or undefined; linvis/ops/depthwise_conv.h).
+struct TttQkConv {
+    torch::Tensor u, q_weight, q_bias, k_weight, k_bias;
+};
+
+// The inputs of one scan, as ttt_linear takes them. With qk_conv.u defined, xq and xk are left undefined and
+// come from qk_conv: the fused kernel computes a mini-batch's queries and keys from u's rows while it loads them
+// (outside autograd, without RoPE), so neither is written to memory; otherwise the op runs the two convolutions
+// first (Impl as given) and scans their results.
 struct TttLinearInputs {
     torch::Tensor xq, xk, xv, lr, learnable_token_idx, w0, b0, ln_weight, ln_bias;
+    TttQkConv qk_conv;
 };
 
 // Several independent scans with the same options in one call (Vision-TTT's forward and backward

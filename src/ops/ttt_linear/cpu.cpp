@@ -132,16 +132,18 @@ torch::ScalarType compute_type(torch::ScalarType in) {
     return in == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
 }
 
-// Small inputs in the compute type, contiguous, states tiled to (B, nh, ...).
+// Small inputs in the compute type, contiguous, states tiled to (B, nh, ...); the folded convolutions' taps
+// (k, nh * d) and biases (zeros when undefined).
 struct SmallInputs {
-    torch::Tensor lr, tau, gamma, beta, w0, b0;
+    torch::Tensor lr, tau, gamma, beta, w0, b0, q_taps, q_bias, k_taps, k_bias;
 };
 
-SmallInputs small_inputs(const torch::Tensor& xq, const torch::Tensor& lr, const torch::Tensor& tau,
+// xv gives the shape and dtype (B, nh, T, d).
+SmallInputs small_inputs(const torch::Tensor& xv, const torch::Tensor& lr, const torch::Tensor& tau,
                          const torch::Tensor& w0, const torch::Tensor& b0, const torch::Tensor& gamma,
-                         const torch::Tensor& beta) {
-    const int64_t B = xq.size(0), nh = xq.size(1), d = xq.size(3);
-    const auto ct = compute_type(xq.scalar_type());
+                         const torch::Tensor& beta, const TttQkConv* qk_conv = nullptr) {
+    const int64_t B = xv.size(0), nh = xv.size(1), d = xv.size(3);
+    const auto ct = compute_type(xv.scalar_type());
     SmallInputs s;
     s.lr = lr.to(ct).contiguous();
     s.tau = tau.to(ct).contiguous();
@@ -149,6 +151,16 @@ SmallInputs small_inputs(const torch::Tensor& xq, const torch::Tensor& lr, const
     s.beta = beta.to(ct).contiguous();
     s.w0 = (w0.dim() == 4 ? w0 : w0.unsqueeze(0)).to(ct).expand({B, nh, d, d}).contiguous();
     s.b0 = (b0.dim() == 4 ? b0 : b0.unsqueeze(0)).to(ct).expand({B, nh, 1, d}).contiguous();
+    if (qk_conv != nullptr && qk_conv->u.defined()) {
+        const auto taps = [&](const torch::Tensor& w) { return w.to(ct).squeeze(1).t().contiguous(); };
+        const auto bias = [&](const torch::Tensor& b) {
+            return b.defined() ? b.to(ct).contiguous() : torch::zeros({nh * d}, xv.options().dtype(ct));
+        };
+        s.q_taps = taps(qk_conv->q_weight);
+        s.k_taps = taps(qk_conv->k_weight);
+        s.q_bias = bias(qk_conv->q_bias);
+        s.k_bias = bias(qk_conv->k_bias);
+    }
     return s;
 }
 
@@ -166,14 +178,25 @@ void dispatch_dtype(torch::ScalarType st, F&& f) {
     }
 }
 
-// The scan's inputs, shared by the forward pass and the recomputing backward pass.
+// The scan's inputs, shared by the forward pass and the recomputing backward pass. xq and xk are undefined
+// when the small inputs carry the convolutions that give them (u, a TttQkConv).
 ScanArgs scan_inputs(const torch::Tensor& xq, const torch::Tensor& xk, const torch::Tensor& xv,
-                     const SmallInputs& s, const Config& cfg) {
+                     const SmallInputs& s, const Config& cfg, const torch::Tensor& u = torch::Tensor()) {
     ScanArgs a;
-    a.B = xq.size(0); a.nh = xq.size(1); a.T = xq.size(2); a.d = xq.size(3);
+    a.B = xv.size(0); a.nh = xv.size(1); a.T = xv.size(2); a.d = xv.size(3);
     a.bmax = cfg.bmax; a.ckpt_every = cfg.ckpt_every; a.causal = cfg.causal; a.eps = cfg.eps;
-    a.q = xq.data_ptr(); a.k = xk.data_ptr(); a.v = xv.data_ptr();
-    copy_strides(xq, a.qs); copy_strides(xk, a.ks); copy_strides(xv, a.vs);
+    a.v = xv.data_ptr();
+    copy_strides(xv, a.vs);
+    if (u.defined()) {
+        a.u = u.data_ptr();
+        for (int i = 0; i < 3; ++i) a.us[i] = u.stride(i);
+        a.q_taps = s.q_taps.data_ptr(); a.q_bias = s.q_bias.data_ptr();
+        a.k_taps = s.k_taps.data_ptr(); a.k_bias = s.k_bias.data_ptr();
+        a.conv_k = s.q_taps.size(0);
+    } else {
+        a.q = xq.data_ptr(); a.k = xk.data_ptr();
+        copy_strides(xq, a.qs); copy_strides(xk, a.ks);
+    }
     a.lr = s.lr.data_ptr(); a.tau = s.tau.data_ptr(); a.gamma = s.gamma.data_ptr(); a.beta = s.beta.data_ptr();
     a.w0 = s.w0.data_ptr(); a.b0 = s.b0.data_ptr();
     return a;
@@ -181,12 +204,13 @@ ScanArgs scan_inputs(const torch::Tensor& xq, const torch::Tensor& xk, const tor
 
 // Allocates one scan's outputs and points its arguments at them.
 ForwardOut prepare_forward(const torch::Tensor& xq, const torch::Tensor& xk, const torch::Tensor& xv,
-                           const SmallInputs& s, const Config& cfg, bool checkpoints, ScanArgs& a) {
-    const int64_t B = xq.size(0), nh = xq.size(1), T = xq.size(2), d = xq.size(3);
-    const auto ct = compute_type(xq.scalar_type());
-    auto copt = xq.options().dtype(ct);
+                           const SmallInputs& s, const Config& cfg, bool checkpoints, ScanArgs& a,
+                           const torch::Tensor& u) {
+    const int64_t B = xv.size(0), nh = xv.size(1), T = xv.size(2), d = xv.size(3);
+    const auto ct = compute_type(xv.scalar_type());
+    auto copt = xv.options().dtype(ct);
     ForwardOut r;
-    r.out = empty_token_major(B, nh, T, d, xq.options());
+    r.out = empty_token_major(B, nh, T, d, xv.options());
     r.final_W = torch::empty({B, nh, d, d}, copt);
     r.final_b = torch::empty({B, nh, 1, d}, copt);
     if (cfg.want_norms) r.norms = torch::empty({B, nh, T}, copt);
@@ -194,7 +218,7 @@ ForwardOut prepare_forward(const torch::Tensor& xq, const torch::Tensor& xk, con
     const int64_t ngroups = (nmb + cfg.ckpt_every - 1) / cfg.ckpt_every;
     if (checkpoints) r.ckpt = torch::empty({B * nh, ngroups, d * d + d}, copt);
 
-    a = scan_inputs(xq, xk, xv, s, cfg);
+    a = scan_inputs(xq, xk, xv, s, cfg, u);
     a.out = r.out.data_ptr(); copy_strides(r.out, a.outs);
     a.final_W = r.final_W.data_ptr(); a.final_b = r.final_b.data_ptr();
     a.grad_norms = cfg.want_norms ? r.norms.data_ptr() : nullptr;
@@ -205,19 +229,23 @@ ForwardOut prepare_forward(const torch::Tensor& xq, const torch::Tensor& xk, con
 // kScanInputs tensors per scan: xq, xk, xv, lr, tau, w0, b0, gamma, beta (the Function's inputs below).
 constexpr size_t kScanInputs = 9;
 
-// Every scan's outputs, all scans' tasks in one parallel region; `in` holds kScanInputs tensors per scan.
-std::vector<ForwardOut> forward_all(const torch::Tensor* in, size_t scans, const Config& cfg, bool checkpoints) {
+// Every scan's outputs, all scans' tasks in one parallel region; `in` holds kScanInputs tensors per scan, and
+// `qk_convs` (one per scan, or null) the convolutions of the scans whose xq and xk are undefined.
+std::vector<ForwardOut> forward_all(const torch::Tensor* in, size_t scans, const Config& cfg, bool checkpoints,
+                                    const TttQkConv* qk_convs = nullptr) {
     std::vector<SmallInputs> small;
     std::vector<ForwardOut> outs;
     std::vector<ScanArgs> args(scans);
     small.reserve(scans);
     for (size_t i = 0; i < scans; ++i) {
         const torch::Tensor* t = in + i * kScanInputs;
-        small.push_back(small_inputs(t[0], t[3], t[4], t[5], t[6], t[7], t[8]));
-        outs.push_back(prepare_forward(t[0], t[1], t[2], small.back(), cfg, checkpoints, args[i]));
+        const TttQkConv* conv = qk_convs != nullptr ? qk_convs + i : nullptr;
+        small.push_back(small_inputs(t[2], t[3], t[4], t[5], t[6], t[7], t[8], conv));
+        outs.push_back(prepare_forward(t[0], t[1], t[2], small.back(), cfg, checkpoints, args[i],
+                                       conv != nullptr ? conv->u : torch::Tensor()));
     }
     if (scans > 0)
-        dispatch_dtype(in[0].scalar_type(), [&](auto x, auto acc) { run_forward_tasks<decltype(x)>(args, cfg.target); });
+        dispatch_dtype(in[2].scalar_type(), [&](auto x, auto acc) { run_forward_tasks<decltype(x)>(args, cfg.target); });
     return outs;
 }
 
@@ -275,7 +303,7 @@ public:
             const int64_t B = xq.size(0), nh = xq.size(1), T = xq.size(2), d = xq.size(3);
             const auto copt = xq.options().dtype(compute_type(xq.scalar_type()));
             const torch::Tensor* go = grads.data() + i * kScanOutputs;
-            small.push_back(small_inputs(xq, in[3], in[4], in[5], in[6], in[7], in[8]));
+            small.push_back(small_inputs(xv, in[3], in[4], in[5], in[6], in[7], in[8]));
             Grads& r = g[i];
             r.dout = go[0].defined() ? go[0] : torch::zeros({B, nh, T, d}, xq.options());
             r.dW = go[1].defined() ? go[1].to(copt.dtype()).contiguous().clone() : torch::zeros({B, nh, d, d}, copt);
@@ -339,22 +367,28 @@ std::vector<TttLinearResult> ttt_linear_fused_many(const std::vector<TttLinearIn
     LINVIS_CHECK(taus.size() == scans.size(), "ttt_linear (fused): ", scans.size(), " scans but ", taus.size(),
                  " token coefficients");
     const simd::Target target = simd::active_target();
-    bool any_grad = false;
+    bool any_grad = false, any_qk_conv = false;
     std::vector<torch::Tensor> inputs;  // kScanInputs per scan
+    std::vector<TttQkConv> qk_convs;
     for (size_t i = 0; i < scans.size(); ++i) {
         const TttLinearInputs& in = scans[i];  // one dtype for all: ops::ttt_linear_many checked it
-        LINVIS_CHECK(in.xq.device().is_cpu(), "ttt_linear (fused): CPU tensors only, got ", in.xq.device());
+        LINVIS_CHECK(in.xv.device().is_cpu(), "ttt_linear (fused): CPU tensors only, got ", in.xv.device());
         inputs.insert(inputs.end(), {in.xq, in.xk, in.xv, in.lr, taus[i], in.w0, in.b0, in.ln_weight, in.ln_bias});
+        qk_convs.push_back(in.qk_conv);
         any_grad = any_grad || needs_grad(in, taus[i]);
+        any_qk_conv = any_qk_conv || in.qk_conv.u.defined();
     }
+    LINVIS_CHECK(!(any_grad && any_qk_conv),
+                 "ttt_linear (fused): queries and keys from qk_conv are computed outside autograd only");
     std::vector<TttLinearResult> results;
     if (!any_grad) {
         // Inference: no checkpoints, nothing saved.
         const Config cfg{options.mini_batch_size, options.checkpoint_every, options.causal, options.eps,
                          options.return_grad_norms, target};
-        const std::vector<ForwardOut> outs = forward_all(inputs.data(), scans.size(), cfg, /*checkpoints=*/false);
+        const std::vector<ForwardOut> outs =
+            forward_all(inputs.data(), scans.size(), cfg, /*checkpoints=*/false, qk_convs.data());
         for (size_t i = 0; i < scans.size(); ++i)
-            results.push_back(result_of(outs[i], options, scans[i].xq.scalar_type()));
+            results.push_back(result_of(outs[i], options, scans[i].xv.scalar_type()));
         return results;
     }
     const variable_list outs = TttLinearFusedFunction::apply(

@@ -205,6 +205,7 @@ struct MiniBatchWork {
     int64_t d = 0, bmax = 0;
     std::vector<T> q, k, v, kt, z, g, G, Gen, zb, out, S, c, Pn, lr, e;
     std::vector<T> std1, std2;
+    std::vector<T> u;  // rows of u the folded convolutions read (ScanArgs::u), sized on first use
     // backward scratch
     std::vector<T> dout, dzb, dq, dk, dG, dz, dg, H, dP, dS, dlr, Wt, dWt, Gt;
     void init(int64_t d_, int64_t bmax_, bool backward) {
@@ -370,16 +371,62 @@ inline void store_rows(const typename V::T* src, int64_t t0, int64_t M, int64_t 
     }
 }
 
-// Loads q, k, v, lr of mini-batch [t0, t0 + M) of task bh.
+// q (if with_q) and k of mini-batch [t0, t0 + M) of task (b, h) as the causal convolutions of u (ScanArgs::u) over
+// the head's d channels: out[t] = bias + sum_s taps[s] u[t - (k-1) + s], u[< 0] = 0, the taps added in the order
+// of the convolution op's kernel, and rounded through In as that op's result would be.
+template <class V, typename In>
+inline void conv_mini_batch(const ScanArgs& a, int64_t b, int64_t h, int64_t t0, int64_t M, MiniBatchWork<V>& w,
+                            bool with_q) {
+    using T = typename V::T;
+    const int64_t d = a.d, K = a.conv_k, D = a.nh * d, rows = M + K - 1;
+    if (static_cast<int64_t>(w.u.size()) < rows * d) w.u.resize(static_cast<size_t>(rows * d));
+    const In* u = static_cast<const In*>(a.u) + b * a.us[0] + h * d;
+    for (int64_t r = 0; r < rows; ++r) {  // tokens t0 - (K-1) .. t0 + M - 1
+        const int64_t t = t0 - (K - 1) + r;
+        T* dst = w.u.data() + r * d;
+        if (t < 0) {
+            std::fill(dst, dst + d, T(0));
+            continue;
+        }
+        const In* row = u + t * a.us[1];
+        for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<T>(row[c]);
+    }
+    const T* q_taps = static_cast<const T*>(a.q_taps) + h * d;
+    const T* k_taps = static_cast<const T*>(a.k_taps) + h * d;
+    const T* q_bias = static_cast<const T*>(a.q_bias) + h * d;
+    const T* k_bias = static_cast<const T*>(a.k_bias) + h * d;
+    for (int64_t i = 0; i < M; ++i)
+        for_each_vector<V>(d, [&](int64_t c, auto m) {
+            V q = V::load(q_bias + c, m), k = V::load(k_bias + c, m);
+            for (int64_t s = 0; s < K; ++s) {
+                const V x = V::load(w.u.data() + (i + s) * d + c, m);
+                q = V::fma(V::load(q_taps + s * D + c, m), x, q);
+                k = V::fma(V::load(k_taps + s * D + c, m), x, k);
+            }
+            if (with_q) q.store(w.q.data() + i * d + c, m);
+            k.store(w.k.data() + i * d + c, m);
+        });
+    if constexpr (!std::is_same_v<In, T>)
+        for (int64_t i = 0; i < M * d; ++i) {
+            if (with_q) w.q[i] = static_cast<T>(static_cast<In>(w.q[i]));
+            w.k[i] = static_cast<T>(static_cast<In>(w.k[i]));
+        }
+}
+
+// Loads q, k, v, lr of mini-batch [t0, t0 + M) of task bh (q and k from u when the scan folds the convolutions).
 template <class V, typename In>
 inline void load_mini_batch(const ScanArgs& a, int64_t b, int64_t h, int64_t t0, int64_t M,
                                              MiniBatchWork<V>& w, bool with_q) {
     using T = typename V::T;
-    const In* q = static_cast<const In*>(a.q) + b * a.qs[0] + h * a.qs[1];
-    const In* k = static_cast<const In*>(a.k) + b * a.ks[0] + h * a.ks[1];
+    if (a.u != nullptr) {
+        conv_mini_batch<V, In>(a, b, h, t0, M, w, with_q);
+    } else {
+        const In* q = static_cast<const In*>(a.q) + b * a.qs[0] + h * a.qs[1];
+        const In* k = static_cast<const In*>(a.k) + b * a.ks[0] + h * a.ks[1];
+        if (with_q) load_rows<V, In>(q, a.qs, t0, M, a.d, w.q.data());
+        load_rows<V, In>(k, a.ks, t0, M, a.d, w.k.data());
+    }
     const In* v = static_cast<const In*>(a.v) + b * a.vs[0] + h * a.vs[1];
-    if (with_q) load_rows<V, In>(q, a.qs, t0, M, a.d, w.q.data());
-    load_rows<V, In>(k, a.ks, t0, M, a.d, w.k.data());
     load_rows<V, In>(v, a.vs, t0, M, a.d, w.v.data());
     const T* lr = static_cast<const T*>(a.lr) + (b * a.nh + h) * a.T;
     std::copy(lr + t0, lr + t0 + M, w.lr.data());

@@ -18,6 +18,12 @@ struct ScanArgs {
     void* out = nullptr;
     int64_t outs[4] = {};
     void *final_W = nullptr, *final_b = nullptr, *grad_norms = nullptr, *ckpt = nullptr;
+    // Forward only (TttQkConv): q and k computed from the rows of u (B, T, nh * d; strides us) while a mini-batch
+    // is loaded, q above and k unused. Taps (conv_k, nh * d) and biases (nh * d) in the compute type.
+    const void* u = nullptr;
+    int64_t us[3] = {};
+    const void *q_taps = nullptr, *q_bias = nullptr, *k_taps = nullptr, *k_bias = nullptr;
+    int64_t conv_k = 0;
     const void* dout = nullptr;
     int64_t douts[4] = {};
     void *dq = nullptr, *dk = nullptr, *dv = nullptr;
