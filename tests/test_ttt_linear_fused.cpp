@@ -402,9 +402,11 @@ linvis::ops::TttLinearInputs with_convolutions_done(linvis::ops::TttLinearInputs
 // In inference the fused kernel computes a mini-batch's queries and keys from u's rows: the result is that of the
 // fused convolution op followed by the scan (the same float operations: equal on the vectorised targets),
 // and close to the reference scan of the reference convolutions, on every SIMD target and dtype; causal and not;
-// masked widths, a remainder mini-batch, kernel sizes 4 and 2, with and without biases.
+// masked widths, a remainder mini-batch, kernel sizes 4 and 2, with and without biases, a sequence shorter than the
+// kernel.
 TEST(TttLinearFused, QkConvFoldedEqualsConvolutionsThenScanEveryTarget) {
-    const std::vector<QkConvCase> cases{{2, 3, 37, 64, 16, 4, true}, {1, 2, 21, 13, 6, 2, false}};
+    // The last: fewer tokens than the kernel's reach (T = 2, k = 4).
+    const std::vector<QkConvCase> cases{{2, 3, 37, 64, 16, 4, true}, {1, 2, 21, 13, 6, 2, false}, {1, 2, 2, 8, 4, 4, true}};
     linvis::testing::for_each_simd_target([&](const linvis::testing::SimdTarget& t) {
         for (const auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat64})
             for (const QkConvCase& c : cases)

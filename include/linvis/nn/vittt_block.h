@@ -3,7 +3,6 @@
 // branches, o_proj, SwiGLU MLP). Parameter names: docs/vittt.md.
 #pragma once
 
-#include <functional>
 #include <vector>
 
 #include <torch/torch.h>
