@@ -406,7 +406,8 @@ linvis::ops::TttLinearInputs with_convolutions_done(linvis::ops::TttLinearInputs
 // kernel.
 TEST(TttLinearFused, QkConvFoldedEqualsConvolutionsThenScanEveryTarget) {
     // The last: fewer tokens than the kernel's reach (T = 2, k = 4).
-    const std::vector<QkConvCase> cases{{2, 3, 37, 64, 16, 4, true}, {1, 2, 21, 13, 6, 2, false}, {1, 2, 2, 8, 4, 4, true}};
+    const std::vector<QkConvCase> cases{
+        {2, 3, 37, 64, 16, 4, true}, {1, 2, 21, 13, 6, 2, false}, {1, 2, 2, 8, 4, 4, true}};
     linvis::testing::for_each_simd_target([&](const linvis::testing::SimdTarget& t) {
         for (const auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat64})
             for (const QkConvCase& c : cases)
