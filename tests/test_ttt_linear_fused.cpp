@@ -38,7 +38,8 @@ struct TttInputs {
 const char* kInputNames[] = {"xq", "xk", "xv", "lr", "learnable_token_idx", "w0", "b0", "ln_weight", "ln_bias"};
 
 // Inner steps large enough that every term of the update (and of its gradient) matters.
-TttInputs make_inputs(int64_t B, int64_t nh, int64_t T, int64_t d, int64_t b, uint64_t seed, bool batched_state = false) {
+TttInputs make_inputs(int64_t B, int64_t nh, int64_t T, int64_t d, int64_t b, uint64_t seed,
+                      bool batched_state = false) {
     torch::manual_seed(seed);
     auto o = torch::TensorOptions().dtype(torch::kFloat64);
     TttInputs in;
@@ -196,7 +197,8 @@ TEST(TttLinearFused, Bfloat16WithinTolerance) {
         worst_grad_ref16 = std::max(worst_grad_ref16, relative_error(ref16.grads[i], ref64.grads[i]));
         EXPECT_LT(e, 3e-2) << kInputNames[i];
     }
-    std::printf("[ fused ] bf16: output rel err %.2e (bf16 reference %.2e), worst gradient %.2e (bf16 reference %.2e)\n",
+    std::printf("[ fused ] bf16: output rel err %.2e (bf16 reference %.2e), worst gradient %.2e "
+                "(bf16 reference %.2e)\n",
                 out_fused, out_ref16, worst_grad, worst_grad_ref16);
 }
 

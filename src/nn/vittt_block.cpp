@@ -271,7 +271,8 @@ torch::Tensor VitttBlockImpl::forward(const torch::Tensor& y_in, int64_t h, int6
     torch::Tensor y = ops::depthwise_conv2d_tokens(y_in, h, w, dwconv->weight, dwconv->bias, ops::DwEpilogue::Residual,
                                                    options_.branch.impl);
 
-    if (can_overwrite({y, o_proj->weight, mlp->down_proj->weight}) && !drop_path_active(options_.drop_path, is_training())) {
+    if (can_overwrite({y, o_proj->weight, mlp->down_proj->weight}) &&
+        !drop_path_active(options_.drop_path, is_training())) {
         // Inference: y is this block's own tensor (the conv's output), so each branch's last product accumulates
         // onto it in the GEMM instead of a fresh product and an add.
         mixer(y, /*residual=*/y);

@@ -245,7 +245,8 @@ std::vector<ForwardOut> forward_all(const torch::Tensor* in, size_t scans, const
                                        conv != nullptr ? conv->u : torch::Tensor()));
     }
     if (scans > 0)
-        dispatch_dtype(in[2].scalar_type(), [&](auto x, auto acc) { run_forward_tasks<decltype(x)>(args, cfg.target); });
+        dispatch_dtype(in[2].scalar_type(),
+                       [&](auto x, auto acc) { run_forward_tasks<decltype(x)>(args, cfg.target); });
     return outs;
 }
 
@@ -321,7 +322,8 @@ public:
             a.dlr = r.dlr.data_ptr(); a.dW0 = r.dW.data_ptr(); a.db0 = r.db.data_ptr();
             a.dgamma = r.dgamma.data_ptr(); a.dbeta = r.dbeta.data_ptr(); a.dtau = r.dtau.data_ptr();
         }
-        dispatch_dtype(saved[0].scalar_type(), [&](auto in, auto acc) { run_backward_tasks<decltype(in)>(args, cfg.target); });
+        dispatch_dtype(saved[0].scalar_type(),
+                       [&](auto in, auto acc) { run_backward_tasks<decltype(in)>(args, cfg.target); });
 
         variable_list out;
         for (size_t i = 0; i < n; ++i) {

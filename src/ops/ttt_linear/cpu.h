@@ -15,8 +15,8 @@ namespace linvis::ops::cpu {
 // enabled each scan is a torch::autograd::Function that saves the inputs and a (W, b) checkpoint every
 // options.checkpoint_every mini-batches, and recomputes the rest in its backward. grad_norms
 // are returned detached. A scan with qk_conv.u defined (no gradients, no RoPE: ops::ttt_linear_many decides)
-// computes its queries and keys from u's rows as it loads each mini-batch. The scan runs the SIMD target ops::fused_kernel_target() names
-// (LINVIS_SIMD / LINVIS_FORCE_SCALAR lower it; ops/simd/simd.h).
+// computes its queries and keys from u's rows as it loads each mini-batch. The scan runs the SIMD target
+// ops::fused_kernel_target() names (LINVIS_SIMD / LINVIS_FORCE_SCALAR lower it; ops/simd/simd.h).
 std::vector<TttLinearResult> ttt_linear_fused_many(const std::vector<TttLinearInputs>& scans,
                                                    const std::vector<torch::Tensor>& taus,
                                                    const TttLinearOptions& options);

@@ -28,8 +28,8 @@ std::string shape_or_undefined(const torch::Tensor& t) {
 void check_qk_conv(const TttLinearInputs& in) {
     const TttQkConv& c = in.qk_conv;
     LINVIS_CHECK(!in.xq.defined() && !in.xk.defined(),
-                 "ttt_linear: xq and xk must be undefined when qk_conv.u gives them, got xq ", shape_or_undefined(in.xq),
-                 " and xk ", shape_or_undefined(in.xk));
+                 "ttt_linear: xq and xk must be undefined when qk_conv.u gives them, got xq ",
+                 shape_or_undefined(in.xq), " and xk ", shape_or_undefined(in.xk));
     const int64_t B = in.xv.size(0), nh = in.xv.size(1), T = in.xv.size(2), D = nh * in.xv.size(3);
     LINVIS_CHECK(c.u.dim() == 3 && c.u.size(0) == B && c.u.size(1) == T && c.u.size(2) == D,
                  "ttt_linear: qk_conv.u: expected [", B, ", ", T, ", ", D, "] (B, T, nh * d of xv), got ",
