@@ -380,17 +380,12 @@ inline void conv_mini_batch(const ScanArgs& a, int64_t b, int64_t h, int64_t t0,
     using T = typename V::T;
     const int64_t d = a.d, K = a.conv_k, D = a.nh * d, rows = M + K - 1;
     if (static_cast<int64_t>(w.u.size()) < rows * d) w.u.resize(static_cast<size_t>(rows * d));
-    const In* u = static_cast<const In*>(a.u) + b * a.us[0] + h * d;
-    for (int64_t r = 0; r < rows; ++r) {  // tokens t0 - (K-1) .. t0 + M - 1
-        const int64_t t = t0 - (K - 1) + r;
-        T* dst = w.u.data() + r * d;
-        if (t < 0) {
-            std::fill(dst, dst + d, T(0));
-            continue;
-        }
-        const In* row = u + t * a.us[1];
-        for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<T>(row[c]);
-    }
+    // Row r of w.u is token t0 - (K-1) + r; those before token 0 are zeros.
+    const int64_t zero_rows = std::min(rows, std::max<int64_t>(0, (K - 1) - t0));
+    std::fill(w.u.begin(), w.u.begin() + zero_rows * d, T(0));
+    const int64_t strides[4] = {a.us[0], 0, a.us[1], 1};  // (B, T, nh * d) as load_rows reads a (B, nh, T, d)
+    load_rows<V, In>(static_cast<const In*>(a.u) + b * a.us[0] + h * d, strides, t0 - (K - 1) + zero_rows,
+                     rows - zero_rows, d, w.u.data() + zero_rows * d);
     const T* q_taps = static_cast<const T*>(a.q_taps) + h * d;
     const T* k_taps = static_cast<const T*>(a.k_taps) + h * d;
     const T* q_bias = static_cast<const T*>(a.q_bias) + h * d;
