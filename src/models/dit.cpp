@@ -452,7 +452,7 @@ void DiffusionModel::check_inputs(const torch::Tensor& x, const torch::Tensor& t
     LINVIS_CHECK(x.defined() && x.dim() == 4 && x.size(1) == c.in_channels && x.size(2) == c.input_size &&
                      x.size(3) == c.input_size,
                  c.family, ": x: expected (B, ", c.in_channels, ", ", c.input_size, ", ", c.input_size, "), got ",
-                 x.defined() ? shape_string(x.sizes()) : std::string("undefined"));
+                 shape_or_undefined(x));
     LINVIS_CHECK(x.is_floating_point(), c.family, ": x must be a floating-point tensor");
     const int64_t B = x.size(0);
     LINVIS_CHECK(t.defined() && t.dim() == 1 && t.size(0) == B && !t.is_floating_point(), c.family,

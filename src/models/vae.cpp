@@ -287,7 +287,7 @@ public:
 
     torch::Tensor decode(const torch::Tensor& z) override {
         LINVIS_CHECK(z.defined() && z.dim() == 4 && z.size(1) == config_.latent_channels, "sd_vae_decoder: latent: expected (B, ",
-                     config_.latent_channels, ", h, w), got ", z.defined() ? shape_string(z.sizes()) : std::string("undefined"));
+                     config_.latent_channels, ", h, w), got ", shape_or_undefined(z));
         return decoder->forward(run_conv(post_quant_conv, z));
     }
     std::string map_checkpoint_key(const std::string& raw) const override {
@@ -316,7 +316,7 @@ public:
     LatentDistribution encode(const torch::Tensor& image) override {
         LINVIS_CHECK(image.defined() && image.dim() == 4 && image.size(1) == config_.in_channels,
                      "sd_vae_encoder: image: expected (B, ", config_.in_channels, ", H, W), got ",
-                     image.defined() ? shape_string(image.sizes()) : std::string("undefined"));
+                     shape_or_undefined(image));
         const torch::Tensor moments = run_conv(quant_conv, encoder->forward(image));
         const auto halves = moments.chunk(2, 1);
         return LatentDistribution{halves[0], halves[1].clamp(-30.0, 20.0)};

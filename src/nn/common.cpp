@@ -185,7 +185,7 @@ torch::Tensor resample_abs_pos_embed(const torch::Tensor& pos_embed, std::array<
                                      std::array<int64_t, 2> old_grid, int64_t num_prefix_tokens, bool antialias) {
     LINVIS_CHECK(pos_embed.defined() && pos_embed.dim() == 3 && pos_embed.size(0) == 1,
                  "resample_abs_pos_embed: pos_embed: expected shape [1, tokens, dim], got ",
-                 pos_embed.defined() ? shape_string(pos_embed.sizes()) : std::string("undefined"));
+                 shape_or_undefined(pos_embed));
     LINVIS_CHECK(num_prefix_tokens >= 0 && num_prefix_tokens < pos_embed.size(1),
                  "resample_abs_pos_embed: num_prefix_tokens ", num_prefix_tokens, " invalid for ",
                  pos_embed.size(1), " positions");

@@ -77,7 +77,7 @@ torch::Tensor effective_receptive_field(models::VisionModel& model, const torch:
                                         const ErfOptions& options) {
     LINVIS_CHECK(images.defined() && images.dim() == 4 && images.size(0) >= 1,
                  "effective_receptive_field: images: expected (B, C, H, W) with B >= 1, got ",
-                 images.defined() ? shape_string(images.sizes()) : std::string("undefined"));
+                 shape_or_undefined(images));
     LINVIS_CHECK(images.is_floating_point(), "effective_receptive_field: images must be floating point, got ",
                  images.dtype());
     LINVIS_CHECK(options.prefix_tokens >= -1, "effective_receptive_field: prefix_tokens must be >= -1, got ",
@@ -190,7 +190,7 @@ torch::Tensor implicit_attention(const std::function<torch::Tensor(const torch::
                                  const torch::Tensor& v, int64_t query) {
     LINVIS_CHECK(v.defined() && v.dim() == 4 && v.is_floating_point(),
                  "implicit_attention: v: expected floating (B, h, M, dv), got ",
-                 v.defined() ? shape_string(v.sizes()) : std::string("undefined"));
+                 shape_or_undefined(v));
     torch::AutoGradMode grad_mode(true);
     torch::Tensor values = v.detach().clone().set_requires_grad(true);
     torch::Tensor o = mixer(values);

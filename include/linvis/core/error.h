@@ -57,6 +57,12 @@ std::string shape_string(const Sizes& sizes) {
     return out.str();
 }
 
+// shape_string of a tensor's sizes, or "undefined" for an undefined tensor (any type with defined() and sizes()).
+template <typename Tensor>
+std::string shape_or_undefined(const Tensor& t) {
+    return t.defined() ? shape_string(t.sizes()) : std::string("undefined");
+}
+
 }  // namespace linvis
 
 // Throws linvis::Error built from the remaining arguments when `cond` is false.

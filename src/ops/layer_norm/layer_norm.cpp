@@ -199,7 +199,7 @@ std::string modulated_unsupported(const char* op, const torch::Tensor& x, const 
     const auto check_row_parameters = [&](const char* name, const torch::Tensor& t) {
         LINVIS_CHECK(t.defined() && t.dim() == 2 && t.size(0) == B && t.size(1) == C, op, ": ", name,
                      ": expected (", B, ", ", C, "), got ",
-                     t.defined() ? shape_string(t.sizes()) : std::string("undefined"));
+                     shape_or_undefined(t));
         if (unsupported.empty() && (!t.device().is_cpu() || t.scalar_type() != torch::kFloat32))
             unsupported = std::string(name) + " is " + c10::toString(t.scalar_type()) + " on " + t.device().str() +
                           ", the kernel takes float32 on the CPU";
@@ -216,7 +216,7 @@ bool check_products(const char* op, int64_t C, const std::vector<NormedProduct>&
         const NormedProduct& product = products[p];
         LINVIS_CHECK(product.weight.defined() && product.weight.dim() == 2 && product.weight.size(1) == C, op,
                      ": product ", p, ": weight: expected (N, ", C, "), got ",
-                     product.weight.defined() ? shape_string(product.weight.sizes()) : std::string("undefined"));
+                     shape_or_undefined(product.weight));
         LINVIS_CHECK(!product.bias.defined() ||
                          (product.bias.dim() == 1 && product.bias.size(0) == product.weight.size(0)),
                      op, ": product ", p, ": bias: expected (", product.weight.size(0), "), got ",

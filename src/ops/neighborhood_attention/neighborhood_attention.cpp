@@ -18,12 +18,12 @@ torch::Tensor neighborhood_attention_2d(const torch::Tensor& q, const torch::Ten
     const char* op = "neighborhood_attention_2d";
     LINVIS_CHECK(kernel_size >= 1 && kernel_size % 2 == 1, op, ": kernel_size must be odd and >= 1, got ", kernel_size);
     LINVIS_CHECK(q.defined() && q.dim() == 5, op, ": q: expected (B, h, H, W, d), got ",
-                 q.defined() ? shape_string(q.sizes()) : std::string("undefined"));
+                 shape_or_undefined(q));
     LINVIS_CHECK(k.defined() && k.sizes() == q.sizes(), op, ": k: expected shape ", shape_string(q.sizes()), ", got ",
-                 k.defined() ? shape_string(k.sizes()) : std::string("undefined"));
+                 shape_or_undefined(k));
     LINVIS_CHECK(v.defined() && v.dim() == 5 && v.sizes().slice(0, 4) == q.sizes().slice(0, 4), op,
                  ": v: expected (B, h, H, W, dv) matching q ", shape_string(q.sizes()), ", got ",
-                 v.defined() ? shape_string(v.sizes()) : std::string("undefined"));
+                 shape_or_undefined(v));
     const bool below_kernel = q.size(2) < kernel_size || q.size(3) < kernel_size;
     const std::string unsupported =
         !q.device().is_cpu() || !k.device().is_cpu() || !v.device().is_cpu() ? "CPU tensors only, got " + q.device().str()

@@ -19,7 +19,7 @@ void check_kernel(const char* op, int64_t kernel_size) {
 
 void check_grid_tensor(const char* op, const char* name, const torch::Tensor& t) {
     LINVIS_CHECK(t.defined() && t.dim() == 5, op, ": ", name, ": expected (B, h, H, W, d), got ",
-                 t.defined() ? shape_string(t.sizes()) : std::string("undefined"));
+                 shape_or_undefined(t));
 }
 
 }  // namespace

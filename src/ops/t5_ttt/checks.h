@@ -24,7 +24,7 @@ struct TokenShape {
 inline TokenShape check_tokens(const char* op, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         int64_t num_heads, int64_t height, int64_t width) {
     LINVIS_CHECK(q.defined() && q.dim() == 3, op, ": q: expected (B, N, C), got ",
-                 q.defined() ? shape_string(q.sizes()) : std::string("undefined"));
+                 shape_or_undefined(q));
     const int64_t B = q.size(0), N = q.size(1), C = q.size(2);
     check_shape(op, "k", k, {B, N, C});
     check_shape(op, "v", v, {B, N, C});

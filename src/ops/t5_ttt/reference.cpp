@@ -58,7 +58,7 @@ torch::Tensor merge_heads(const torch::Tensor& x) {
 
 torch::Tensor key_instance_norm(const torch::Tensor& k, double eps) {
     LINVIS_CHECK(k.defined() && k.dim() == 3, "key_instance_norm: expected k of shape (B, N, C), got ",
-                 k.defined() ? shape_string(k.sizes()) : std::string("undefined"));
+                 shape_or_undefined(k));
     LINVIS_CHECK(eps > 0, "key_instance_norm: eps must be > 0, got ", eps);
     // F.instance_norm(k.transpose(1, 2).unsqueeze(-1), eps=eps): per (b, c) over N, biased variance.
     torch::Tensor x = k.transpose(1, 2).unsqueeze(-1);

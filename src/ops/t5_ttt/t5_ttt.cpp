@@ -35,7 +35,7 @@ torch::Tensor t5_ttt_attention_qkv(const torch::Tensor& qkv, const T5TttParams& 
                                    int64_t height, int64_t width, Impl impl) {
     LINVIS_CHECK(qkv.defined() && qkv.dim() == 3 && qkv.size(2) % 3 == 0,
                  "t5_ttt_attention_qkv: qkv: expected (B, N, 3C), got ",
-                 qkv.defined() ? shape_string(qkv.sizes()) : std::string("undefined"));
+                 shape_or_undefined(qkv));
     std::vector<torch::Tensor> c = qkv.chunk(3, -1);
     if (!use_fused(impl, "t5_ttt_attention_qkv", fused_detail::fused_unsupported(qkv), simd::vectorised()))
         return t5_ttt_attention(c[0], c[1], c[2], p, num_heads, height, width, Impl::Reference);

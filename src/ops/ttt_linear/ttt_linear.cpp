@@ -20,10 +20,6 @@ void check_same_dtype(const torch::Tensor& t, const char* name, const torch::Ten
                  ref.scalar_type(), " (as xv), got ", t.scalar_type());
 }
 
-std::string shape_or_undefined(const torch::Tensor& t) {
-    return t.defined() ? shape_string(t.sizes()) : std::string("undefined");
-}
-
 // Checks the convolutions that give the queries and keys (TttQkConv) against xv (B, nh, T, d).
 void check_qk_conv(const TttLinearInputs& in) {
     const TttQkConv& c = in.qk_conv;
