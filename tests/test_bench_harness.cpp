@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -13,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "linvis/core/flops.h"
 #include "linvis/tools/bench.h"
 #include "support/cli.h"
 
@@ -104,6 +106,21 @@ TEST(BenchHarness, TimePassesWarmsUpThenTimesEachPass) {
     calls = 0;
     EXPECT_EQ(linvis::tools::time_passes([&] { ++calls; }, 0, 10, 0.0, 3).size(), 3u);
     EXPECT_EQ(calls, 3);
+}
+
+// The SGEMM rate is the faster of LibTorch's BLAS and linvis's own products: both libraries run, each one warm-up and
+// `repeats` timed products.
+TEST(BenchHarness, SgemmRateTimesLinvisProductsBesideTheBlas) {
+    double gflops = 0.0;
+    int64_t counted = 0;
+    {
+        const linvis::flops::Counter counter;
+        gflops = linvis::tools::measure_sgemm_gflops(64, 3);
+        counted = counter.macs();
+    }
+    EXPECT_GT(gflops, 0.0);
+    EXPECT_TRUE(std::isfinite(gflops));
+    EXPECT_EQ(counted, 4 * 64 * 64 * 64);  // linvis's products (torch::mm is not counted)
 }
 
 TEST(BenchHarness, PeakRssGrowthSeesMemoryTouchedSinceItStarted) {

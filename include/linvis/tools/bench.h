@@ -63,8 +63,11 @@ struct BenchResult {
 // Measures one case in this process. Never throws: failures are reported in status/message.
 BenchResult measure_case(const BenchCase& bench_case);
 
-// Single-precision matrix-product rate of this machine (GFLOP/s, 2 FLOPs per multiply-add,
-// square n x n products through LibTorch's BLAS), median of several runs.
+// Single-precision matrix-product rate of this machine (GFLOP/s, 2 FLOPs per multiply-add, square n x n
+// products): the faster of LibTorch's BLAS (torch::mm) and linvis's own products (flops::linear: oneDNN's sgemm
+// where usable), each the median of `repeats` products. Not the slower of the two: on the 2-core AMX Xeon
+// (2026-11-30) Debian's OpenBLAS ran 2048^3 at 229-265 GFLOP/s and oneDNN at 269-279, so a rate taken from the
+// BLAS alone made every "share of the SGEMM rate" look up to 19 % better than it was.
 double measure_sgemm_gflops(int64_t n = 2048, int repeats = 5);
 
 // Relative L2 error between the fused and the reference implementation of `model` at a small
