@@ -209,6 +209,79 @@ TEST(AttentionFused, MatchesReferenceBfloat16) {
         compare(s, torch::kBFloat16, 1.0 / 128, 1e-4);
 }
 
+// bf16 inference with the products on the AMX tiles (ops/attention/cpu.cpp: forward_bf16_tiles), emulated on every
+// CPU and on the tiles where the CPU has them, against the float32 kernel on the same bf16 inputs (LINVIS_AMX=off),
+// which rounds its output only. The tiles' path rounds three times more:
+// - q scale to bf16: exact for the power-of-two scales here (d = 64, 8, 32); otherwise each logit moves by at most
+//   delta = 2^-9 scale max sum_f |q_f k_f|, and a weight relative to the others by at most a factor e^(2 delta);
+// - each weight P to bf16, a relative 2^-9, while the normaliser sums the float32 weights: O moves by at most
+//   2^-9 max |v|;
+// - O to bf16 once, as the float32 kernel does: two values that differ by the above round at most 2^-7 |O| further
+//   apart (adjacent bf16 numbers).
+// So |tiles - f32| <= 2^-7 |f32| + max |v| (2^-9 + e^(2 delta) - 1), plus 1e-4 max |f32| for float32 sums in
+// another order. Shapes: deit's, N != M past the tiles with head dim 72 (padded to 96), dv != d, three key tiles,
+// one query, d = 8; q, k, v as views of one qkv tensor. And the float64 error of deit's shape as
+// SoftmaxAttention.Bfloat16WithinTolerance bounds the float32 kernel's: relative L2 below 2^-8.
+TEST(AttentionFused, Bfloat16OnTheAmxTilesMatchesTheFloat32Kernel) {
+    linvis::testing::for_each_amx_path([](linvis::ops::simd::AmxMode) {
+        torch::NoGradGuard no_grad;
+        const Shape shapes[] = {{1, 3, 197, 197, 64, 64}, {1, 2, 513, 300, 72, 72}, {2, 3, 65, 257, 32, 48},
+                                {1, 1, 129, 1025, 64, 64}, {2, 2, 1, 5, 32, 32},     {1, 3, 3, 5, 8, 8}};
+        for (const Shape& s : shapes) {
+            SCOPED_TRACE(name(s, torch::kBFloat16));
+            const Inputs in = make_inputs(s, torch::kBFloat16);
+            const double scale = std::pow(static_cast<double>(s.d), -0.5);
+            const torch::Tensor tiles = softmax_attention(in.q, in.k, in.v, scale, {}, Impl::Fused);
+            torch::Tensor f32;
+            {
+                linvis::testing::ScopedAmx off("off");
+                f32 = softmax_attention(in.q, in.k, in.v, scale, {}, Impl::Fused);
+            }
+            ASSERT_EQ(tiles.scalar_type(), torch::kBFloat16);
+            ASSERT_EQ(tiles.sizes(), f32.sizes());
+            const torch::Tensor q_abs = in.q.to(torch::kFloat64).abs(), k_abs = in.k.to(torch::kFloat64).abs();
+            const double qk = q_abs.matmul(k_abs.transpose(2, 3)).max().item<double>();
+            const bool exact_scale = std::exp2(std::round(std::log2(scale))) == scale;
+            const double delta = exact_scale ? 0.0 : std::exp2(-9) * scale * qk;
+            const double v_max = in.v.abs().max().item<double>(), f32_max = f32.abs().max().item<double>();
+            const double atol = v_max * (std::exp2(-9) + std::expm1(2 * delta)) + 1e-4 * f32_max;
+            const double worst = (tiles.to(torch::kFloat32) - f32.to(torch::kFloat32)).abs().max().item<double>();
+            EXPECT_TRUE(all_close(tiles, f32, 1.0 / 128, atol)) << "max |tiles - f32| " << worst << ", atol " << atol;
+            if (s.N == 197) {
+                const torch::Tensor exact = softmax_attention(in.q.to(torch::kFloat64), in.k.to(torch::kFloat64),
+                                                              in.v.to(torch::kFloat64), scale, {}, Impl::Reference);
+                const double err = linvis::testing::relative_error(tiles, exact);
+                std::cout << "[measure] softmax attention bf16 on AMX tiles rel err " << err << "\n";
+                EXPECT_LT(err, 1.0 / 256);
+            }
+        }
+        // deit's layout: views of one qkv tensor, rows 3 h d values apart.
+        torch::manual_seed(11);
+        const torch::Tensor qkv = torch::randn({2, 600, 3, 3, 32}).to(torch::kBFloat16);
+        const torch::Tensor heads = qkv.permute({2, 0, 3, 1, 4});
+        const torch::Tensor tiles = softmax_attention(heads[0], heads[1], heads[2], 0.25, {}, Impl::Fused);
+        linvis::testing::ScopedAmx off("off");
+        const torch::Tensor f32 = softmax_attention(heads[0], heads[1], heads[2], 0.25, {}, Impl::Fused);
+        const double v_max = heads[2].abs().max().item<double>();
+        const double atol = v_max * std::exp2(-9) + 1e-4 * f32.abs().max().item<double>();
+        EXPECT_TRUE(all_close(tiles, f32, 1.0 / 128, atol));
+    });
+}
+
+// With a graph to build, bf16 runs the float32 kernel (its backward has no bf16 form) whatever LINVIS_AMX says:
+// the same bits as with the tiles off, and gradients.
+TEST(AttentionFused, Bfloat16WithAGraphRunsTheFloat32Kernel) {
+    const Inputs in = make_inputs({1, 2, 65, 100, 32, 32}, torch::kBFloat16);
+    std::vector<torch::Tensor> emulated;
+    {
+        linvis::testing::ScopedAmx emulate("emulate");
+        emulated = run(in.q, in.k, in.v, in.probe, 0.25, Impl::Fused);
+    }
+    linvis::testing::ScopedAmx off("off");
+    const auto f32 = run(in.q, in.k, in.v, in.probe, 0.25, Impl::Fused);
+    for (int i = 0; i < 4; ++i) EXPECT_TRUE(torch::equal(emulated[i], f32[i])) << kNames[i];
+}
+
 // The fused path in float64 against finite differences (independent of the reference).
 TEST(AttentionFused, Gradcheck) {
     torch::manual_seed(3);

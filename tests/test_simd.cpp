@@ -451,4 +451,105 @@ TEST(SimdLayer, EnvironmentSelectsTheTarget) {
     unsetenv("LINVIS_SIMD");
 }
 
+// The AMX tile product (simd/amx.h), emulated on every CPU and on the tiles where the CPU has them: C = A B and
+// C += A B for bf16 A and B against the float64 product of the same bf16 values, for every block the tiles take
+// (32 x 32, and 16-row and 16-column edges), with row strides wider than the matrices; C's columns past N hold a
+// sentinel that must stay. Float32 sums of K exact products: |error| <= K 2^-24 (|C0| + sum |a b|), below 1e-5 of
+// it for K <= 96.
+TEST(Amx, GemmBf16MatchesFloat64Products) {
+    linvis::testing::for_each_amx_path([](simd::AmxMode mode) {
+        struct Case {
+            int64_t M, N, K;
+        };
+        for (const Case c : {Case{16, 16, 32}, Case{32, 32, 64}, Case{48, 80, 96}, Case{64, 16, 32}})
+            for (const bool accumulate : {false, true}) {
+                SCOPED_TRACE("M" + std::to_string(c.M) + " N" + std::to_string(c.N) + " K" + std::to_string(c.K) +
+                             (accumulate ? " +=" : " ="));
+                torch::manual_seed(c.M + c.N + c.K);
+                const int64_t lda = c.K + 32, ldb = 2 * c.N + 32, ldc = c.N + 16;
+                const torch::Tensor a_buf = torch::randn({c.M, lda}).to(torch::kBFloat16);
+                const torch::Tensor a = a_buf.narrow(1, 0, c.K);
+                const torch::Tensor b = torch::randn({c.K, c.N}).to(torch::kBFloat16);
+                std::vector<uint16_t> b_pairs(static_cast<size_t>(c.K / 2 * ldb), 0);
+                const torch::Tensor b_float = b.to(torch::kFloat32).contiguous();
+                simd::pack_pairs_bf16(b_float.data_ptr<float>(), c.K, c.N, c.N, c.K, b_pairs.data(), ldb);
+                const float sentinel = 12345.0f;
+                const torch::Tensor c0 = torch::randn({c.M, c.N});
+                torch::Tensor c_buf = torch::full({c.M, ldc}, sentinel);
+                c_buf.narrow(1, 0, c.N).copy_(c0);
+                const auto* a_bits = reinterpret_cast<const uint16_t*>(a_buf.data_ptr<c10::BFloat16>());
+                simd::gemm_bf16(mode, c.M, c.N, c.K, a_bits, lda, b_pairs.data(), ldb, c_buf.data_ptr<float>(), ldc,
+                                accumulate);
+                const torch::Tensor ad = a.to(torch::kFloat64), bd = b.to(torch::kFloat64);
+                const torch::Tensor c0d =
+                    accumulate ? c0.to(torch::kFloat64) : torch::zeros({c.M, c.N}, torch::kFloat64);
+                const torch::Tensor expected = c0d + ad.matmul(bd);
+                const torch::Tensor bound = 1e-5 * (c0d.abs() + ad.abs().matmul(bd.abs()));
+                const torch::Tensor got = c_buf.narrow(1, 0, c.N).to(torch::kFloat64);
+                EXPECT_TRUE((got - expected).abs().le(bound).all().item<bool>())
+                    << "max error " << (got - expected).abs().max().item<double>();
+                EXPECT_TRUE(c_buf.narrow(1, c.N, ldc - c.N).eq(sentinel).all().item<bool>());
+            }
+    });
+}
+
+// The tiles' operand layouts on every SIMD target: pack_pairs_bf16 and transpose_pairs_bf16 round to nearest even
+// as LibTorch's .to(kBFloat16) does (ties included), put element (k, n) at (k / 2) ldo + 2 n + k % 2, zero the
+// padding rows and leave the rest of each output row alone.
+TEST(Amx, OperandLayoutsRoundAsLibTorch) {
+    for_each_simd_target([](const SimdTarget&) {
+        auto bits = [](const torch::Tensor& t, int64_t i, int64_t j) {
+            return t.to(torch::kBFloat16).contiguous().data_ptr<c10::BFloat16>()[i * t.size(1) + j].x;
+        };
+        torch::manual_seed(4);
+        // Five rows of 7 values, in a buffer 9 wide; row 0 holds ties: 1 + 2^-8 rounds down to 1 (even),
+        // 1 + 3 2^-8 up to 1 + 2^-6, and their negatives likewise.
+        torch::Tensor x_buf = torch::randn({5, 9}) * 3;
+        const float ties[] = {1.0f + 0x1p-8f, 1.0f + 0x3p-8f, -1.0f - 0x1p-8f, -1.0f - 0x3p-8f};
+        for (int j = 0; j < 4; ++j) x_buf[0][j] = ties[j];
+        const torch::Tensor x = x_buf.narrow(1, 0, 7);
+        const int64_t ldo = 2 * 7 + 2;
+        std::vector<uint16_t> out(4 * ldo, 0xFFFF);
+        simd::pack_pairs_bf16(x_buf.data_ptr<float>(), 5, 7, 9, 8, out.data(), ldo);
+        for (int64_t k = 0; k < 8; ++k)
+            for (int64_t n = 0; n < 7; ++n)
+                EXPECT_EQ(out[k / 2 * ldo + 2 * n + k % 2], k < 5 ? bits(x, k, n) : 0) << "k " << k << ", n " << n;
+        for (int64_t p = 0; p < 4; ++p) EXPECT_TRUE(out[p * ldo + 14] == 0xFFFF && out[p * ldo + 15] == 0xFFFF);
+
+        // The transpose of 6 rows of 10 bf16 values (row stride 12) times 0.3, K padded to 32.
+        const torch::Tensor xb_buf = torch::randn({6, 12}).to(torch::kBFloat16);
+        const torch::Tensor scaled = xb_buf.narrow(1, 0, 10).to(torch::kFloat32) * 0.3f;
+        const int64_t ldt = 2 * 6 + 4;
+        std::vector<uint16_t> t(16 * ldt, 0xFFFF);
+        simd::transpose_pairs_bf16(reinterpret_cast<const uint16_t*>(xb_buf.data_ptr<c10::BFloat16>()), 6, 10, 12,
+                                   0.3f, 32, t.data(), ldt);
+        for (int64_t k = 0; k < 32; ++k)
+            for (int64_t n = 0; n < 6; ++n)
+                EXPECT_EQ(t[k / 2 * ldt + 2 * n + k % 2], k < 10 ? bits(scaled, n, k) : 0)
+                    << "k " << k << ", n " << n;
+        for (int64_t p = 0; p < 16; ++p) EXPECT_TRUE(t[p * ldt + 12] == 0xFFFF && t[p * ldt + 15] == 0xFFFF);
+    });
+}
+
+// LINVIS_AMX: "off" turns the tiles off, "emulate" asks for the emulation, anything else but "auto" is an error
+// naming the variable and the value.
+TEST(Amx, EnvironmentSelectsThePath) {
+    {
+        linvis::testing::ScopedAmx off("off");
+        EXPECT_EQ(simd::amx_mode(), simd::AmxMode::Off);
+    }
+    {
+        linvis::testing::ScopedAmx emulate("emulate");
+        EXPECT_EQ(simd::amx_mode(), simd::AmxMode::Emulated);
+    }
+    linvis::testing::ScopedAmx bogus("tmm9");
+    try {
+        simd::amx_mode();
+        ADD_FAILURE() << "LINVIS_AMX=tmm9 was accepted";
+    } catch (const linvis::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("LINVIS_AMX"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("tmm9"), std::string::npos) << e.what();
+    }
+}
+
 }  // namespace

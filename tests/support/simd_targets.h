@@ -5,10 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <iostream>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "../../src/ops/simd/amx.h"
 #include "../../src/ops/simd/simd.h"
 #include "linvis/ops/impl.h"
 
@@ -63,6 +65,41 @@ void for_each_simd_target(F&& f) {
         SCOPED_TRACE(std::string("LINVIS_SIMD=") + t.env);
         ScopedSimd scope(t);
         f(t);
+    }
+}
+
+// Sets LINVIS_AMX to `value` for its lifetime and restores it afterwards.
+class ScopedAmx {
+public:
+    explicit ScopedAmx(const char* value) {
+        if (const char* old = std::getenv("LINVIS_AMX")) old_ = old;
+        setenv("LINVIS_AMX", value, 1);
+    }
+    ~ScopedAmx() {
+        if (old_) setenv("LINVIS_AMX", old_->c_str(), 1);
+        else unsetenv("LINVIS_AMX");
+    }
+    ScopedAmx(const ScopedAmx&) = delete;
+    ScopedAmx& operator=(const ScopedAmx&) = delete;
+
+private:
+    std::optional<std::string> old_;
+};
+
+// Runs f(mode) once per AMX path with LINVIS_AMX set for it: the portable emulation on every CPU, and the tiles
+// where this CPU has them (simd/amx.h); checks that each setting gives the path it names.
+template <typename F>
+void for_each_amx_path(F&& f) {
+    std::vector<std::pair<const char*, ops::simd::AmxMode>> paths = {{"emulate", ops::simd::AmxMode::Emulated}};
+    if (ops::simd::amx_supported() && ops::simd::active_target() == ops::simd::Target::Avx512)
+        paths.emplace_back("auto", ops::simd::AmxMode::Tiles);
+    else
+        std::cout << "[skip] AMX tiles: this CPU (or LINVIS_SIMD) has none; the emulated tiles only\n";
+    for (const auto& [env, mode] : paths) {
+        SCOPED_TRACE(std::string("LINVIS_AMX=") + env);
+        ScopedAmx scope(env);
+        EXPECT_EQ(ops::simd::amx_mode(), mode);
+        f(mode);
     }
 }
 

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "linvis/core/error.h"
+#include "ops/simd/amx.h"
 #include "ops/simd/simd.h"
 
 namespace linvis::ops::cpu {
@@ -205,6 +206,72 @@ void forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
     });
 }
 
+int64_t round_up(int64_t n, int64_t multiple) { return ceil_div(n, multiple) * multiple; }
+
+// bf16 inference with the products on the AMX tiles (simd::gemm_bf16, mode Tiles or Emulated): the float32
+// forward's order - per (sample*head, query block), per key tile S^T = k_j (q scale)^T, the online softmax
+// along the queries (the same SIMD kernel), O^T += v_j^T P^T - with bf16 operands and float32 sums: q scale
+// rounded to bf16 once per block, P rounded to bf16 per tile, O rounded once at the end. The operands are
+// padded with zeros to the tiles' multiples: per call k as (B*h, keys, d) and v^T as (B*h, dv, keys), keys
+// padded per tile to 32 and d to 32; per block q^T and per tile P^T as VNNI pairs (simd/amx.h). Returns
+// out (B, h, N, dv) in bf16; no logsumexp (nothing is kept for a backward).
+torch::Tensor forward_bf16_tiles(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
+                                 simd::AmxMode mode) {
+    const int64_t B = q.size(0), H = q.size(1), BH = B * H, N = q.size(2), M = k.size(2), d = q.size(3),
+                  dv = v.size(3);
+    const int64_t KB = round_up(even_part(M, kForwardKeys), 32), key_tiles = ceil_div(M, KB), M_pad = key_tiles * KB;
+    const int64_t d_pad = round_up(d, 32), dv_pad = round_up(dv, 16);
+    const int64_t rows_max = block_rows(N, kForwardQueries), blocks = ceil_div(N, rows_max);
+    const int64_t QB = round_up(rows_max, 16);
+    const auto bf16 = q.options().dtype(torch::kBFloat16);
+    const torch::Tensor kp = torch::zeros({B, H, M_pad, d_pad}, bf16), vt = torch::zeros({B, H, dv_pad, M_pad}, bf16);
+    kp.narrow(2, 0, M).narrow(3, 0, d).copy_(k);
+    vt.narrow(2, 0, dv).narrow(3, 0, M).copy_(v.transpose(2, 3));
+    torch::Tensor out = torch::empty({B, H, N, dv}, bf16);
+    const simd::Kernels& kern = simd::kernels();
+    const Heads<c10::BFloat16> Q(q);
+    const auto* const kp_p = reinterpret_cast<const uint16_t*>(kp.data_ptr<c10::BFloat16>());
+    const auto* const vt_p = reinterpret_cast<const uint16_t*>(vt.data_ptr<c10::BFloat16>());
+    auto* const out_p = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+    at::parallel_for(0, BH * blocks, 1, [&](int64_t begin, int64_t end) {
+        float* const st = scratch<float>(0, KB * QB);  // S^T, then P^T (keys x queries)
+        float* const ot = scratch<float>(1, dv_pad * QB + dv);  // O^T (dv_pad x QB), then a row of O
+        float* const m = scratch<float>(2, 3 * QB);
+        float *const l = m + QB, *const alpha = m + 2 * QB;
+        uint16_t* const qv = scratch<uint16_t>(0, d_pad * QB);  // (q scale)^T as VNNI pairs
+        uint16_t* const pv = scratch<uint16_t>(1, KB * QB);     // P^T as VNNI pairs
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t bh = task / blocks, i0 = (task % blocks) * rows_max;
+            const int64_t rows = std::min(rows_max, N - i0);
+            simd::transpose_pairs_bf16(reinterpret_cast<const uint16_t*>(Q.at(bh) + i0 * Q.row), rows, d, Q.row,
+                                       static_cast<float>(scale), d_pad, qv, 2 * QB);
+            // Queries past `rows` (to QB): zero, so their logits are 0 and every value stays finite.
+            for (int64_t x = 0; x < d_pad / 2; ++x)
+                std::fill(qv + x * 2 * QB + 2 * rows, qv + (x + 1) * 2 * QB, uint16_t(0));
+            const uint16_t* const kb = kp_p + bh * M_pad * d_pad;
+            const uint16_t* const vb = vt_p + bh * dv_pad * M_pad;
+            for (int64_t j = 0; j < key_tiles; ++j) {
+                const int64_t j0 = j * KB, cols = std::min(KB, M - j0);
+                const bool first = j == 0;
+                simd::gemm_bf16(mode, KB, QB, d_pad, kb + j0 * d_pad, d_pad, qv, 2 * QB, st, QB, false);
+                simd::online_softmax_cols(kern, simd::SoftmaxTileCols<float>{st, cols, rows, QB, KB * QB, m, l, alpha,
+                                                                             ot, QB, dv, first});
+                simd::pack_pairs_bf16(st, cols, QB, QB, KB, pv, 2 * QB);
+                simd::gemm_bf16(mode, dv_pad, QB, KB, vb + j0, M_pad, pv, 2 * QB, ot, QB, /*accumulate=*/!first);
+            }
+            // O = O^T / l, row by row through a float32 row, rounded once.
+            float* const row = ot + dv_pad * QB;
+            uint16_t* dst = out_p + (bh * N + i0) * dv;
+            for (int64_t r = 0; r < rows; ++r) {
+                const float inv = 1.0f / l[r];
+                for (int64_t c = 0; c < dv; ++c) row[c] = ot[c * QB + r] * inv;
+                kern.narrow_to_bf16(row, dst + r * dv, dv);
+            }
+        }
+    });
+    return out;
+}
+
 // Key segments per (sample, head) in the backward: enough tasks for a few threads when there are few
 // (sample, head) pairs (batch 1, 3 heads: 4 segments, 12 tasks, an even split on 2, 3, 4 or 6 threads),
 // one segment otherwise, and never more segments than key tiles of kBackwardKeys (at 197 tokens the dQ
@@ -323,6 +390,15 @@ torch::Tensor softmax_attention_fused(const torch::Tensor& q, const torch::Tenso
                                       double scale) {
     LINVIS_CHECK(k.size(2) >= 1, "softmax_attention: the fused kernel needs at least one key, got k ",
                  shape_string(k.sizes()));
+    // bf16 inference on a CPU with AMX: the products on its tiles (forward_bf16_tiles). With a graph to build, the
+    // float32 kernel, whose backward has no bf16 form.
+    const simd::AmxMode amx = q.scalar_type() == torch::kBFloat16 ? simd::amx_mode() : simd::AmxMode::Off;
+    const bool needs_graph =
+        torch::autograd::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+    if (amx != simd::AmxMode::Off && !needs_graph) {
+        auto unit_last = [](const torch::Tensor& t) { return t.stride(3) == 1 || t.size(3) == 1 ? t : t.contiguous(); };
+        return forward_bf16_tiles(unit_last(q), unit_last(k), unit_last(v), scale, amx);
+    }
     const torch::ScalarType type = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
     // Views are used in place (deit's q, k, v are slices of one qkv tensor); a copy only for another dtype
     // or a last dim that is not contiguous.
