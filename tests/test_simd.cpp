@@ -273,6 +273,56 @@ TEST(SimdLayer, OnlineSoftmaxColsMatchesTheDefinitionOnEveryTarget) {
     });
 }
 
+// The same kernel writing its exponentials as bf16 pairs for an AMX product (SoftmaxTileCols::pairs): the running
+// maxima, sums, rescaling factors and rescaled outputs are the bits the float path gives, the logits stay in s,
+// and the pairs are the float path's exponentials rounded as LibTorch rounds to bf16, key j of query i at
+// (j / 2) pairs_ld + 2 i + j % 2, zero for the keys past the tile (7 keys, 10 rows of pairs); a guard band after
+// each row of pairs stays. A first tile and a following one (running maxima and sums given).
+TEST(SimdLayer, OnlineSoftmaxColsWritesBf16PairsOnEveryTarget) {
+    for_each_simd_target([](const SimdTarget& t) {
+        const simd::Kernels& k = simd::kernels(t.target);
+        const int64_t Q = 21, pw = 16, panels = 2, keys = 7, stride = keys * pw, dv = 3, ldo = 32, width = 32;
+        const int64_t pairs_rows = 10, pairs_ld = 2 * width + 4;
+        for (const bool first : {true, false}) {
+            SCOPED_TRACE(first ? "first tile" : "second tile");
+            std::mt19937 rng(first ? 13 : 14);
+            std::normal_distribution<float> normal;
+            std::vector<float> logits(panels * stride), m(width), l(width), o(dv * ldo);
+            for (auto& x : logits) x = 3 * normal(rng);
+            for (int64_t i = 0; i < width; ++i) m[i] = normal(rng), l[i] = 1 + std::abs(normal(rng));
+            for (auto& x : o) x = normal(rng);
+            std::vector<float> s_float = logits, m_float = m, l_float = l, alpha_float(width), o_float = o;
+            simd::online_softmax_cols(k, simd::SoftmaxTileCols<float>{s_float.data(), keys, Q, pw, stride,
+                                                                      m_float.data(), l_float.data(),
+                                                                      alpha_float.data(), o_float.data(), ldo, dv,
+                                                                      first});
+            std::vector<float> s_pairs = logits, alpha(width);
+            std::vector<uint16_t> pairs(pairs_rows / 2 * pairs_ld, 0xABCD);
+            simd::SoftmaxTileCols<float> tile{s_pairs.data(), keys, Q,  pw,        stride, m.data(), l.data(),
+                                              alpha.data(),   o.data(), ldo, dv, first};
+            tile.pairs = pairs.data();
+            tile.pairs_ld = pairs_ld;
+            tile.pairs_rows = pairs_rows;
+            simd::online_softmax_cols(k, tile);
+            EXPECT_EQ(s_pairs, logits) << t.env << ": the logits were overwritten";
+            for (int64_t i = 0; i < Q; ++i) {
+                EXPECT_EQ(m[i], m_float[i]) << t.env << " query " << i;
+                EXPECT_EQ(l[i], l_float[i]) << t.env << " query " << i;
+                if (!first) EXPECT_EQ(alpha[i], alpha_float[i]) << t.env << " query " << i;
+                for (int64_t c = 0; c < dv; ++c) EXPECT_EQ(o[c * ldo + i], o_float[c * ldo + i]) << t.env;
+                for (int64_t j = 0; j < pairs_rows; ++j) {
+                    const float e = j < keys ? s_float[(i / pw) * stride + j * pw + i % pw] : 0.0f;
+                    EXPECT_EQ(pairs[j / 2 * pairs_ld + 2 * i + j % 2], c10::BFloat16(e).x)
+                        << t.env << " query " << i << " key " << j;
+                }
+            }
+            for (int64_t r = 0; r < pairs_rows / 2; ++r)
+                for (int64_t g = 2 * width; g < pairs_ld; ++g)
+                    EXPECT_EQ(pairs[r * pairs_ld + g], 0xABCD) << t.env << ": wrote past row " << r << " of the pairs";
+        }
+    });
+}
+
 // The attention backward's rows: p = e^(s - lse) into s and p (dp - D) into dp, row lengths of every tail width,
 // a guard band after each row. The expected values start from the same rounded differences as the kernel.
 template <typename T>
@@ -471,8 +521,9 @@ TEST(Amx, GemmBf16MatchesFloat64Products) {
                 const torch::Tensor a = a_buf.narrow(1, 0, c.K);
                 const torch::Tensor b = torch::randn({c.K, c.N}).to(torch::kBFloat16);
                 std::vector<uint16_t> b_pairs(static_cast<size_t>(c.K / 2 * ldb), 0);
-                const torch::Tensor b_float = b.to(torch::kFloat32).contiguous();
-                simd::pack_pairs_bf16(b_float.data_ptr<float>(), c.K, c.N, c.N, c.K, b_pairs.data(), ldb);
+                const c10::BFloat16* b_values = b.data_ptr<c10::BFloat16>();
+                for (int64_t kk = 0; kk < c.K; ++kk)
+                    for (int64_t n = 0; n < c.N; ++n) b_pairs[kk / 2 * ldb + 2 * n + kk % 2] = b_values[kk * c.N + n].x;
                 const float sentinel = 12345.0f;
                 const torch::Tensor c0 = torch::randn({c.M, c.N});
                 torch::Tensor c_buf = torch::full({c.M, ldc}, sentinel);
@@ -493,41 +544,31 @@ TEST(Amx, GemmBf16MatchesFloat64Products) {
     });
 }
 
-// The tiles' operand layouts on every SIMD target: pack_pairs_bf16 and transpose_pairs_bf16 round to nearest even
-// as LibTorch's .to(kBFloat16) does (ties included), put element (k, n) at (k / 2) ldo + 2 n + k % 2, zero the
-// padding rows and leave the rest of each output row alone.
-TEST(Amx, OperandLayoutsRoundAsLibTorch) {
-    for_each_simd_target([](const SimdTarget&) {
-        auto bits = [](const torch::Tensor& t, int64_t i, int64_t j) {
-            return t.to(torch::kBFloat16).contiguous().data_ptr<c10::BFloat16>()[i * t.size(1) + j].x;
-        };
+// The layout of q^T for the tiles on every SIMD target: transpose_pairs_bf16 scales, rounds to nearest even as
+// LibTorch's .to(kBFloat16) does (row 0 holds ties: 1 and -1 times 1 + 2^-8 round to 1 and -1), puts element (k, n)
+// of the transpose at (k / 2) ldo + 2 n + k % 2, zeroes the padding past K and leaves the rest of each row alone.
+TEST(Amx, TransposedPairsRoundAsLibTorch) {
+    for_each_simd_target([](const SimdTarget& t) {
+        const float scale = 1.0f + 0x1p-8f;
         torch::manual_seed(4);
-        // Five rows of 7 values, in a buffer 9 wide; row 0 holds ties: 1 + 2^-8 rounds down to 1 (even),
-        // 1 + 3 2^-8 up to 1 + 2^-6, and their negatives likewise.
-        torch::Tensor x_buf = torch::randn({5, 9}) * 3;
-        const float ties[] = {1.0f + 0x1p-8f, 1.0f + 0x3p-8f, -1.0f - 0x1p-8f, -1.0f - 0x3p-8f};
-        for (int j = 0; j < 4; ++j) x_buf[0][j] = ties[j];
-        const torch::Tensor x = x_buf.narrow(1, 0, 7);
-        const int64_t ldo = 2 * 7 + 2;
-        std::vector<uint16_t> out(4 * ldo, 0xFFFF);
-        simd::pack_pairs_bf16(x_buf.data_ptr<float>(), 5, 7, 9, 8, out.data(), ldo);
-        for (int64_t k = 0; k < 8; ++k)
-            for (int64_t n = 0; n < 7; ++n)
-                EXPECT_EQ(out[k / 2 * ldo + 2 * n + k % 2], k < 5 ? bits(x, k, n) : 0) << "k " << k << ", n " << n;
-        for (int64_t p = 0; p < 4; ++p) EXPECT_TRUE(out[p * ldo + 14] == 0xFFFF && out[p * ldo + 15] == 0xFFFF);
-
-        // The transpose of 6 rows of 10 bf16 values (row stride 12) times 0.3, K padded to 32.
-        const torch::Tensor xb_buf = torch::randn({6, 12}).to(torch::kBFloat16);
-        const torch::Tensor scaled = xb_buf.narrow(1, 0, 10).to(torch::kFloat32) * 0.3f;
-        const int64_t ldt = 2 * 6 + 4;
-        std::vector<uint16_t> t(16 * ldt, 0xFFFF);
-        simd::transpose_pairs_bf16(reinterpret_cast<const uint16_t*>(xb_buf.data_ptr<c10::BFloat16>()), 6, 10, 12,
-                                   0.3f, 32, t.data(), ldt);
+        // 6 rows of 9 bf16 values (an odd count: the last pair is half padding) in a buffer 12 wide, K padded to 32.
+        torch::Tensor x_buf = torch::randn({6, 12});
+        x_buf[0][0] = 1.0f;
+        x_buf[0][1] = -1.0f;
+        x_buf = x_buf.to(torch::kBFloat16);
+        const torch::Tensor scaled = (x_buf.narrow(1, 0, 9).to(torch::kFloat32) * scale).to(torch::kBFloat16);
+        const c10::BFloat16* want = scaled.contiguous().data_ptr<c10::BFloat16>();
+        EXPECT_EQ(want[0].x, c10::BFloat16(1.0f).x);
+        const int64_t ldo = 2 * 6 + 4;
+        std::vector<uint16_t> out(16 * ldo, 0xFFFF);
+        simd::transpose_pairs_bf16(reinterpret_cast<const uint16_t*>(x_buf.data_ptr<c10::BFloat16>()), 6, 9, 12,
+                                   scale, 32, out.data(), ldo);
         for (int64_t k = 0; k < 32; ++k)
             for (int64_t n = 0; n < 6; ++n)
-                EXPECT_EQ(t[k / 2 * ldt + 2 * n + k % 2], k < 10 ? bits(scaled, n, k) : 0)
-                    << "k " << k << ", n " << n;
-        for (int64_t p = 0; p < 16; ++p) EXPECT_TRUE(t[p * ldt + 12] == 0xFFFF && t[p * ldt + 15] == 0xFFFF);
+                EXPECT_EQ(out[k / 2 * ldo + 2 * n + k % 2], k < 9 ? want[n * 9 + k].x : 0)
+                    << t.env << " k " << k << ", n " << n;
+        for (int64_t p = 0; p < 16; ++p)
+            for (int64_t g = 12; g < ldo; ++g) EXPECT_EQ(out[p * ldo + g], 0xFFFF) << t.env << ": wrote past row " << p;
     });
 }
 

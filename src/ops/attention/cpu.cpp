@@ -213,7 +213,8 @@ int64_t round_up(int64_t n, int64_t multiple) { return ceil_div(n, multiple) * m
 // along the queries (the same SIMD kernel), O^T += v_j^T P^T - with bf16 operands and float32 sums: q scale
 // rounded to bf16 once per block, P rounded to bf16 per tile, O rounded once at the end. The operands are
 // padded with zeros to the tiles' multiples: per call k as (B*h, keys, d) and v^T as (B*h, dv, keys), keys
-// padded per tile to 32 and d to 32; per block q^T and per tile P^T as VNNI pairs (simd/amx.h). Returns
+// padded per tile to 32 and d to 32; per block q^T as VNNI pairs (simd/amx.h), and per tile P^T, which the online
+// softmax writes as pairs (SoftmaxTileCols::pairs). Returns
 // out (B, h, N, dv) in bf16; no logsumexp (nothing is kept for a backward).
 torch::Tensor forward_bf16_tiles(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
                                  simd::AmxMode mode) {
@@ -234,7 +235,7 @@ torch::Tensor forward_bf16_tiles(const torch::Tensor& q, const torch::Tensor& k,
     const auto* const vt_p = reinterpret_cast<const uint16_t*>(vt.data_ptr<c10::BFloat16>());
     auto* const out_p = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
     at::parallel_for(0, BH * blocks, 1, [&](int64_t begin, int64_t end) {
-        float* const st = scratch<float>(0, KB * QB);  // S^T, then P^T (keys x queries)
+        float* const st = scratch<float>(0, KB * QB);  // S^T (keys x queries)
         float* const ot = scratch<float>(1, dv_pad * QB + dv);  // O^T (dv_pad x QB), then a row of O
         float* const m = scratch<float>(2, 3 * QB);
         float *const l = m + QB, *const alpha = m + 2 * QB;
@@ -254,9 +255,11 @@ torch::Tensor forward_bf16_tiles(const torch::Tensor& q, const torch::Tensor& k,
                 const int64_t j0 = j * KB, cols = std::min(KB, M - j0);
                 const bool first = j == 0;
                 simd::gemm_bf16(mode, KB, QB, d_pad, kb + j0 * d_pad, d_pad, qv, 2 * QB, st, QB, false);
-                simd::online_softmax_cols(kern, simd::SoftmaxTileCols<float>{st, cols, rows, QB, KB * QB, m, l, alpha,
-                                                                             ot, QB, dv, first});
-                simd::pack_pairs_bf16(st, cols, QB, QB, KB, pv, 2 * QB);
+                simd::SoftmaxTileCols<float> tile{st, cols, rows, QB, KB * QB, m, l, alpha, ot, QB, dv, first};
+                tile.pairs = pv;
+                tile.pairs_ld = 2 * QB;
+                tile.pairs_rows = KB;
+                simd::online_softmax_cols(kern, tile);
                 simd::gemm_bf16(mode, dv_pad, QB, KB, vb + j0, M_pad, pv, 2 * QB, ot, QB, /*accumulate=*/!first);
             }
             // O = O^T / l, row by row through a float32 row, rounded once.

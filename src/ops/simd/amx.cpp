@@ -36,12 +36,13 @@ uint32_t float_bits(float x) {
     return bits;
 }
 
-float bf16_value(uint16_t h) {
-    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+float bits_float(uint32_t bits) {
     float x;
     std::memcpy(&x, &bits, sizeof x);
     return x;
 }
+
+float bf16_value(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
 
 // The float32 bit pattern rounded to nearest even at bit 16: its upper half is the bf16 of a finite value.
 LINVIS_SIMD_INLINE uint32_t round_to_bf16_high(uint32_t bits) { return bits + 0x7FFFu + ((bits >> 16) & 1u); }
@@ -138,43 +139,32 @@ void gemm_emulated(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t l
         }
 }
 
-LINVIS_SIMD_INLINE void pack_pairs_bf16_body(const float* x, int64_t rows, int64_t N, int64_t ldx,
-                                             int64_t rows_padded, uint16_t* out, int64_t ldo) {
-    for (int64_t k = 0; k < rows_padded; k += 2) {
-        uint32_t* const dst = reinterpret_cast<uint32_t*>(out + k / 2 * ldo);
-        if (k + 1 < rows) {
-            const float *even = x + k * ldx, *odd = even + ldx;
-            for (int64_t n = 0; n < N; ++n)
-                dst[n] = (round_to_bf16_high(float_bits(even[n])) >> 16) |
-                         (round_to_bf16_high(float_bits(odd[n])) & 0xFFFF0000u);
-        } else if (k < rows) {
-            const float* even = x + k * ldx;
-            for (int64_t n = 0; n < N; ++n) dst[n] = round_to_bf16_high(float_bits(even[n])) >> 16;
-        } else {
-            for (int64_t n = 0; n < N; ++n) dst[n] = 0;
+// The rows of x times scale, rounded, zero past K, each as K_padded / 2 32-bit words (a pair of bf16 values per word:
+// the even column in the low half). A pair is read as one 32-bit word, so the loop has no lane shuffles.
+LINVIS_SIMD_INLINE void scaled_pairs_rows_body(const uint16_t* x, int64_t N, int64_t K, int64_t ldx, float scale,
+                                               int64_t K_padded, uint32_t* words) {
+    const int64_t pairs = K_padded / 2, full = K / 2;
+    for (int64_t n = 0; n < N; ++n) {
+        const uint16_t* const row = x + n * ldx;
+        uint32_t* const out = words + n * pairs;
+        for (int64_t p = 0; p < full; ++p) {
+            uint32_t w;
+            std::memcpy(&w, row + 2 * p, sizeof w);
+            const float even = bits_float(w << 16) * scale, odd = bits_float(w & 0xFFFF0000u) * scale;
+            out[p] = (round_to_bf16_high(float_bits(even)) >> 16) | (round_to_bf16_high(float_bits(odd)) & 0xFFFF0000u);
         }
+        int64_t p = full;
+        if (K % 2 != 0) out[p++] = round_to_bf16_high(float_bits(bf16_value(row[K - 1]) * scale)) >> 16;
+        for (; p < pairs; ++p) out[p] = 0;
     }
 }
 
-// Row n of x times scale, rounded, zero past K: the K_padded / 2 pairs of output column n, as 32-bit words.
-LINVIS_SIMD_INLINE void scaled_pairs_row_body(const uint16_t* row, int64_t K, float scale, int64_t K_padded,
-                                              uint32_t* words) {
-    for (int64_t p = 0; p < K_padded / 2; ++p) {
-        const float even = 2 * p < K ? bf16_value(row[2 * p]) * scale : 0.0f;
-        const float odd = 2 * p + 1 < K ? bf16_value(row[2 * p + 1]) * scale : 0.0f;
-        words[p] = (round_to_bf16_high(float_bits(even)) >> 16) | (round_to_bf16_high(float_bits(odd)) & 0xFFFF0000u);
-    }
-}
-
-LINVIS_SIMD_CLONES(scaled_pairs_row, (const uint16_t* row, int64_t K, float scale, int64_t K_padded, uint32_t* words),
-                   (row, K, scale, K_padded, words))
+LINVIS_SIMD_CLONES(scaled_pairs_rows,
+                   (const uint16_t* x, int64_t N, int64_t K, int64_t ldx, float scale, int64_t K_padded,
+                    uint32_t* words),
+                   (x, N, K, ldx, scale, K_padded, words))
 
 }  // namespace
-
-LINVIS_SIMD_CLONES(pack_pairs_bf16,
-                   (const float* x, int64_t rows, int64_t N, int64_t ldx, int64_t rows_padded, uint16_t* out,
-                    int64_t ldo),
-                   (x, rows, N, ldx, rows_padded, out, ldo))
 
 // The pairs of each row of x as a row of 32-bit words, then the words transposed (the SIMD layer's transpose moves
 // 32-bit lanes as they are): output row k / 2 is the words of pair k / 2 of every row of x.
@@ -183,7 +173,7 @@ void transpose_pairs_bf16(const uint16_t* x, int64_t N, int64_t K, int64_t ldx, 
     thread_local std::vector<uint32_t> words;
     const int64_t pairs = K_padded / 2;
     words.resize(static_cast<size_t>(N * pairs));
-    for (int64_t n = 0; n < N; ++n) scaled_pairs_row(x + n * ldx, K, scale, K_padded, words.data() + n * pairs);
+    scaled_pairs_rows(x, N, K, ldx, scale, K_padded, words.data());
     kernels().transpose(reinterpret_cast<const float*>(words.data()), N, pairs, pairs, reinterpret_cast<float*>(out),
                         ldo / 2);
 }

@@ -36,12 +36,6 @@ const char* amx_mode_name(AmxMode mode);
 void gemm_bf16(AmxMode mode, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda, const uint16_t* b,
                int64_t ldb, float* c, int64_t ldc, bool accumulate);
 
-// x (rows x N float32, row stride ldx), rounded to bf16 to nearest even, as VNNI pairs (the B operand of
-// gemm_bf16): out[(k / 2) * ldo + 2 n + k % 2] = bf16(x[k][n]) for k < rows_padded (even), n < N, zero for
-// k >= rows. x must be finite (the attention's weights are; a NaN may lose its payload).
-void pack_pairs_bf16(const float* x, int64_t rows, int64_t N, int64_t ldx, int64_t rows_padded, uint16_t* out,
-                     int64_t ldo);
-
 // The transpose of x (N x K bf16, row stride ldx) times scale, rounded to bf16, as VNNI pairs (the B operand
 // of gemm_bf16 for the product with x^T): out[(k / 2) * ldo + 2 n + k % 2] = bf16(scale x[n][k]) for n < N,
 // k < K_padded (even), zero for k >= K. Pairs of one row of x are one 32-bit word of the output.

@@ -377,6 +377,40 @@ HWY_INLINE hn::Vec<DoubleTag> softmax_exp2(DoubleTag d, hn::Vec<DoubleTag> x) {
     return softmax_exp(d, hn::Mul(x, hn::Set(d, 0.69314718055994531)));
 }
 
+// online_softmax_cols's exponentials as bf16 pairs (SoftmaxTileCols::pairs), keys two at a time: each rounded to
+// nearest even (its float32 bits plus 0x7FFF plus the lowest bit kept, the upper half kept), the even key's in the
+// low half of a 32-bit word and the odd key's in the high half, so one store writes 16 queries' pairs. The sums add
+// the float32 exponentials in key order, as the path that writes over s does.
+template <int64_t G>
+HWY_INLINE void exponentials_as_pairs(const SoftmaxTileCols<float>& t, const float* sp, int64_t i0,
+                                      const FloatVec* m_new, FloatVec* sum) {
+    const FloatTag d;
+    const hn::RebindToUnsigned<FloatTag> du;
+    constexpr int64_t N = static_cast<int64_t>(hn::MaxLanes(FloatTag()));
+    const FloatVec log2e = hn::Set(d, 1.4426950408889634f);
+    const auto half = hn::Set(du, 0x7FFFu), one = hn::Set(du, 1u), high = hn::Set(du, 0xFFFF0000u);
+    const auto rounded = [&](FloatVec e) {
+        const auto bits = hn::BitCast(du, e);
+        return hn::Add(bits, hn::Add(half, hn::And(hn::ShiftRight<16>(bits), one)));
+    };
+    const int64_t n = t.keys, pw = t.panel_width;
+    for (int64_t j = 0; j < t.pairs_rows; j += 2) {
+        uint32_t* const words = reinterpret_cast<uint32_t*>(t.pairs + j / 2 * t.pairs_ld) + i0;
+        for (int64_t g = 0; g < G; ++g) {
+            FloatVec e0 = hn::Zero(d), e1 = hn::Zero(d);
+            if (j < n) {
+                e0 = softmax_exp2(d, hn::Mul(hn::Sub(hn::LoadU(d, sp + j * pw + g * N), m_new[g]), log2e));
+                sum[g] = hn::Add(sum[g], e0);
+            }
+            if (j + 1 < n) {
+                e1 = softmax_exp2(d, hn::Mul(hn::Sub(hn::LoadU(d, sp + (j + 1) * pw + g * N), m_new[g]), log2e));
+                sum[g] = hn::Add(sum[g], e1);
+            }
+            hn::StoreU(hn::Or(hn::ShiftRight<16>(rounded(e0)), hn::And(rounded(e1), high)), du, words + g * N);
+        }
+    }
+}
+
 // simd.h's online_softmax_cols, 16 queries (a 64-byte line of floats) at a time: their maxima over the tile's keys,
 // then the exponentials and their sums, the 16 queries' maxima and sums in registers. A group of 16 floats over
 // 512 keys is 32 KiB, about the L1, so taking one vector of 8 (AVX2) at a time would read each line from the L2
@@ -414,13 +448,21 @@ HWY_INLINE void online_softmax_cols_t(const SoftmaxTileCols<T>& t) {
                        t.alpha + i0 + g * N);
             sum[g] = hn::Zero(d);
         }
-        for (j = 0; j < n; ++j)
-            for (int64_t g = 0; g < G; ++g) {
-                T* const p = sp + j * pw + g * N;
-                const V e = softmax_exp2(d, hn::Mul(hn::Sub(hn::LoadU(d, p), m_new[g]), log2e));
-                hn::StoreU(e, d, p);
-                sum[g] = hn::Add(sum[g], e);
-            }
+        const auto exponentials_over_s = [&] {
+            for (int64_t jj = 0; jj < n; ++jj)
+                for (int64_t g = 0; g < G; ++g) {
+                    T* const p = sp + jj * pw + g * N;
+                    const V e = softmax_exp2(d, hn::Mul(hn::Sub(hn::LoadU(d, p), m_new[g]), log2e));
+                    hn::StoreU(e, d, p);
+                    sum[g] = hn::Add(sum[g], e);
+                }
+        };
+        if constexpr (std::is_same_v<T, float>) {
+            if (t.pairs != nullptr) exponentials_as_pairs<G>(t, sp, i0, m_new, sum);
+            else exponentials_over_s();
+        } else {
+            exponentials_over_s();
+        }
         for (int64_t g = 0; g < G; ++g) {
             T* const li = t.l + i0 + g * N;
             hn::StoreU(t.first ? sum[g] : hn::MulAdd(hn::LoadU(d, li), hn::LoadU(d, t.alpha + i0 + g * N), sum[g]),

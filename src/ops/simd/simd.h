@@ -48,6 +48,9 @@ using GemmF64 = void (*)(int64_t M, int64_t N, int64_t K, const double* A, int64
 // tile (m, l and o hold nothing yet; o is left as it is). panel_width is a multiple of 16; queries are taken 16
 // at a time, so up to the next multiple of 16 past `queries` s, m, l, alpha and o's rows are read and written
 // (padding lanes of their own, unused).
+// pairs (float only; null: the exponentials are written over s): the exponentials rounded to bf16 (to nearest even)
+// as the B operand of an AMX product (simd/amx.h), pairs[(j / 2) * pairs_ld + 2 i + j % 2] for keys j <
+// pairs_rows (even; zero for j >= keys), and s keeps the logits; the sums l still add the float32 exponentials.
 template <typename T>
 struct SoftmaxTileCols {
     T* s;
@@ -55,6 +58,8 @@ struct SoftmaxTileCols {
     T *m, *l, *alpha, *o;
     int64_t ldo, dv;
     bool first;
+    uint16_t* pairs = nullptr;
+    int64_t pairs_ld = 0, pairs_rows = 0;
 };
 
 // The building blocks of one target.
