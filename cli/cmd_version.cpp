@@ -1,5 +1,6 @@
 // linvis version: what this build is and what it runs on.
 #include <iostream>
+#include <string>
 
 #include <nlohmann/json.hpp>
 
@@ -28,6 +29,7 @@ int run_version(int argc, const char* const* argv) {
     runtime::configure_threads(o.threads);
     const runtime::Info info = runtime::query();
     const char* kernels = ops::fused_kernel_target();  // before any output: a bad LINVIS_SIMD is an error
+    const char* matrix_engine = ops::fused_matrix_engine();  // and a bad LINVIS_AMX
     if (o.format == "json") {
         nlohmann::json j = {{"linvis", info.linvis_version},
                             {"libtorch", info.torch_version},
@@ -41,6 +43,7 @@ int run_version(int argc, const char* const* argv) {
                             {"tensor_arena", tensor_arena::installed()},
                             {"simd", runtime::simd_name(info.simd)},
                             {"fused_kernels", kernels},
+                            {"matrix_engine", matrix_engine},
                             {"cuda_available", info.cuda_available},
                             {"cuda_devices", info.cuda_devices}};
         std::cout << j.dump() << "\n";
@@ -57,6 +60,10 @@ int run_version(int argc, const char* const* argv) {
               << "SIMD       " << runtime::simd_name(info.simd) << "\n"
               << "kernels    fused ops run their " << kernels
               << " code; impl auto picks fused or reference per op (docs/ops.md)\n"
+              << "matrix     bf16 attention products: "
+              << (std::string(matrix_engine) == "off" ? std::string("the SIMD code (no AMX, or LINVIS_AMX=off)")
+                                                      : std::string(matrix_engine))
+              << "\n"
               << "CUDA       "
               << (info.cuda_available
                       ? std::to_string(info.cuda_devices) + " device(s) visible (ops run their LibTorch references there)"

@@ -98,6 +98,21 @@ TEST(Cli, HelpVersionAndErrorsExitCodes) {
     }
 }
 
+// `version` names where the bf16 attention's products run: LINVIS_AMX=emulate is reported as such, LINVIS_AMX=off
+// as off, and an unknown value is an error naming the variable.
+TEST(Cli, VersionNamesTheMatrixEngine) {
+    const auto engine = [](const std::string& env) {
+        const auto r = run_program(env + " " + LINVIS_CLI_PATH, "version --format json");
+        EXPECT_EQ(r.status, 0) << r.output;
+        return nlohmann::json::parse(last_line(r.output)).value("matrix_engine", std::string("missing"));
+    };
+    EXPECT_EQ(engine("LINVIS_AMX=emulate"), "AMX emulated");
+    EXPECT_EQ(engine("LINVIS_AMX=off"), "off");
+    const auto bad = run_program(std::string("LINVIS_AMX=tmm9 ") + LINVIS_CLI_PATH, "version");
+    EXPECT_NE(bad.status, 0);
+    EXPECT_NE(bad.output.find("LINVIS_AMX"), std::string::npos) << bad.output;
+}
+
 TEST(Cli, ModelsJsonListsCountsAndFlops) {
     auto result = run_cli("models --format json --filter _tiny --threads 1");
     ASSERT_EQ(result.status, 0) << result.output;

@@ -1,6 +1,7 @@
 #include "linvis/ops/impl.h"
 
 #include "linvis/core/error.h"
+#include "ops/simd/amx.h"
 #include "ops/simd/simd.h"
 
 namespace linvis::ops {
@@ -34,5 +35,7 @@ bool use_fused(Impl impl, const char* op, const std::string& unsupported, bool f
 }
 
 const char* fused_kernel_target() { return simd::target_name(simd::active_target()); }
+
+const char* fused_matrix_engine() { return simd::amx_mode_name(simd::amx_mode()); }
 
 }  // namespace linvis::ops
