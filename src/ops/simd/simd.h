@@ -50,7 +50,8 @@ using GemmF64 = void (*)(int64_t M, int64_t N, int64_t K, const double* A, int64
 // (padding lanes of their own, unused).
 // pairs (float only; null: the exponentials are written over s): the exponentials rounded to bf16 (to nearest even)
 // as the B operand of an AMX product (simd/amx.h), pairs[(j / 2) * pairs_ld + 2 i + j % 2] for keys j <
-// pairs_rows (even; zero for j >= keys), and s keeps the logits; the sums l still add the float32 exponentials.
+// pairs_rows (even; zero for j >= keys), and s keeps the logits. Computed for bf16 (to 7.5e-5 relative, 1/52 of
+// the rounding after), and the sums l add these float32 exponentials, so the weights and their sum agree.
 template <typename T>
 struct SoftmaxTileCols {
     T* s;
