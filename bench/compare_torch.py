@@ -106,7 +106,7 @@ def peer_estimated_bytes(model, res):
     return 8 * 4 * tokens * tokens * 4
 
 
-def build_peer(model_name, res, threads):
+def build_peer(model_name, res, threads, dtype="f32"):
     import torch
 
     torch.set_num_threads(threads)
@@ -119,17 +119,20 @@ def build_peer(model_name, res, threads):
         import peer_models
         model = peer_models.create(model_name, img_size=res)
     generator = torch.Generator().manual_seed(1)
+    # --dtype bf16: parameters and input in bfloat16, as linvis bench --dtype bf16 runs its models.
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    model = model.to(dt)
     if model_name in DIT_MODELS:
         # (x, t, y): the latent batch doubled, a label and the null label (1000), one timestep.
-        x = torch.randn(1, 4, res, res, generator=generator).repeat(2, 1, 1, 1)
+        x = torch.randn(1, 4, res, res, generator=generator).repeat(2, 1, 1, 1).to(dt)
         return torch, model, (x, torch.tensor([500, 500]), torch.tensor([7, 1000]))
-    image = torch.randn(1, 3, res, res, generator=generator)
+    image = torch.randn(1, 3, res, res, generator=generator).to(dt)
     return torch, model, image
 
 
 def child_time(args):
     """One peer case in this process; prints one JSON line."""
-    torch, model, image = build_peer(args.peer, args.res, args.threads)
+    torch, model, image = build_peer(args.peer, args.res, args.threads, args.dtype)
     compile_s = 0.0
     if args.peer in DIT_MODELS:
         if args.train:
@@ -181,6 +184,7 @@ def child_time(args):
     print(json.dumps({
         "model": TIMM_MODEL if args.peer == "deit_tiny" else args.peer, "peer_of": args.peer,
         "status": "ok", "mode": args.mode, "train": bool(args.train), "res": args.res, "threads": args.threads,
+        "dtype": args.dtype,
         "torch": torch.__version__, "images_per_s": statistics.median(rates),
         "images_per_s_min": min(rates), "images_per_s_max": max(rates), "iterations": len(times),
         "compile_s": compile_s, "base_mib": base_kib / 1024.0,
@@ -284,7 +288,7 @@ def check_same_outputs(args, model):
 def linvis_bench(args, res):
     cmd = [args.linvis, "bench", "--models", args.models, "--res", str(res), "--threads", str(args.threads),
            "--warmup", str(args.warmup), "--iters", str(args.iters), "--max-seconds", str(args.max_seconds),
-           "--format", "json", "--no-gemm"]
+           "--format", "json", "--no-gemm", "--dtype", args.dtype]
     if args.impl:
         cmd += ["--impl", args.impl]
     if args.train:
@@ -325,6 +329,11 @@ def linvis_isa(linvis):
     return "unknown"
 
 
+def linvis_matrix_engine(linvis):
+    out = subprocess.run([linvis, "version", "--format", "json"], capture_output=True, text=True, check=True).stdout
+    return json.loads(out.splitlines()[-1]).get("matrix_engine", "unknown")
+
+
 def time_peer(args, model, res, mode):
     """One peer case in a child process, or a record of why it has no number."""
     need = peer_estimated_bytes(model, res)
@@ -334,7 +343,8 @@ def time_peer(args, model, res, mode):
             return {"status": f"skipped: needs > {need / 2 ** 30:.0f} GiB ({avail / 2 ** 30:.0f} available)",
                     "peer_of": model, "mode": mode, "res": res}
     common = ["--res", str(res), "--warmup", str(args.warmup), "--iters", str(args.iters),
-              "--max-seconds", str(args.max_seconds), "--child", "time", "--peer", model, "--mode", mode]
+              "--max-seconds", str(args.max_seconds), "--child", "time", "--peer", model, "--mode", mode,
+              "--dtype", args.dtype]
     try:
         return run_child(common + (["--train"] if args.train else []), args, 3600)
     except (RuntimeError, subprocess.TimeoutExpired) as err:
@@ -379,7 +389,9 @@ def markdown(rows, meta):
     if meta.get("linvis_model_kwargs"):
         what += f", linvis models with {meta['linvis_model_kwargs']}"
     checks = ", ".join(f"{m} {c['rel_err']:.2e}" for m, c in meta["checks"].items())
-    lines = [f"Machine: {meta['cpu']} ({meta['isa']}), {meta['threads']} threads, batch 1, float32, {what}, "
+    dtype = "bfloat16 (linvis's bf16 attention products: " + meta.get("matrix_engine", "?") + ")" \
+        if meta.get("dtype") == "bf16" else "float32"
+    lines = [f"Machine: {meta['cpu']} ({meta['isa']}), {meta['threads']} threads, batch 1, {dtype}, {what}, "
              f"{meta['date']}. torch {meta['torch']} + timm {meta['timm']} from PyPI; linvis {meta['linvis_rev']}. "
              f"SGEMM 2048^2 in this run: torch {meta['torch_sgemm']:.0f} GFLOP/s, linvis "
              f"{meta['linvis_sgemm']:.0f} GFLOP/s. Same weights, same input at "
@@ -453,6 +465,9 @@ def main():
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--train", action="store_true", help="time training steps instead of inference")
     parser.add_argument("--model-kwargs", default="", help="passed to linvis bench, e.g. 'grad_checkpointing=true'")
+    parser.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
+                        help="bf16: both sides time bfloat16 parameters and inputs (the same-weights check stays "
+                             "in float32)")
     parser.add_argument("--check-tol", type=float, default=1e-4)
     parser.add_argument("--json", help="write all raw results here")
     parser.add_argument("--markdown", help="write the table here")
@@ -499,6 +514,7 @@ def main():
             "linvis_rev": rev or "unknown", "torch_sgemm": sgemm_gflops(args.threads),
             "linvis_sgemm": linvis_sgemm(args), "check_rel_err": checks.get("deit_tiny", {}).get("rel_err"),
             "checks": checks, "check_failed": failed, "train": bool(args.train), "task": args.task,
+            "dtype": args.dtype, "matrix_engine": linvis_matrix_engine(args.linvis),
             "linvis_model_kwargs": args.model_kwargs, "peers": PEERS, "no_peer": NO_PEER_NOTE}
     rows = []
     for res in [int(r) for r in args.res.split(",")]:
