@@ -142,6 +142,14 @@ def child_time(args):
 
         def step(m):
             peer_models.guided(m, *image, CFG_SCALE)
+        if args.dtype == "bf16":
+            # The official timestep embedding is computed in float32 and would meet bf16 weights: under autocast,
+            # as a user runs the official code in bf16, each product takes bf16 operands.
+            guided = step
+
+            def step(m):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    guided(m)
         context = torch.inference_mode()
     elif args.train:
         # A training step as linvis bench --train times it: forward, cross-entropy, backward, grads dropped.
