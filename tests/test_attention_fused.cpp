@@ -220,17 +220,21 @@ TEST(AttentionFused, MatchesReferenceBfloat16) {
 // - O to bf16 once, as the float32 kernel does: two values that differ by the above round at most 2^-7 |O| further
 //   apart (adjacent bf16 numbers).
 // So |tiles - f32| <= 2^-7 |f32| + max |v| (2^-8 + 1.5e-4 + e^(2 delta) - 1), plus 1e-4 max |f32| for sums in
-// another order. Shapes: deit's, N != M past the tiles with head dim 72 (padded to 96), dv != d, three key tiles,
-// one query, d = 8; q, k, v as views of one qkv tensor. And the float64 error of deit's shape as
+// another order. Shapes: deit's, N != M past the tiles with head dim 72 (padded to 96), dv != d, three key tiles
+// (with logits of a few tens too), one query, d = 8; q, k, v as views of one qkv tensor. And the float64 error of deit's shape as
 // SoftmaxAttention.Bfloat16WithinTolerance bounds the float32 kernel's: relative L2 below 2^-8.
 TEST(AttentionFused, Bfloat16OnTheAmxTilesMatchesTheFloat32Kernel) {
     linvis::testing::for_each_amx_path([](linvis::ops::simd::AmxMode) {
         torch::NoGradGuard no_grad;
+        // The last case's q and k are 3 times larger: logits of a few tens, so the maxima of later key tiles exceed
+        // the exponentials' shift by more than 8 (the online softmax then takes the new maximum; otherwise it keeps
+        // the shift).
         const Shape shapes[] = {{1, 3, 197, 197, 64, 64}, {1, 2, 513, 300, 72, 72}, {2, 3, 65, 257, 32, 48},
-                                {1, 1, 129, 1025, 64, 64}, {2, 2, 1, 5, 32, 32},     {1, 3, 3, 5, 8, 8}};
+                                {1, 1, 129, 1025, 64, 64}, {2, 2, 1, 5, 32, 32},     {1, 3, 3, 5, 8, 8},
+                                {1, 2, 129, 1025, 64, 64}};
         for (const Shape& s : shapes) {
             SCOPED_TRACE(name(s, torch::kBFloat16));
-            const Inputs in = make_inputs(s, torch::kBFloat16);
+            const Inputs in = make_inputs(s, torch::kBFloat16, s.h == 2 && s.M == 1025 ? 3.0 : 1.0);
             const double scale = std::pow(static_cast<double>(s.d), -0.5);
             const torch::Tensor tiles = softmax_attention(in.q, in.k, in.v, scale, {}, Impl::Fused);
             torch::Tensor f32;
@@ -265,6 +269,29 @@ TEST(AttentionFused, Bfloat16OnTheAmxTilesMatchesTheFloat32Kernel) {
         const torch::Tensor f32 = softmax_attention(heads[0], heads[1], heads[2], 0.25, {}, Impl::Fused);
         const double v_max = heads[2].abs().max().item<double>();
         const double atol = v_max * (std::exp2(-8) + 1.5e-4) + 1e-4 * f32.abs().max().item<double>();
+        EXPECT_TRUE(all_close(tiles, f32, 1.0 / 128, atol));
+    });
+}
+
+// A rise of the running maximum by about 100 in the second key tile (as RunningMaximumRisesAndFallsBetweenKeyTiles) on
+// the AMX tiles' bf16 inference, whose online softmax keeps the previous tile's shift while the logits stay within
+// 8 of it: here it must take the new maximum, or its exponentials overflow. Against the float32 kernel on the same
+// bf16 inputs, with the bound of Bfloat16OnTheAmxTilesMatchesTheFloat32Kernel (a power-of-two scale).
+TEST(AttentionFused, Bfloat16OnTheAmxTilesWhenTheMaximumRisesBetweenKeyTiles) {
+    linvis::testing::for_each_amx_path([](linvis::ops::simd::AmxMode) {
+        torch::NoGradGuard no_grad;
+        torch::manual_seed(5);
+        const int64_t M = 1100;  // key tiles of 384, 384 and 332 keys (367 rounded up to the tiles' 32)
+        const torch::Tensor q = (torch::randn({1, 2, 37, 16}).abs() + 1).to(torch::kBFloat16);
+        torch::Tensor k = torch::randn({1, 2, M, 16});
+        k.narrow(2, 400, 300).add_(14.0);  // inside the second tile
+        k = k.to(torch::kBFloat16);
+        const torch::Tensor v = torch::randn({1, 2, M, 8}).to(torch::kBFloat16);
+        const torch::Tensor tiles = softmax_attention(q, k, v, 0.25, {}, Impl::Fused);
+        linvis::testing::ScopedAmx off("off");
+        const torch::Tensor f32 = softmax_attention(q, k, v, 0.25, {}, Impl::Fused);
+        const double atol =
+            v.abs().max().item<double>() * (std::exp2(-8) + 1.5e-4) + 1e-4 * f32.abs().max().item<double>();
         EXPECT_TRUE(all_close(tiles, f32, 1.0 / 128, atol));
     });
 }

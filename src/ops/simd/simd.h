@@ -51,7 +51,10 @@ using GemmF64 = void (*)(int64_t M, int64_t N, int64_t K, const double* A, int64
 // pairs (float only; null: the exponentials are written over s): the exponentials rounded to bf16 (to nearest even)
 // as the B operand of an AMX product (simd/amx.h), pairs[(j / 2) * pairs_ld + 2 i + j % 2] for keys j <
 // pairs_rows (even; zero for j >= keys), and s keeps the logits. Computed for bf16 (to 7.5e-5 relative, 1/52 of
-// the rounding after), and the sums l add these float32 exponentials, so the weights and their sum agree.
+// the rounding after), and the sums l add these float32 exponentials, so the weights and their sum agree. With
+// pairs, m is the exponentials' shift rather than the running maximum: after the first tile, 16 queries keep
+// theirs while none of their logits exceeds it by more than 8 (alpha is then 1; the weights stay below e^8), and
+// take their new maximum otherwise. O = (sum of weights times values) / l holds either way.
 template <typename T>
 struct SoftmaxTileCols {
     T* s;
