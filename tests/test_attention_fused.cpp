@@ -221,8 +221,8 @@ TEST(AttentionFused, MatchesReferenceBfloat16) {
 //   apart (adjacent bf16 numbers).
 // So |tiles - f32| <= 2^-7 |f32| + max |v| (2^-8 + 1.5e-4 + e^(2 delta) - 1), plus 1e-4 max |f32| for sums in
 // another order. Shapes: deit's, N != M past the tiles with head dim 72 (padded to 96), dv != d, three key tiles
-// (with logits of a few tens too), one query, d = 8; q, k, v as views of one qkv tensor. And the float64 error of deit's shape as
-// SoftmaxAttention.Bfloat16WithinTolerance bounds the float32 kernel's: relative L2 below 2^-8.
+// (with logits of a few tens too), one query, d = 8; q, k, v as views of one qkv tensor. And the float64 error of
+// deit's shape as SoftmaxAttention.Bfloat16WithinTolerance bounds the float32 kernel's: relative L2 below 2^-8.
 TEST(AttentionFused, Bfloat16OnTheAmxTilesMatchesTheFloat32Kernel) {
     linvis::testing::for_each_amx_path([](linvis::ops::simd::AmxMode) {
         torch::NoGradGuard no_grad;
