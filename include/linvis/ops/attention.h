@@ -19,7 +19,9 @@ namespace linvis::ops {
 // before the softmax. Every query must keep at least one allowed key (checked). The fused kernel
 // takes no mask: Impl::Auto then runs the reference, Impl::Fused is an error.
 // Impl::Auto runs the fused kernel for CPU floating-point inputs without a mask (docs/ops.md);
-// float64 stays float64, bfloat16 / float16 are computed in float32 and rounded once.
+// float64 stays float64, bfloat16 / float16 are computed in float32 and rounded once, except bfloat16
+// inference on a CPU with AMX: its products run on the AMX tiles with bf16 operands (q * scale and the
+// weights rounded to bf16, sums in float32; LINVIS_AMX=off keeps the float32 kernel; docs/ops.md).
 // FLOPs: B*h*N*M*(d + dv) multiply-adds.
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 double scale, const torch::Tensor& allowed = {},

@@ -214,8 +214,8 @@ int64_t round_up(int64_t n, int64_t multiple) { return ceil_div(n, multiple) * m
 // rounded to bf16 once per block, P rounded to bf16 per tile, O rounded once at the end. The operands are
 // padded with zeros to the tiles' multiples: per call k as (B*h, keys, d) and v^T as (B*h, dv, keys), keys
 // padded per tile to 32 and d to 32; per block q^T as VNNI pairs (simd/amx.h), and per tile P^T, which the online
-// softmax writes as pairs (SoftmaxTileCols::pairs). Returns
-// out (B, h, N, dv) in bf16; no logsumexp (nothing is kept for a backward).
+// softmax writes as pairs (SoftmaxTileCols::pairs). Returns out (B, h, N, dv) in bf16; no logsumexp (nothing is
+// kept for a backward).
 torch::Tensor forward_bf16_tiles(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
                                  simd::AmxMode mode) {
     const int64_t B = q.size(0), H = q.size(1), BH = B * H, N = q.size(2), M = k.size(2), d = q.size(3),

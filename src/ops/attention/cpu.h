@@ -10,7 +10,8 @@ namespace linvis::ops::cpu {
 
 // Flash-style softmax((q k^T) * scale) v for q (B, h, N, d), k (B, h, M, d), v (B, h, M, dv) on the CPU,
 // M >= 1, no mask; float32 and float64 computed in their own type, bfloat16 / float16 in float32 (the
-// output keeps the input dtype). Shapes are checked by the caller.
+// output keeps the input dtype), except bfloat16 without a graph to build where simd::amx_mode() is not Off:
+// then the products run on the AMX tiles (forward_bf16_tiles in cpu.cpp). Shapes are checked by the caller.
 //
 // Forward: per (sample*head, block of queries) an online softmax over blocks of keys - the running row
 // maximum m and normaliser l, the output accumulator rescaled by exp(m_old - m_new) - so the (N, M)
