@@ -7,6 +7,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -30,22 +31,12 @@ bool cpu_has_amx_bf16() {
     return amx_bf16 && amx_tile;
 }
 
-uint32_t float_bits(float x) {
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    return bits;
-}
-
-float bits_float(uint32_t bits) {
+float bf16_value(uint16_t h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
     float x;
     std::memcpy(&x, &bits, sizeof x);
     return x;
 }
-
-float bf16_value(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
-
-// The float32 bit pattern rounded to nearest even at bit 16: its upper half is the bf16 of a finite value.
-LINVIS_SIMD_INLINE uint32_t round_to_bf16_high(uint32_t bits) { return bits + 0x7FFFu + ((bits >> 16) & 1u); }
 
 // The tiles' configuration (Intel SDM, LDTILECFG): palette 1, every tile 16 rows of 64 bytes (16 float32 or 32
 // bf16): tiles 0-3 accumulate a 32 x 32 block of C, 4-5 hold two 16-row slices of A, 6-7 two 16-column slices
@@ -139,43 +130,26 @@ void gemm_emulated(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t l
         }
 }
 
-// The rows of x times scale, rounded, zero past K, each as K_padded / 2 32-bit words (a pair of bf16 values per word:
-// the even column in the low half). A pair is read as one 32-bit word, so the loop has no lane shuffles.
-LINVIS_SIMD_INLINE void scaled_pairs_rows_body(const uint16_t* x, int64_t N, int64_t K, int64_t ldx, float scale,
-                                               int64_t K_padded, uint32_t* words) {
-    const int64_t pairs = K_padded / 2, full = K / 2;
-    for (int64_t n = 0; n < N; ++n) {
-        const uint16_t* const row = x + n * ldx;
-        uint32_t* const out = words + n * pairs;
-        for (int64_t p = 0; p < full; ++p) {
-            uint32_t w;
-            std::memcpy(&w, row + 2 * p, sizeof w);
-            const float even = bits_float(w << 16) * scale, odd = bits_float(w & 0xFFFF0000u) * scale;
-            out[p] = (round_to_bf16_high(float_bits(even)) >> 16) | (round_to_bf16_high(float_bits(odd)) & 0xFFFF0000u);
-        }
-        int64_t p = full;
-        if (K % 2 != 0) out[p++] = round_to_bf16_high(float_bits(bf16_value(row[K - 1]) * scale)) >> 16;
-        for (; p < pairs; ++p) out[p] = 0;
-    }
-}
-
-LINVIS_SIMD_CLONES(scaled_pairs_rows,
-                   (const uint16_t* x, int64_t N, int64_t K, int64_t ldx, float scale, int64_t K_padded,
-                    uint32_t* words),
-                   (x, N, K, ldx, scale, K_padded, words))
-
 }  // namespace
 
-// The pairs of each row of x as a row of 32-bit words, then the words transposed (the SIMD layer's transpose moves
-// 32-bit lanes as they are): output row k / 2 is the words of pair k / 2 of every row of x.
+// Each row of x times scale, rounded to bf16 by the SIMD layer (as c10::BFloat16 rounds) and zero past K, is a row of
+// K_padded / 2 32-bit words, a pair per word with the even column in the low half; the words are then transposed
+// (the SIMD layer's transpose moves 32-bit lanes as they are): output row k / 2 holds pair k / 2 of every row of x.
 void transpose_pairs_bf16(const uint16_t* x, int64_t N, int64_t K, int64_t ldx, float scale, int64_t K_padded,
                           uint16_t* out, int64_t ldo) {
-    thread_local std::vector<uint32_t> words;
-    const int64_t pairs = K_padded / 2;
-    words.resize(static_cast<size_t>(N * pairs));
-    scaled_pairs_rows(x, N, K, ldx, scale, K_padded, words.data());
-    kernels().transpose(reinterpret_cast<const float*>(words.data()), N, pairs, pairs, reinterpret_cast<float*>(out),
-                        ldo / 2);
+    const Kernels& kern = kernels();
+    thread_local std::vector<uint16_t> rows;
+    rows.resize(static_cast<size_t>(N * K_padded));
+    const auto times_scale = [scale](const float* a, const float*, float* y, int64_t n) {
+        for (int64_t i = 0; i < n; ++i) y[i] = a[i] * scale;
+    };
+    for (int64_t n = 0; n < N; ++n) {
+        uint16_t* const row = rows.data() + n * K_padded;
+        bf16_through_float(kern, x + n * ldx, nullptr, row, K, times_scale);
+        std::fill(row + K, row + K_padded, uint16_t(0));
+    }
+    kern.transpose(reinterpret_cast<const float*>(rows.data()), N, K_padded / 2, K_padded / 2,
+                   reinterpret_cast<float*>(out), ldo / 2);
 }
 
 bool amx_supported() {

@@ -437,6 +437,19 @@ HWY_INLINE void exponentials_as_pairs(const SoftmaxTileCols<float>& t, const flo
     }
 }
 
+// The accumulated output's columns times their factors: o[c * ldo + i] *= alpha[i], c < dv, i < queries (whole
+// vectors, into the padding lanes).
+template <typename T>
+HWY_INLINE void rescale_outputs(const SoftmaxTileCols<T>& t) {
+    const hn::ScalableTag<T> d;
+    const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+    for (int64_t c = 0; c < t.dv; ++c) {
+        T* const oc = t.o + c * t.ldo;
+        for (int64_t i = 0; i < t.queries; i += N)
+            hn::StoreU(hn::Mul(hn::LoadU(d, oc + i), hn::LoadU(d, t.alpha + i)), d, oc + i);
+    }
+}
+
 // The maxima over a strip's n keys (key j at sp + j * pw, G vectors of queries), in two registers per vector.
 template <typename T, int64_t G>
 HWY_INLINE void strip_maxima(const T* sp, int64_t n, int64_t pw, hn::Vec<hn::ScalableTag<T>>* out) {
@@ -510,12 +523,7 @@ void online_softmax_pairs(const SoftmaxTileCols<float>& t) {
         }
         rescaled = rescaled || !t.first;
     }
-    if (!rescaled) return;
-    for (int64_t c = 0; c < t.dv; ++c) {
-        float* const oc = t.o + c * t.ldo;
-        for (int64_t i = 0; i < t.queries; i += N)
-            hn::StoreU(hn::Mul(hn::LoadU(d, oc + i), hn::LoadU(d, t.alpha + i)), d, oc + i);
-    }
+    if (rescaled) rescale_outputs(t);
 }
 
 // simd.h's online_softmax_cols, 16 queries (a 64-byte line of floats) at a time: their maxima over the tile's keys,
@@ -563,12 +571,7 @@ HWY_INLINE void online_softmax_cols_t(const SoftmaxTileCols<T>& t) {
                        d, li);
         }
     }
-    if (t.first) return;
-    for (int64_t c = 0; c < t.dv; ++c) {
-        T* const oc = t.o + c * t.ldo;
-        for (int64_t i = 0; i < t.queries; i += N)
-            hn::StoreU(hn::Mul(hn::LoadU(d, oc + i), hn::LoadU(d, t.alpha + i)), d, oc + i);
-    }
+    if (!t.first) rescale_outputs(t);
 }
 
 // simd.h's softmax_grad_rows: full vectors, then one masked tail per row.
