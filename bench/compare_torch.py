@@ -397,7 +397,7 @@ def markdown(rows, meta):
     if meta.get("linvis_model_kwargs"):
         what += f", linvis models with {meta['linvis_model_kwargs']}"
     checks = ", ".join(f"{m} {c['rel_err']:.2e}" for m, c in meta["checks"].items())
-    dtype = "bfloat16 (linvis's bf16 attention products: " + meta.get("matrix_engine", "?") + ")" \
+    dtype = "bfloat16 (linvis's bf16 attention and TTT-mixer products: " + meta.get("matrix_engine", "?") + ")" \
         if meta.get("dtype") == "bf16" else "float32"
     lines = [f"Machine: {meta['cpu']} ({meta['isa']}), {meta['threads']} threads, batch 1, {dtype}, {what}, "
              f"{meta['date']}. torch {meta['torch']} + timm {meta['timm']} from PyPI; linvis {meta['linvis_rev']}. "

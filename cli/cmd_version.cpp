@@ -60,7 +60,7 @@ int run_version(int argc, const char* const* argv) {
               << "SIMD       " << runtime::simd_name(info.simd) << "\n"
               << "kernels    fused ops run their " << kernels
               << " code; impl auto picks fused or reference per op (docs/ops.md)\n"
-              << "matrix     bf16 attention products: "
+              << "matrix     bf16 attention and TTT-mixer products: "
               << (std::string(matrix_engine) == "off" ? std::string("the SIMD code (no AMX, or LINVIS_AMX=off)")
                                                       : std::string(matrix_engine))
               << "\n"

@@ -554,6 +554,76 @@ TEST(Amx, GemmBf16MatchesFloat64Products) {
     });
 }
 
+// Float32 operands rounded to bf16 and multiplied on the tiles (the TTT mixers' bf16 inference), on every SIMD target
+// and AMX path: C (+)= bf16(A) bf16(B) with float32 sums, against float64 products of LibTorch's roundings, for A in
+// rows, transposed (a_row 1, the inner gradients' K^T) and with both strides, shapes that are and are not whole
+// tiles, wider B and C rows; C past its N columns stays as it was. Row 0 of A starts with ties, which round to even.
+TEST(Amx, RoundedFloat32ProductsMatchFloat64OfTheRoundedOperands) {
+    enum class Layout { Rows, Transposed, Strided };
+    struct Case {
+        int64_t M, N, K;
+        Layout layout;
+    };
+    const Case cases[] = {{16, 16, 32, Layout::Rows},       {256, 32, 32, Layout::Rows},
+                          {37, 12, 45, Layout::Rows},       {64, 64, 256, Layout::Transposed},
+                          {12, 20, 98, Layout::Transposed}, {5, 7, 3, Layout::Strided},
+                          {3, 17, 1, Layout::Rows}};
+    for_each_simd_target([&](const SimdTarget&) {
+        linvis::testing::for_each_amx_path([&](simd::AmxMode mode) {
+            for (const Case& c : cases)
+                for (const bool accumulate : {false, true}) {
+                    SCOPED_TRACE("M" + std::to_string(c.M) + " N" + std::to_string(c.N) + " K" + std::to_string(c.K) +
+                                 " layout " + std::to_string(static_cast<int>(c.layout)) + (accumulate ? " +=" : " ="));
+                    torch::manual_seed(c.M * 7 + c.N + c.K);
+                    torch::Tensor a = torch::randn({c.M, c.K});
+                    if (c.K >= 2) {
+                        a[0][0] = 1.0f + 3.0f * 0x1p-8f;  // halfway between 1 + 2^-7 and 1 + 2^-6: the even one
+                        a[0][1] = -(1.0f + 0x1p-8f);      // halfway between -1 and -(1 + 2^-7): -1
+                    }
+                    // A's storage: rows (a_row = K + 3), its transpose (a_col = M + 5), or every element 2 apart.
+                    torch::Tensor storage;
+                    int64_t a_row = 0, a_col = 0;
+                    if (c.layout == Layout::Rows) {
+                        storage = torch::zeros({c.M, c.K + 3});
+                        storage.narrow(1, 0, c.K).copy_(a);
+                        a_row = c.K + 3, a_col = 1;
+                    } else if (c.layout == Layout::Transposed) {
+                        storage = torch::zeros({c.K, c.M + 5});
+                        storage.narrow(1, 0, c.M).copy_(a.t());
+                        a_row = 1, a_col = c.M + 5;
+                    } else {
+                        storage = torch::zeros({c.M, 2 * c.K});
+                        storage.narrow(1, 0, 2 * c.K).view({c.M, c.K, 2}).select(2, 0).copy_(a);
+                        a_row = 2 * c.K, a_col = 2;
+                    }
+                    const int64_t ldb = c.N + 3, ldc = c.N + 5;
+                    const torch::Tensor b_buf = torch::randn({c.K, ldb});
+                    const torch::Tensor b = b_buf.narrow(1, 0, c.N);
+                    const float sentinel = 12345.0f;
+                    const torch::Tensor c0 = torch::randn({c.M, c.N});
+                    torch::Tensor c_buf = torch::full({c.M, ldc}, sentinel);
+                    c_buf.narrow(1, 0, c.N).copy_(c0);
+                    simd::gemm_f32_rounded_to_bf16(mode, c.M, c.N, c.K, storage.data_ptr<float>(), a_row, a_col,
+                                                   b_buf.data_ptr<float>(), ldb, c_buf.data_ptr<float>(), ldc,
+                                                   accumulate);
+                    auto rounded = [](const torch::Tensor& t) {
+                        return t.to(torch::kBFloat16).to(torch::kFloat64);
+                    };
+                    const torch::Tensor ad = rounded(a), bd = rounded(b);
+                    const torch::Tensor c0d =
+                        accumulate ? c0.to(torch::kFloat64) : torch::zeros({c.M, c.N}, torch::kFloat64);
+                    // float32 sums of K + 1 terms: at most (K + 1) 2^-24 of the sum of their magnitudes each way.
+                    const torch::Tensor bound =
+                        static_cast<double>(c.K + 2) * 0x1p-24 * (c0d.abs() + ad.abs().matmul(bd.abs()));
+                    const torch::Tensor got = c_buf.narrow(1, 0, c.N).to(torch::kFloat64);
+                    const torch::Tensor error = (got - (c0d + ad.matmul(bd))).abs();
+                    EXPECT_TRUE(error.le(bound).all().item<bool>()) << "max error " << error.max().item<double>();
+                    EXPECT_TRUE(c_buf.narrow(1, c.N, ldc - c.N).eq(sentinel).all().item<bool>());
+                }
+        });
+    });
+}
+
 // The layout of q^T for the tiles on every SIMD target: transpose_pairs_bf16 scales, rounds to nearest even as
 // LibTorch's .to(kBFloat16) does (row 0 holds ties: 1 and -1 times 1 + 2^-8 round to 1 and -1), puts element (k, n)
 // of the transpose at (k / 2) ldo + 2 n + k % 2, zeroes the padding past K and leaves the rest of each row alone.

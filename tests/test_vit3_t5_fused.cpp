@@ -31,6 +31,12 @@ using torch::Tensor;
 using linvis::testing::relative_error;
 
 constexpr double kF32RelTol = 1e-4;
+// bf16 inference with the products on the AMX tiles, relative L2 against the float32 kernel on the same inputs: on
+// any path to the output at most eight operands are rounded to bf16 (T5: the keys, the loss gradient, the inner
+// gradients' two factors, the queries, the updated weights, the gate, and the output itself), each adding a relative
+// error of RMS at most u / sqrt(3) = 2.3e-3 (u = 2^-8), about sqrt(8) 2.3e-3 = 6.5e-3 if none cancels; measured
+// 2.4e-3 to 4.6e-3 (T5, DiT5, ViT3), 1.7e-3 without the tiles (the output's rounding alone).
+constexpr double kBf16TileBound = 1e-2;
 
 using linvis::testing::for_each_simd_target;
 using linvis::testing::SimdTarget;
@@ -63,6 +69,35 @@ void expect_all_match(const std::vector<Tensor>& fused, const std::vector<Tensor
         EXPECT_TRUE(linvis::testing::all_close(fused[i], ref[i], 1e-3, 1e-5 * scale + 1e-12))
             << what << ": tensor " << i;
     }
+}
+
+// bf16 inference on the AMX tiles (simd::inference_kernels): the fused TTT mixers' products take their operands rounded
+// to bf16 once, as LibTorch's bf16 matmuls hold them, with float32 sums; everything else stays float32. run(x) is
+// the op on inputs x, without a graph; x16 holds bf16 inputs. On every AMX path (emulated on any CPU, the tiles on
+// one with AMX) the output is checked against the float32 kernel on the same values widened, within `bound`
+// (relative L2), and against LINVIS_AMX=off, which it must not equal (the products ran on the tiles).
+template <typename F>
+void check_bf16_on_the_tiles(const std::vector<Tensor>& x16, F run, double bound, const std::string& what) {
+    SCOPED_TRACE(what);
+    torch::NoGradGuard no_grad;
+    std::vector<Tensor> x32;
+    for (const Tensor& t : x16) x32.push_back(t.to(torch::kFloat32));
+    const Tensor exact = run(x32);
+    Tensor off;
+    {
+        linvis::testing::ScopedAmx no_tiles("off");
+        off = run(x16);
+    }
+    std::cout << "[measure] " << what << ": bf16 without the tiles, relative L2 error " << relative_error(off, exact)
+              << "\n";
+    linvis::testing::for_each_amx_path([&](linvis::ops::simd::AmxMode) {
+        const Tensor got = run(x16);
+        EXPECT_EQ(got.scalar_type(), torch::kBFloat16);
+        const double err = relative_error(got, exact);
+        std::cout << "[measure] " << what << ": bf16 on the tiles, relative L2 error " << err << "\n";
+        EXPECT_LT(err, bound);
+        EXPECT_FALSE(torch::equal(got, off)) << "the products did not run on the tiles";
+    });
 }
 
 // q, k, v as strided (B, h, N, d) views of one (B, N, 3*h*d + pad) buffer, like the model's qkv.
@@ -302,6 +337,29 @@ TEST(Vit3TttFused, MixBFloat16WithGradients) {
 }
 
 // float64 has no fused kernel: Auto runs the reference, Fused is an error naming the dtype.
+// The mix (its SwiGLU branch's products on the tiles) and the same mix in bands of rows, d = 32 and 16.
+TEST(Vit3TttFused, Bfloat16InferenceRunsItsProductsOnTheAmxTiles) {
+    torch::manual_seed(16);
+    struct Case {
+        int64_t B, h, d, H, W;
+    };
+    for (const Case& c : {Case{1, 2, 32, 16, 16}, Case{2, 3, 16, 9, 14}}) {
+        const int64_t C = c.h * c.d;
+        const std::vector<Tensor> x{torch::randn({c.B, c.H * c.W, 3 * C + 3 * c.d}).to(torch::kBFloat16),
+                                    (0.3 * torch::randn({1, c.h, c.d, c.d})).to(torch::kBFloat16),
+                                    (0.3 * torch::randn({1, c.h, c.d, c.d})).to(torch::kBFloat16),
+                                    (0.3 * torch::randn({c.d, 1, 3, 3})).to(torch::kBFloat16)};
+        const std::string what = "ViT3 mix " + std::to_string(c.H) + "x" + std::to_string(c.W) + " d" +
+                                 std::to_string(c.d);
+        check_bf16_on_the_tiles(
+            x, [&](const std::vector<Tensor>& l) { return mix(l, c.h, c.H, c.W, Tensor(), Impl::Fused); },
+            kBf16TileBound, what);
+        check_bf16_on_the_tiles(
+            x, [&](const std::vector<Tensor>& l) { return mix_in_bands(l, c.h, c.H, c.W, 4, Impl::Fused); },
+            kBf16TileBound, what + " in bands of 4 rows");
+    }
+}
+
 TEST(Vit3TttFused, Float64AutoRunsReferenceFusedRefuses) {
     torch::manual_seed(7);
     auto x = swiglu_inputs(1, 2, 40, 8, false, torch::kFloat64);
@@ -471,6 +529,15 @@ TEST(T5TttFused, BFloat16ComputesInFloat32) {
     }
 }
 
+TEST(T5TttFused, Bfloat16InferenceRunsItsProductsOnTheAmxTiles) {
+    torch::manual_seed(15);
+    for (const T5Case& c : {T5Case{1, 16, 32, 128, 2}, T5Case{2, 17, 19, 48, 3}}) {
+        check_bf16_on_the_tiles(t5_inputs(c, torch::kBFloat16),
+                                [&](const std::vector<Tensor>& x) { return t5(x, c, Impl::Fused); }, kBf16TileBound,
+                                "T5 " + std::to_string(c.H) + "x" + std::to_string(c.W) + " C" + std::to_string(c.C));
+    }
+}
+
 TEST(T5TttFused, Float64FallsBackAndInferenceBuildsNoGraph) {
     torch::manual_seed(13);
     const T5Case c{1, 5, 5, 8, 2};
@@ -548,6 +615,15 @@ TEST(Dit5TttFused, BFloat16ComputesInFloat32) {
     for (size_t i = 0; i < ref.size(); ++i) {
         EXPECT_EQ(fused[i].scalar_type(), torch::kBFloat16);
         EXPECT_LT(relative_error(fused[i], ref[i]), 1e-2) << "tensor " << i;
+    }
+}
+
+TEST(Dit5TttFused, Bfloat16InferenceRunsItsProductsOnTheAmxTiles) {
+    torch::manual_seed(23);
+    for (const T5Case& c : {T5Case{1, 16, 32, 128, 2}, T5Case{2, 17, 19, 48, 3}}) {
+        check_bf16_on_the_tiles(dit5_inputs(c, torch::kBFloat16),
+                                [&](const std::vector<Tensor>& x) { return dit5(x, c, Impl::Fused); }, kBf16TileBound,
+                                "DiT5 " + std::to_string(c.H) + "x" + std::to_string(c.W) + " C" + std::to_string(c.C));
     }
 }
 

@@ -32,8 +32,9 @@ bool use_fused(Impl impl, const char* op, const std::string& unsupported, bool f
 // paths. docs/ops.md says how the kernels dispatch.
 const char* fused_kernel_target();
 
-// Where the fused kernels' bf16 matrix products run besides the SIMD code, for reports: "AMX tiles" (the bf16
-// softmax attention's inference on a CPU with AMX, while the SIMD target is AVX-512), "AMX emulated"
+// Where the fused kernels' bf16 matrix products run besides the SIMD code, for reports: "AMX tiles" (bf16 inference
+// of the softmax attention and of the ViT3, T5 and DiT5 TTT mixers on a CPU with AMX, while the SIMD target is
+// AVX-512), "AMX emulated"
 // (LINVIS_AMX=emulate, for tests) or "off" (no AMX, or LINVIS_AMX=off). Read on every call, as the target is.
 const char* fused_matrix_engine();
 

@@ -15,6 +15,7 @@
 #include "linvis/core/error.h"
 #include "linvis/core/flops.h"
 #include "ops/records_graph.h"
+#include "ops/simd/amx.h"
 #include "ops/t5_ttt/cpu_parts.h"
 #include "ops/ttt_swiglu_cpu/entry_points.h"
 #include "ops/ttt_swiglu_cpu/kernels.h"
@@ -126,7 +127,8 @@ struct ForwardResult {
     Tensor out, mean, rstd, g;  // g: (3, B, h, d, d)
 };
 
-ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
+// kr: the kernels whose products the pass runs (simd::inference_kernels: bf16 tile products for bf16 inference).
+ForwardResult t5_forward(const Prepared& in, const T5TttParams& p, const Kernels& kr = kernels()) {
     const Dims& s = in.s;
     const int64_t d = s.d, dd = d * d, BH = s.B * s.h, tasks = BH * s.blocks, rtasks = BH * s.groups;
     const Tokens Q = tokens_of(in.q), K = tokens_of(in.k), V = tokens_of(in.v);
@@ -140,7 +142,6 @@ ForwardResult t5_forward(const Prepared& in, const T5TttParams& p) {
     kn = Tensor();
     const Tokens K2 = tokens_of(k2), Q2 = tokens_of(q2);
     const HeadWeights hw = head_weights(p, false);
-    const Kernels& kr = kernels();
 
     const Scratch pa(rtasks * dd), pb(rtasks * dd), pc(rtasks * dd);  // first block of a group overwrites
     at::parallel_for(0, rtasks, 1, [&](int64_t begin, int64_t end) {
@@ -363,7 +364,8 @@ Tensor t5_ttt_attention_qkv_fused(const Tensor& qkv, const T5TttParams& p, int64
         return T5QkvFunction::apply(qkv, p.w1, p.w2, p.w3, p.q_conv_weight, p.q_conv_bias, p.k_conv_weight,
                                     p.k_conv_bias, num_heads, height, width);
     torch::NoGradGuard no_grad;
-    return t5_forward(T5QkvFunction::prepare_qkv(qkv, num_heads, height, width), p).out.to(qkv.scalar_type());
+    const Kernels& kr = simd::inference_kernels(qkv.scalar_type() == torch::kBFloat16);
+    return t5_forward(T5QkvFunction::prepare_qkv(qkv, num_heads, height, width), p, kr).out.to(qkv.scalar_type());
 }
 
 Tensor t5_ttt_attention_fused(const Tensor& q, const Tensor& k, const Tensor& v, const T5TttParams& p,
@@ -372,7 +374,8 @@ Tensor t5_ttt_attention_fused(const Tensor& q, const Tensor& k, const Tensor& v,
         return T5AttentionFunction::apply(q, k, v, p.w1, p.w2, p.w3, p.q_conv_weight, p.q_conv_bias, p.k_conv_weight,
                                           p.k_conv_bias, num_heads, height, width);
     torch::NoGradGuard no_grad;
-    return t5_forward(prepare(q, k, v, num_heads, height, width), p).out.to(q.scalar_type());
+    const Kernels& kr = simd::inference_kernels(q.scalar_type() == torch::kBFloat16);
+    return t5_forward(prepare(q, k, v, num_heads, height, width), p, kr).out.to(q.scalar_type());
 }
 
 }  // namespace linvis::ops::fused_detail

@@ -15,6 +15,7 @@
 
 #include "linvis/core/flops.h"
 #include "ops/records_graph.h"
+#include "ops/simd/amx.h"
 #include "ops/t5_ttt/cpu_parts.h"
 #include "ops/ttt_swiglu_cpu/entry_points.h"
 #include "ops/ttt_swiglu_cpu/kernels.h"
@@ -147,7 +148,8 @@ struct ForwardResult {
     Tensor out, mean, rstd, inv_std, g;  // g: (2, B, h, d, d)
 };
 
-ForwardResult dit5_forward(const Prepared& in, const Dit5TttParams& p) {
+// kr: the kernels whose products the pass runs (simd::inference_kernels: bf16 tile products for bf16 inference).
+ForwardResult dit5_forward(const Prepared& in, const Dit5TttParams& p, const Kernels& kr = kernels()) {
     const Dims& s = in.s;
     const int64_t d = s.d, dd = d * d, BH = s.B * s.h, tasks = BH * s.blocks, rtasks = BH * s.groups;
     const Tokens Q = tokens_of(in.q), K = tokens_of(in.k), V = tokens_of(in.v);
@@ -161,7 +163,6 @@ ForwardResult dit5_forward(const Prepared& in, const Dit5TttParams& p) {
                  kb.data_ptr<float>(), s, tokens_of(kn), tokens_of(k2));
     kn = Tensor();
     const HeadWeights hw = head_weights(p, false);
-    const Kernels& kr = kernels();
     const Tokens K2 = tokens_of(k2);
 
     const Scratch pa(rtasks * dd), pb(rtasks * dd);  // first block of a group overwrites
@@ -400,7 +401,8 @@ Tensor dit5_ttt_attention_fused(const Tensor& q, const Tensor& k, const Tensor& 
         return Dit5TttFunction::apply(q, k, v, p.w1, p.w2, p.qk_scale, p.qk_offset, p.q_conv_weight, p.q_conv_bias,
                                       p.k_conv_weight, p.k_conv_bias, num_heads, height, width);
     torch::NoGradGuard no_grad;
-    return dit5_forward(prepare(q, k, v, num_heads, height, width), p).out.to(q.scalar_type());
+    const Kernels& kr = simd::inference_kernels(q.scalar_type() == torch::kBFloat16);
+    return dit5_forward(prepare(q, k, v, num_heads, height, width), p, kr).out.to(q.scalar_type());
 }
 
 }  // namespace linvis::ops::fused_detail

@@ -21,6 +21,7 @@
 #include "linvis/core/flops.h"
 #include "linvis/ops/vit3_ttt.h"
 #include "ops/records_graph.h"
+#include "ops/simd/amx.h"
 #include "ops/ttt_swiglu_cpu/kernels.h"
 #include "ops/ttt_swiglu_cpu/entry_points.h"
 
@@ -169,10 +170,9 @@ void swiglu_inner_block(const Kernels& kr, const Heads& K, const Heads& V, int64
                       static_cast<float>(s.scale), z1, z2, sg, e, p1, p2);
 }
 
-// Raw inner gradients G1, G2: (B, h, d, d).
-void swiglu_gradients(const Heads& K, const Heads& V, const Tensor& w1, const Tensor& w2, const SwigluDims& s,
-                      float* g1, float* g2) {
-    const Kernels& kr = kernels();
+// Raw inner gradients G1, G2: (B, h, d, d). kr: the kernels whose products the pass runs (simd::inference_kernels).
+void swiglu_gradients(const Kernels& kr, const Heads& K, const Heads& V, const Tensor& w1, const Tensor& w2,
+                      const SwigluDims& s, float* g1, float* g2) {
     const int64_t d = s.d, dd = d * d, tasks = s.B * s.h * s.blocks;
     const Scratch parts1(tasks * dd), parts2(tasks * dd);  // one block per task
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
@@ -206,8 +206,8 @@ void swiglu_updated_weights(const Tensor& w, const float* g, const SwigluDims& s
 }
 
 // Pass 2: O = (Q W1') * silu(Q W2') from the updated weights (B, h, d, d).
-void swiglu_readout(const Heads& Q, const float* w1n, const float* w2n, const SwigluDims& s, const Heads& O) {
-    const Kernels& kr = kernels();
+void swiglu_readout(const Kernels& kr, const Heads& Q, const float* w1n, const float* w2n, const SwigluDims& s,
+                    const Heads& O) {
     const int64_t d = s.d;
     at::parallel_for(0, s.B * s.h * s.blocks, 1, [&](int64_t begin, int64_t end) {
         const BlockScratch buf(3, std::min(kTokenBlock, s.N), d);
@@ -229,20 +229,21 @@ struct SwigluForwardResult {
 };
 
 // out_heads: optional (B, h, N, d) float destination with unit channel stride (e.g. a view of
-// the mixer's output); allocated when undefined.
+// the mixer's output); allocated when undefined. kr: the kernels whose products the pass runs.
 SwigluForwardResult swiglu_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w1,
-                                   const Tensor& w2, double scale, Tensor out_heads = Tensor()) {
+                                   const Tensor& w2, double scale, Tensor out_heads = Tensor(),
+                                   const Kernels& kr = kernels()) {
     const int64_t B = q.size(0), h = q.size(1), N = q.size(2), d = q.size(3);
     const SwigluDims s{B, h, N, d, (N + kTokenBlock - 1) / kTokenBlock, scale};
     const Heads Q = heads_of(q), K = heads_of(k), V = heads_of(v);
     Tensor g1 = torch::empty({B, h, d, d}, torch::kFloat32), g2 = torch::empty({B, h, d, d}, torch::kFloat32);
-    swiglu_gradients(K, V, w1, w2, s, g1.data_ptr<float>(), g2.data_ptr<float>());
+    swiglu_gradients(kr, K, V, w1, w2, s, g1.data_ptr<float>(), g2.data_ptr<float>());
     std::vector<float> w1n(B * h * d * d), w2n(B * h * d * d), norms(B * h * d);
     swiglu_updated_weights(w1, g1.data_ptr<float>(), s, w1n.data(), norms.data());
     swiglu_updated_weights(w2, g2.data_ptr<float>(), s, w2n.data(), norms.data());
 
     Tensor out = out_heads.defined() ? out_heads : new_heads_buffer(B, h, N, d);
-    swiglu_readout(Q, w1n.data(), w2n.data(), s, heads_of(out));
+    swiglu_readout(kr, Q, w1n.data(), w2n.data(), s, heads_of(out));
     // Inner products (4 of N x d x d per head) and the two read-out products.
     flops::add(6 * B * h * N * d * d);
     return {out, g1, g2};
@@ -530,9 +531,11 @@ public:
         const int64_t B = x.size(0), N = x.size(1), d = x.size(2) / (3 * (h + 1)), C = h * d;
         const MixViews m = mix_views(x, h, H, W, C);
         Tensor out = torch::empty({B, N, C + d}, torch::kFloat32);
+        // Without a graph to record (g1 null), bf16 inference may run its products on the AMX tiles.
+        const Kernels& kr = g1 != nullptr ? kernels() : simd::inference_kernels(qkv.scalar_type() == torch::kBFloat16);
         auto r = swiglu_forward(m.q, m.k, m.v, w1.to(torch::kFloat32).contiguous(),
                                 w2.to(torch::kFloat32).contiguous(), kVit3InnerScale,
-                                out.narrow(2, 0, C).view({B, N, h, d}).transpose(1, 2));
+                                out.narrow(2, 0, C).view({B, N, h, d}).transpose(1, 2), kr);
         Tensor Gd = dwconv_forward_cl(m.qc, m.kc, m.vc, w3.to(torch::kFloat32).contiguous(), kVit3InnerScale,
                                       out.narrow(2, C, d).view({B, H, W, d}));
         if (g1 != nullptr) *g1 = r.g1, *g2 = r.g2, *G = Gd;
@@ -602,7 +605,8 @@ void vit3_bands_accumulate_fused(const Tensor& kv, int64_t offset, int64_t rows,
     const Heads K{band, x.stride(0), d, ld}, V{band + C, x.stride(0), d, ld};
     const SwigluDims s{B, h, n, d, (n + kTokenBlock - 1) / kTokenBlock, kVit3InnerScale, tokens};
     Tensor p1 = torch::empty_like(g1), p2 = torch::empty_like(g2), p3 = torch::empty_like(g3);
-    swiglu_gradients(K, V, w1.to(torch::kFloat32).contiguous(), w2.to(torch::kFloat32).contiguous(), s,
+    const Kernels& kr = simd::inference_kernels(kv.scalar_type() == torch::kBFloat16);
+    swiglu_gradients(kr, K, V, w1.to(torch::kFloat32).contiguous(), w2.to(torch::kFloat32).contiguous(), s,
                      p1.data_ptr<float>(), p2.data_ptr<float>());
     grid_reduce(x.narrow(3, 2 * C, d), x.narrow(3, 2 * C + d, d), GridTasks(B, rows, W, kTokenBlock), d,
                 p3.data_ptr<float>(), offset);
@@ -637,7 +641,8 @@ Tensor vit3_bands_apply_fused(const Tensor& q, int64_t offset, int64_t rows, int
     const Heads Q{x.data_ptr<float>() + offset * W * ld, x.stride(0), d, ld};
     const Heads O{out.data_ptr<float>() + offset * W * ld, out.stride(0), d, ld};
     const SwigluDims s{B, h, n, d, (n + kTokenBlock - 1) / kTokenBlock, kVit3InnerScale};
-    swiglu_readout(Q, updated[0].data_ptr<float>(), updated[1].data_ptr<float>(), s, O);
+    swiglu_readout(simd::inference_kernels(q.scalar_type() == torch::kBFloat16), Q, updated[0].data_ptr<float>(),
+                   updated[1].data_ptr<float>(), s, O);
     grid_apply(x.narrow(3, C, d), updated[2].data_ptr<float>(), false, out.narrow(3, C, d),
                GridTasks(B, rows, W, kTokenBlock), d, offset);
     flops::add(2 * B * h * n * d * d + 9 * B * d * n);
@@ -649,7 +654,8 @@ Tensor vit3_swiglu_branch_fused(const Tensor& q, const Tensor& k, const Tensor& 
     if (records_graph({q, k, v, w1, w2})) return Vit3SwigluFunction::apply(q, k, v, w1, w2, scale);
     torch::NoGradGuard no_grad;
     Tensor w1f = w1.to(torch::kFloat32).contiguous(), w2f = w2.to(torch::kFloat32).contiguous();
-    return swiglu_forward(f32_rows(q), f32_rows(k), f32_rows(v), w1f, w2f, scale).out.to(q.scalar_type());
+    const Kernels& kr = simd::inference_kernels(q.scalar_type() == torch::kBFloat16);
+    return swiglu_forward(f32_rows(q), f32_rows(k), f32_rows(v), w1f, w2f, scale, Tensor(), kr).out.to(q.scalar_type());
 }
 
 Tensor vit3_dwconv_branch_fused(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w3, double scale) {
