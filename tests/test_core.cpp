@@ -307,6 +307,21 @@ TEST(Flops, PackedWeightsFollowTheirWeights) {
     EXPECT_LT(relative(linvis::flops::linear(x.narrow(0, 0, 16), few, b), judge(x.narrow(0, 0, 16), few, b)), 1e-6);
     if (packing) EXPECT_GE(linvis::flops::packed_weight_bytes() - before, 160 * 96 * 4);
     else EXPECT_EQ(linvis::flops::packed_weight_bytes(), before);
+    // bf16 weights are kept packed too (where oneDNN runs bf16 products); a change in place is seen the same way,
+    // and the copies go with their weight.
+    const int64_t before_bf16 = linvis::flops::packed_weight_bytes();
+    const auto bf16 = [](const torch::Tensor& t) { return t.to(torch::kBFloat16); };
+    const torch::Tensor xb = bf16(x), bb = bf16(b);
+    torch::Tensor wb = bf16(torch::randn({160, 96}));
+    for (int change = 0; change < 3; ++change) {
+        const torch::Tensor want = judge(xb, wb, bb);
+        EXPECT_LT(relative(linvis::flops::linear(xb, wb, bb), want), 1e-2) << "bf16, change " << change;
+        EXPECT_LT(relative(linvis::flops::linear_gelu(xb, wb, bb), torch::gelu(want)), 1e-2)
+            << "bf16, change " << change;
+        wb.mul_(-0.5).add_(0.25);
+    }
+    wb = torch::Tensor();
+    EXPECT_EQ(linvis::flops::packed_weight_bytes(), before_bf16);
 }
 
 TEST(Flops, Bf16LinearOnOnednnMatchesFloat64) {

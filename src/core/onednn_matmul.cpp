@@ -162,8 +162,8 @@ const Entry& probe() {
 }
 
 // ---------------------------------------------------------------- packed weights
-// Float32 inference reads each weight from a copy reordered once into the primitive's blocked layout (policy and
-// the LINVIS_PACKED_WEIGHTS_MIB cap: linvis/core/flops.h). A copy is keyed by its weight's storage and layout and
+// Float32 and bf16 inference read each weight from a copy reordered once into the primitive's blocked layout (policy
+// and the LINVIS_PACKED_WEIGHTS_MIB cap: linvis/core/flops.h). A copy is keyed by its weight's storage and layout and
 // used only while that storage is alive (a weak reference: a new tensor at a freed weight's address is another
 // storage) and unchanged (its version counter, which in-place updates such as load_state_dict's copy_ bump).
 
@@ -255,13 +255,15 @@ PackedWeights& packed_weights() {
 // 890 MiB, past the cap) for about 0.1 ms a pass.
 constexpr int64_t kMinPackedRows = 16;
 
-// Whether b is a weight to keep packed: a float32 product of at least kMinPackedRows rows outside a graph, b with a
-// version counter and not in a live graph. A weight in a live graph is being trained (a training step's
+// Whether b is a weight to keep packed: a float32 or bf16 product of at least kMinPackedRows rows outside a graph
+// (bf16: the tiny models' passes 1.03-1.11x at 224 px on AMX, docs/performance.md), b with a version counter and
+// not in a live graph. A weight in a live graph is being trained (a training step's
 // recomputation in a checkpoint or a backward runs without a graph of its own): the optimizer changes it after the
 // step, so a copy would be redone every step and kept between them.
 bool packs(const torch::Tensor& b, torch::ScalarType type, int64_t M) {
-    if (type != torch::kFloat32 || M < kMinPackedRows || torch::GradMode::is_enabled() || b.is_inference() ||
-        packed_budget_bytes() == 0 || weights_in_training_depth() > 0)
+    if ((type != torch::kFloat32 && type != torch::kBFloat16) || M < kMinPackedRows ||
+        torch::GradMode::is_enabled() || b.is_inference() || packed_budget_bytes() == 0 ||
+        weights_in_training_depth() > 0)
         return false;
     const torch::Tensor leaf = b.is_view() ? torch::Tensor(b._base()) : b;
     return !(leaf.requires_grad() && torch::autograd::impl::try_get_grad_accumulator(leaf) != nullptr);
