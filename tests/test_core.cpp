@@ -226,6 +226,25 @@ TEST(Flops, LinearAddAccumulatesOntoOut) {
         const torch::Tensor expected = judge(xy, xy, square);
         linvis::flops::linear_add_(xy, xy, square);
         EXPECT_LT(relative(xy, expected), 1e-6);
+        // bf16 onto bf16: on the matmul primitive out and the product are summed in float32 and rounded once (half
+        // an ulp of the exact sum); on sgemm copies the product is rounded first, then the sum.
+        const auto bf16 = [](const torch::Tensor& t) { return t.to(torch::kBFloat16); };
+        for (const std::string mode : {"matmul", "sgemm"}) {
+            const Bf16GemmMode route(mode);
+            const bool primitive = mode == "matmul" && linvis::flops::onednn_unusable_reason().empty() &&
+                                   linvis::flops::linear_backend().find("(none)") == std::string::npos;
+            for (const bool with_bias : {false, true}) {
+                const std::string what = mode + (with_bias ? " with a bias" : " without a bias");
+                const torch::Tensor xb = bf16(torch::randn({2, 300, 96})), wb = bf16(torch::randn({80, 96}));
+                const torch::Tensor bb = with_bias ? bf16(torch::randn({80})) : torch::Tensor();
+                torch::Tensor ob = bf16(torch::randn({2, 300, 80}));
+                const torch::Tensor exact = judge(ob, xb, wb, bb);
+                const torch::Tensor magnitude = judge(ob.abs(), xb.abs(), wb.abs(), with_bias ? bb.abs() : bb);
+                const void* storage = ob.data_ptr();
+                EXPECT_EQ(linvis::flops::linear_add_(ob, xb, wb, bb).data_ptr(), storage) << what;
+                bf16_within_bound(ob, exact, magnitude, 96, primitive ? 0 : 1, what);
+            }
+        }
     }
     // In a graph it is out.add_(linear(x, w)): the gradients flow to x and w.
     torch::Tensor x = torch::randn({5, 12}, torch::requires_grad());

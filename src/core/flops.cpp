@@ -289,8 +289,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const 
 
 torch::Tensor linear_add_(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
                           const torch::Tensor& bias) {
-    const bool in_place = backend(x, weight, bias) == Backend::Sgemm && !records_graph(x, weight, bias) &&
-                          !records_graph(out, weight, bias) && out.scalar_type() == torch::kFloat32 &&
+    // bf16 onto bf16 on the matmul primitive (where bf16 products take it): out + the product in float32, rounded
+    // once, where out.add_(linear(...)) rounds the product and then the sum.
+    const Backend route = backend(x, weight, bias);
+    const bool bf16 = route == Backend::Bf16 && out.scalar_type() == torch::kBFloat16 && bf16_on_matmul_primitive();
+    const bool in_place = ((route == Backend::Sgemm && out.scalar_type() == torch::kFloat32) || bf16) &&
+                          !records_graph(x, weight, bias) && !records_graph(out, weight, bias) &&
                           out.device().is_cpu() && out.is_contiguous() && out.dim() == x.dim() &&
                           out.sizes().slice(0, out.dim() - 1) == x.sizes().slice(0, x.dim() - 1) &&
                           out.size(-1) == weight.size(0) && !out.storage().is_alias_of(x.storage()) &&
@@ -300,7 +304,7 @@ torch::Tensor linear_add_(const torch::Tensor& out, const torch::Tensor& x, cons
     const int64_t K = x.size(-1), N = weight.size(0), M = x.numel() / K;
     if (counting()) add(M * N * K);
     const torch::Tensor a = x.reshape({M, K});
-    if (bias.defined()) {
+    if (bias.defined() || bf16) {
         // The matmul primitive adds out and the bias to each tile of the product (its sum post-op).
         torch::Tensor c = out.view({M, N});
         if (onednn::matmul(a, weight.t(), bias, c, Activation::None, /*accumulate=*/true)) return out;

@@ -67,8 +67,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
 // out += x W^T (+ b) in place (a residual stream taking a branch's last product). Outside a graph, for float32
 // CPU operands with out contiguous and not sharing memory with x, weight or bias, oneDNN accumulates the product
 // onto out while each tile is in cache (without a bias its sgemm with beta = 1, with one its matmul primitive's
-// sum post-op), instead of writing a fresh product and adding it in another pass; every other case is
-// out.add_(linear(x, weight, bias)). Returns out.
+// sum post-op), instead of writing a fresh product and adding it in another pass; bf16 operands onto a bf16 out
+// likewise on the matmul primitive where bf16 products take it (the sum in float32, rounded once); every other
+// case is out.add_(linear(x, weight, bias)). Returns out.
 torch::Tensor linear_add_(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
                           const torch::Tensor& bias = {});
 
