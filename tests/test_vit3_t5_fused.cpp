@@ -529,13 +529,21 @@ TEST(T5TttFused, BFloat16ComputesInFloat32) {
     }
 }
 
+// check_bf16_on_the_tiles for T5 and DiT5 (inputs(case, dtype), op(inputs, case, impl)): d = 64 in two whole blocks
+// of 256 tokens, and d = 16 in blocks of 162 and 161 tokens (products padded to whole tiles).
+template <typename Inputs, typename Op>
+void check_t5_kind_on_the_tiles(const std::string& name, Inputs inputs, Op op) {
+    for (const T5Case& c : {T5Case{1, 16, 32, 128, 2}, T5Case{2, 17, 19, 48, 3}}) {
+        check_bf16_on_the_tiles(inputs(c, torch::kBFloat16),
+                                [&](const std::vector<Tensor>& x) { return op(x, c, Impl::Fused); }, kBf16TileBound,
+                                name + " " + std::to_string(c.H) + "x" + std::to_string(c.W) + " C" +
+                                    std::to_string(c.C));
+    }
+}
+
 TEST(T5TttFused, Bfloat16InferenceRunsItsProductsOnTheAmxTiles) {
     torch::manual_seed(15);
-    for (const T5Case& c : {T5Case{1, 16, 32, 128, 2}, T5Case{2, 17, 19, 48, 3}}) {
-        check_bf16_on_the_tiles(t5_inputs(c, torch::kBFloat16),
-                                [&](const std::vector<Tensor>& x) { return t5(x, c, Impl::Fused); }, kBf16TileBound,
-                                "T5 " + std::to_string(c.H) + "x" + std::to_string(c.W) + " C" + std::to_string(c.C));
-    }
+    check_t5_kind_on_the_tiles("T5", t5_inputs, t5);
 }
 
 TEST(T5TttFused, Float64FallsBackAndInferenceBuildsNoGraph) {
@@ -620,11 +628,7 @@ TEST(Dit5TttFused, BFloat16ComputesInFloat32) {
 
 TEST(Dit5TttFused, Bfloat16InferenceRunsItsProductsOnTheAmxTiles) {
     torch::manual_seed(23);
-    for (const T5Case& c : {T5Case{1, 16, 32, 128, 2}, T5Case{2, 17, 19, 48, 3}}) {
-        check_bf16_on_the_tiles(dit5_inputs(c, torch::kBFloat16),
-                                [&](const std::vector<Tensor>& x) { return dit5(x, c, Impl::Fused); }, kBf16TileBound,
-                                "DiT5 " + std::to_string(c.H) + "x" + std::to_string(c.W) + " C" + std::to_string(c.C));
-    }
+    check_t5_kind_on_the_tiles("DiT5", dit5_inputs, dit5);
 }
 
 TEST(Dit5TttFused, Float64FallsBackAndInferenceBuildsNoGraph) {
