@@ -193,6 +193,7 @@ ScanArgs scan_inputs(const torch::Tensor& xq, const torch::Tensor& xk, const tor
         a.q_taps = s.q_taps.data_ptr(); a.q_bias = s.q_bias.data_ptr();
         a.k_taps = s.k_taps.data_ptr(); a.k_bias = s.k_bias.data_ptr();
         a.conv_k = s.q_taps.size(0);
+        a.kernels = &simd::kernels();
     } else {
         a.q = xq.data_ptr(); a.k = xk.data_ptr();
         copy_strides(xq, a.qs); copy_strides(xk, a.ks);

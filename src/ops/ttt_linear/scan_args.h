@@ -3,6 +3,10 @@
 
 #include <cstdint>
 
+namespace linvis::ops::simd {
+struct Kernels;  // ops/simd/simd.h
+}  // namespace linvis::ops::simd
+
 namespace linvis::ops::cpu {
 
 // Everything one scan task reads and writes. Big per-token tensors (q, k, v, out and their
@@ -24,6 +28,8 @@ struct ScanArgs {
     int64_t us[3] = {};
     const void *q_taps = nullptr, *q_bias = nullptr, *k_taps = nullptr, *k_bias = nullptr;
     int64_t conv_k = 0;
+    // The SIMD layer's kernels of the scan's target (bf16 rounding of the convolutions' outputs).
+    const simd::Kernels* kernels = nullptr;
     const void* dout = nullptr;
     int64_t douts[4] = {};
     void *dq = nullptr, *dk = nullptr, *dv = nullptr;
