@@ -1,8 +1,9 @@
 // The SIMD layer of the fused kernels (src/ops/simd): the register-blocked GEMM, the sigmoid, exp and 3x3 stencil
 // row of every target this CPU runs against LibTorch, the attention's softmax kernels against their definition, and
 // the choice of target through LINVIS_SIMD / LINVIS_FORCE_SCALAR.
-// The GEMM cases have odd M, N, K (row tails of every tile height, column tails of every mask width) and C
-// with a guard band beyond column N that must stay untouched: a wrong tail mask fails them.
+// The GEMM cases have odd M, N, K (rows below a tile's height in tiles of 4 and 1, rows above it split into tiles of
+// even heights, column tails of every mask width) and C with a guard band beyond column N that must stay untouched:
+// a wrong tail mask fails them.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -59,7 +60,7 @@ TEST(SimdLayer, GemmMatchesMatmulOnEveryTarget) {
     for_each_simd_target([](const SimdTarget& t) {
         const simd::Kernels& k = simd::kernels(t.target);
         EXPECT_EQ(k.target, t.target);
-        for (int64_t M : {1, 3, 5, 13, 17, 30})
+        for (int64_t M : {1, 3, 5, 13, 17, 30, 32, 45})
             for (int64_t N : {1, 3, 7, 8, 15, 16, 17, 32, 33, 48, 64, 65, 100})
                 for (int64_t K : {0, 1, 6, 19})
                     for (bool transposed : {false, true})
