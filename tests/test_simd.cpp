@@ -1,6 +1,6 @@
 // The SIMD layer of the fused kernels (src/ops/simd): the register-blocked GEMM, the sigmoid, exp and 3x3 stencil
-// row of every target this CPU runs against LibTorch, the attention's softmax kernels against their definition, and
-// the choice of target through LINVIS_SIMD / LINVIS_FORCE_SCALAR.
+// row of every target this CPU runs against LibTorch, silu_mul's rows and backward and the attention's softmax
+// kernels against their definition, and the choice of target through LINVIS_SIMD / LINVIS_FORCE_SCALAR.
 // The GEMM cases have odd M, N, K (rows below a tile's height in tiles of 4 and 1, rows above it split into tiles of
 // even heights, column tails of every mask width) and C with a guard band beyond column N that must stay untouched:
 // a wrong tail mask fails them.
@@ -88,6 +88,43 @@ TEST(SimdLayer, SigmoidMatchesTorchOnEveryTarget) {
             torch::Tensor expected = torch::sigmoid(x.narrow(0, 0, n));
             EXPECT_TRUE(torch::allclose(y.narrow(0, 0, n), expected, 1e-6, 1e-7)) << "n = " << n;
             EXPECT_TRUE(torch::all(y.narrow(0, n, 4) == 7.0f).item<bool>()) << "n = " << n << ": wrote beyond n";
+        }
+    });
+}
+
+// silu_mul over strided rows and its backward in place, against float64 of the definitions: two rows of n values
+// side by side in one buffer (the layout of one product's output, [u | g] per row), a guard column after them that
+// must stay untouched, and y / dy in rows of their own strides.
+TEST(SimdLayer, SiluMulRowsAndBackwardMatchTheDefinitionOnEveryTarget) {
+    torch::manual_seed(3);
+    for_each_simd_target([](const SimdTarget& t) {
+        const simd::Kernels& k = simd::kernels(t.target);
+        for (int64_t n : {1, 7, 16, 17, 32, 40}) {
+            const int64_t rows = 5, ld = 2 * n + 1, ldy = n + 3;
+            const std::string what = std::string(t.env) + ", n = " + std::to_string(n);
+            torch::Tensor buf = 4.0 * torch::randn({rows, ld});
+            buf[0][n] = 100.0f;  // gates far out on both sides: silu saturates without NaN
+            buf[1][n] = -100.0f;
+            const torch::Tensor u = buf.narrow(1, 0, n).to(torch::kFloat64);
+            const torch::Tensor g = buf.narrow(1, n, n).to(torch::kFloat64);
+            const torch::Tensor s = torch::sigmoid(g);
+
+            torch::Tensor y = torch::full({rows, ldy}, 7.0f);
+            k.silu_mul_rows(buf.data_ptr<float>() + n, buf.data_ptr<float>(), ld, rows, n, y.data_ptr<float>(), ldy);
+            const torch::Tensor expected = g * s * u;
+            EXPECT_TRUE(torch::allclose(y.narrow(1, 0, n).to(torch::kFloat64), expected, 1e-6, 1e-6)) << what;
+            EXPECT_TRUE(torch::all(y.narrow(1, n, ldy - n) == 7.0f).item<bool>()) << what << ": y written past n";
+
+            const float c = -0.37f;
+            const torch::Tensor dy = torch::randn({rows, ldy});
+            torch::Tensor out = buf.clone();
+            k.silu_mul_backward_rows(out.data_ptr<float>() + n, out.data_ptr<float>(), ld, rows, n,
+                                     dy.data_ptr<float>(), ldy, c);
+            const torch::Tensor e = c * dy.narrow(1, 0, n).to(torch::kFloat64);
+            const torch::Tensor du = e * g * s, dg = e * u * s * (1.0 + g * (1.0 - s));
+            EXPECT_TRUE(torch::allclose(out.narrow(1, 0, n).to(torch::kFloat64), du, 1e-6, 1e-6)) << what << ": du";
+            EXPECT_TRUE(torch::allclose(out.narrow(1, n, n).to(torch::kFloat64), dg, 1e-6, 1e-6)) << what << ": dg";
+            EXPECT_TRUE(torch::equal(out.narrow(1, 2 * n, 1), buf.narrow(1, 2 * n, 1))) << what << ": guard written";
         }
     });
 }

@@ -167,6 +167,42 @@ void gelu_tanh(const float* x, const float* bias, float* y, int64_t n) {
     map_biased(x, bias, y, n, [](FloatTag d, FloatVec v) { return gelu_tanh_vec(d, v); });
 }
 void silu_mul(const float* g, const float* u, float* y, int64_t n) { map_floats(y, n, silu_mul_vec, g, u); }
+void silu_mul_rows(const float* g, const float* u, int64_t ld, int64_t rows, int64_t n, float* y, int64_t ldy) {
+    for (int64_t r = 0; r < rows; ++r) map_floats(y + r * ldy, n, silu_mul_vec, g + r * ld, u + r * ld);
+}
+// One vector of silu_mul_backward_rows: the new u and g.
+HWY_INLINE void silu_mul_backward_vec(FloatTag d, FloatVec g, FloatVec u, FloatVec e, FloatVec& du, FloatVec& dg) {
+    const auto one = hn::Set(d, 1.0f);
+    const auto s = hn::Div(one, hn::Add(one, exp_neg(d, g)));
+    du = hn::Mul(e, hn::Mul(g, s));
+    dg = hn::Mul(hn::Mul(e, u), hn::Mul(s, hn::MulAdd(g, hn::Sub(one, s), one)));
+}
+void silu_mul_backward_rows(float* g, float* u, int64_t ld, int64_t rows, int64_t n, const float* dy, int64_t lddy,
+                            float c) {
+    const FloatTag d;
+    const int64_t W = static_cast<int64_t>(hn::Lanes(d));
+    const auto cv = hn::Set(d, c);
+    FloatVec du, dg;
+    for (int64_t r = 0; r < rows; ++r) {
+        float* gr = g + r * ld;
+        float* ur = u + r * ld;
+        const float* er = dy + r * lddy;
+        int64_t j = 0;
+        for (; j + W <= n; j += W) {
+            silu_mul_backward_vec(d, hn::LoadU(d, gr + j), hn::LoadU(d, ur + j), hn::Mul(cv, hn::LoadU(d, er + j)),
+                                  du, dg);
+            hn::StoreU(du, d, ur + j);
+            hn::StoreU(dg, d, gr + j);
+        }
+        if (j < n) {
+            const auto m = hn::FirstN(d, static_cast<size_t>(n - j));
+            silu_mul_backward_vec(d, hn::MaskedLoad(m, d, gr + j), hn::MaskedLoad(m, d, ur + j),
+                                  hn::Mul(cv, hn::MaskedLoad(m, d, er + j)), du, dg);
+            hn::BlendedStore(du, m, d, ur + j);
+            hn::BlendedStore(dg, m, d, gr + j);
+        }
+    }
+}
 void exp_sub(const float* x, float shift, float* y, int64_t n) {
     map_floats(y, n, [shift](FloatTag d, FloatVec v) { return exp_clamped(d, hn::Sub(v, hn::Set(d, shift))); }, x);
 }
@@ -614,7 +650,8 @@ void softmax_grad_rows_f64(double* s, double* dp, int64_t rows, int64_t n, int64
 
 const Kernels& table() {
     static const Kernels k{kTarget,        gemm_f32,       gemm_f64,   sigmoid,   gelu_erf,
-                           gelu_tanh,      silu_mul,       exp_sub,    widen_bf16, narrow_to_bf16,
+                           gelu_tanh,      silu_mul,       silu_mul_rows, silu_mul_backward_rows,
+                           exp_sub,        widen_bf16,     narrow_to_bf16,
                            stencil3x3_row, stencil3x3_reduce_row, transpose, window_dots, window_sum,
                            online_softmax_cols_f32, online_softmax_cols_f64, softmax_grad_rows_f32,
                            softmax_grad_rows_f64};

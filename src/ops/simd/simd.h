@@ -80,6 +80,14 @@ struct Kernels {
     void (*gelu_tanh)(const float* x, const float* bias, float* y, int64_t n) = nullptr;
     // y[i] = silu(g[i]) u[i] = g[i] sigmoid(g[i]) u[i]; y may alias g or u.
     void (*silu_mul)(const float* g, const float* u, float* y, int64_t n) = nullptr;
+    // The same over rows r < rows of n values, g and u in rows of stride ld (a gate and its input side by side in
+    // one product's output), y in rows of stride ldy: y[r*ldy + j] = silu(g[r*ld + j]) u[r*ld + j]; y may alias u.
+    void (*silu_mul_rows)(const float* g, const float* u, int64_t ld, int64_t rows, int64_t n, float* y,
+                          int64_t ldy) = nullptr;
+    // Its backward for the upstream gradient c dy (dy in rows of stride lddy), written over u and g:
+    //   u <- c dy silu(g),  g <- c dy u silu'(g),  silu'(g) = s (1 + g (1 - s)), s = sigmoid(g).
+    void (*silu_mul_backward_rows)(float* g, float* u, int64_t ld, int64_t rows, int64_t n, const float* dy,
+                                   int64_t lddy, float c) = nullptr;
     // y[i] = exp(x[i] - shift) for x[i] - shift <= 88 (kernels.cpp: about 2 ulp; 0 below -87); x and y may alias.
     void (*exp_sub)(const float* x, float shift, float* y, int64_t n) = nullptr;
     // bfloat16 (its bit pattern, as c10::BFloat16 stores it) to and from float32. Widening is exact; narrowing

@@ -5,7 +5,9 @@
 //   forward  pass 1: Z1 = K W1, Z2 = K W2, E = (-V/N) s  ->  G1 += Kᵀ(E∘silu(Z2)), G2 += Kᵀ(E∘Z1∘silu'(Z2))
 //            normalise, W' = W - G/(||G||_col + 1)
 //            pass 2: out = (Q W1') ∘ silu(Q W2')
-//   backward pass B: recompute Q W', dQ, dW' = Qᵀ dY         (reduction)
+//            Both passes multiply by [W1 | W2] side by side (one product 2d wide, its two halves in each row) and
+//            run the gate's elementwise part on those rows in place (the SIMD layer's silu_mul_*rows).
+//   backward pass B: recompute Q W', dQ, dW' = Qᵀ dY         (reduction; side by side as the forward)
 //            dG = normalisation backward of -dW'
 //            pass C: recompute Z1, Z2, P1, P2 from K, V; dK, dV, dW (direct) = Kᵀ dZ
 // Saved for backward: the inputs and the raw inner gradients G1, G2 (B, h, d, d).
@@ -67,6 +69,24 @@ const float* weight_of(const Tensor& w, int64_t b, int64_t hh, int64_t h, int64_
     return w.data_ptr<float>() + (bb * h + hh) * d * d;
 }
 
+// [W1 | W2]: `count` pairs of d x d matrices side by side in rows of 2d, so one product computes both.
+std::vector<float> side_by_side(const float* w1, const float* w2, int64_t count, int64_t d) {
+    std::vector<float> w(count * 2 * d * d);
+    for (int64_t i = 0; i < count * d; ++i) {
+        std::copy_n(w1 + i * d, d, w.data() + i * 2 * d);
+        std::copy_n(w2 + i * d, d, w.data() + i * 2 * d + d);
+    }
+    return w;
+}
+
+// The inverse: rows of 2d into the two d x d halves.
+void split_side_by_side(const float* w, int64_t count, int64_t d, float* w1, float* w2) {
+    for (int64_t i = 0; i < count * d; ++i) {
+        std::copy_n(w + i * 2 * d, d, w1 + i * d);
+        std::copy_n(w + i * 2 * d + d, d, w2 + i * d);
+    }
+}
+
 struct SwigluDims {
     int64_t B, h, N, d, blocks;
     double scale;
@@ -102,35 +122,6 @@ LINVIS_SIMD_CLONES(inner_elementwise,
                   (int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc, const float* z1,
                    const float* z2, const float* sg, float* e, float* p1, float* p2),
                   (T, d, v, ldv, n, sc, z1, z2, sg, e, p1, p2))
-
-LINVIS_SIMD_INLINE void readout_body(int64_t T, int64_t d, const float* __restrict y1, const float* __restrict y2,
-                                      const float* __restrict sg, float* out, int64_t ldo) {
-    for (int64_t t = 0; t < T; ++t) {
-        float* __restrict o = out + t * ldo;
-        for (int64_t j = 0; j < d; ++j) o[j] = y1[t * d + j] * (y2[t * d + j] * sg[t * d + j]);
-    }
-}
-LINVIS_SIMD_CLONES(readout, (int64_t T, int64_t d, const float* y1, const float* y2, const float* sg, float* out,
-                            int64_t ldo),
-                  (T, d, y1, y2, sg, out, ldo))
-
-LINVIS_SIMD_INLINE void readout_backward_body(int64_t T, int64_t d, const float* go, int64_t ldg,
-                                               const float* __restrict y1, const float* __restrict y2,
-                                               const float* __restrict sg, float* __restrict dy1,
-                                               float* __restrict dy2) {
-    for (int64_t t = 0; t < T; ++t) {
-        const float* __restrict g = go + t * ldg;
-        for (int64_t j = 0; j < d; ++j) {
-            const int64_t i = t * d + j;
-            const float sig = sg[i], z = y2[i];
-            dy1[i] = g[j] * (z * sig);
-            dy2[i] = g[j] * y1[i] * (sig * (1.0f + z * (1.0f - sig)));
-        }
-    }
-}
-LINVIS_SIMD_CLONES(readout_backward, (int64_t T, int64_t d, const float* go, int64_t ldg, const float* y1,
-                                     const float* y2, const float* sg, float* dy1, float* dy2),
-                  (T, d, go, ldg, y1, y2, sg, dy1, dy2))
 
 LINVIS_SIMD_INLINE void inner_backward_body(int64_t T, int64_t d, float dv_scale, const float* __restrict z1,
                                              const float* __restrict z2, const float* __restrict sg,
@@ -171,25 +162,30 @@ void swiglu_inner_block(const Kernels& kr, const Heads& K, const Heads& V, int64
 }
 
 // Raw inner gradients G1, G2: (B, h, d, d). kr: the kernels whose products the pass runs (simd::inference_kernels).
+// Per token block: Z = K [W1 | W2], then [E∘silu(Z2) | E∘Z1∘silu'(Z2)] over Z's rows (silu_mul's backward for
+// the upstream gradient E = c V), then Kᵀ of those rows.
 void swiglu_gradients(const Kernels& kr, const Heads& K, const Heads& V, const Tensor& w1, const Tensor& w2,
                       const SwigluDims& s, float* g1, float* g2) {
     const int64_t d = s.d, dd = d * d, tasks = s.B * s.h * s.blocks;
-    const Scratch parts1(tasks * dd), parts2(tasks * dd);  // one block per task
+    const std::vector<float> w12 = side_by_side(w1.data_ptr<float>(), w2.data_ptr<float>(), w1.size(0) * s.h, d);
+    const float c = static_cast<float>(-s.scale / static_cast<double>(s.loss_tokens > 0 ? s.loss_tokens : s.N));
+    const Scratch parts(tasks * 2 * dd);  // one d x 2d block per task
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-        const BlockScratch buf(6, std::min(kTokenBlock, s.N), d);
-        float *z1 = buf[0], *z2 = buf[1], *sg = buf[2], *e = buf[3], *p1 = buf[4], *p2 = buf[5];
+        const BlockScratch buf(1, std::min(kTokenBlock, s.N), 2 * d);
+        float* z = buf[0];
         for (int64_t task = begin; task < end; ++task) {
             const int64_t bh = s.head_of(task), blk = s.block_of(task), b = bh / s.h, hh = bh % s.h;
             const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0), part = s.part_of(task);
-            swiglu_inner_block(kr, K, V, b, hh, n0, T, weight_of(w1, b, hh, s.h, d), weight_of(w2, b, hh, s.h, d),
-                               s, z1, z2, sg, e, p1, p2);
+            const int64_t pair = w1.size(0) == 1 ? hh : bh;
             const float* kb = K.row(b, hh, n0);
-            kr.gemm(d, d, T, kb, 1, K.sn, p1, d, parts1.get() + part * dd, d, false);
-            kr.gemm(d, d, T, kb, 1, K.sn, p2, d, parts2.get() + part * dd, d, false);
+            kr.gemm(T, 2 * d, d, kb, K.sn, 1, w12.data() + pair * 2 * dd, 2 * d, z, 2 * d, false);
+            kr.silu_mul_backward_rows(z + d, z, 2 * d, T, d, V.row(b, hh, n0), V.sn, c);
+            kr.gemm(d, 2 * d, T, kb, 1, K.sn, z, 2 * d, parts.get() + part * 2 * dd, 2 * d, false);
         }
     });
-    reduce_partials(parts1.get(), s.B * s.h, s.blocks, dd, g1);
-    reduce_partials(parts2.get(), s.B * s.h, s.blocks, dd, g2);
+    std::vector<float> g12(s.B * s.h * 2 * dd);
+    reduce_partials(parts.get(), s.B * s.h, s.blocks, 2 * dd, g12.data());
+    split_side_by_side(g12.data(), s.B * s.h, d, g1, g2);
 }
 
 // W' = W - G/(||G||_col + 1) per (b, head); norms kept for the backward.
@@ -205,21 +201,19 @@ void swiglu_updated_weights(const Tensor& w, const float* g, const SwigluDims& s
         }
 }
 
-// Pass 2: O = (Q W1') * silu(Q W2') from the updated weights (B, h, d, d).
+// Pass 2: O = (Q W1') * silu(Q W2') from the updated weights (B, h, d, d), as one product with [W1' | W2'].
 void swiglu_readout(const Kernels& kr, const Heads& Q, const float* w1n, const float* w2n, const SwigluDims& s,
                     const Heads& O) {
-    const int64_t d = s.d;
+    const int64_t d = s.d, dd = d * d;
+    const std::vector<float> w12 = side_by_side(w1n, w2n, s.B * s.h, d);
     at::parallel_for(0, s.B * s.h * s.blocks, 1, [&](int64_t begin, int64_t end) {
-        const BlockScratch buf(3, std::min(kTokenBlock, s.N), d);
-        float *y1 = buf[0], *y2 = buf[1], *sg = buf[2];
+        const BlockScratch buf(1, std::min(kTokenBlock, s.N), 2 * d);
+        float* y = buf[0];
         for (int64_t task = begin; task < end; ++task) {
             const int64_t bh = s.head_of(task), blk = s.block_of(task), b = bh / s.h, hh = bh % s.h;
             const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, s.N - n0);
-            const float* qb = Q.row(b, hh, n0);
-            kr.gemm(T, d, d, qb, Q.sn, 1, w1n + bh * d * d, d, y1, d, false);
-            kr.gemm(T, d, d, qb, Q.sn, 1, w2n + bh * d * d, d, y2, d, false);
-            kr.sigmoid(y2, sg, T * d);
-            readout(T, d, y1, y2, sg, O.row(b, hh, n0), O.sn);
+            kr.gemm(T, 2 * d, d, Q.row(b, hh, n0), Q.sn, 1, w12.data() + bh * 2 * dd, 2 * d, y, 2 * d, false);
+            kr.silu_mul_rows(y + d, y, 2 * d, T, d, O.row(b, hh, n0), O.sn);
         }
     });
 }
@@ -262,42 +256,42 @@ std::vector<Tensor> swiglu_backward(const Tensor& q, const Tensor& k, const Tens
     std::vector<float> w1n(BH * dd), w2n(BH * dd), n1(BH * d), n2(BH * d);
     swiglu_updated_weights(w1, g1, s, w1n.data(), n1.data());
     swiglu_updated_weights(w2, g2, s, w2n.data(), n2.data());
-    // Transposed weights for the X·Wᵀ products.
-    std::vector<float> w1nT(BH * dd), w2nT(BH * dd), w1T(BH * dd), w2T(BH * dd);
+    // Transposed weights for the X·Wᵀ products; W1'ᵀ stacked on W2'ᵀ (2d x d) for pass B's dQ.
+    std::vector<float> wnT(BH * 2 * dd), w1T(BH * dd), w2T(BH * dd);
     for (int64_t bh = 0; bh < BH; ++bh) {
-        transpose(w1n.data() + bh * dd, d, d, d, w1nT.data() + bh * dd);
-        transpose(w2n.data() + bh * dd, d, d, d, w2nT.data() + bh * dd);
+        transpose(w1n.data() + bh * dd, d, d, d, wnT.data() + bh * 2 * dd);
+        transpose(w2n.data() + bh * dd, d, d, d, wnT.data() + bh * 2 * dd + dd);
         transpose(weight_of(w1, bh / h, bh % h, h, d), d, d, d, w1T.data() + bh * dd);
         transpose(weight_of(w2, bh / h, bh % h, h, d), d, d, d, w2T.data() + bh * dd);
     }
+    const std::vector<float> w12n = side_by_side(w1n.data(), w2n.data(), BH, d);
     const Kernels& kr = kernels();
 
-    // Pass B: read-out backward.
+    // Pass B: read-out backward. Y = Q [W1' | W2'], then [dY1 | dY2] over Y's rows (silu_mul's backward), then
+    // dW' = Qᵀ [dY1 | dY2] and dQ = [dY1 | dY2] [W1'ᵀ; W2'ᵀ].
     Tensor dq = dest.empty() ? new_heads_buffer(B, h, N, d) : dest[0];
     const Heads dQ = heads_of(dq);
-    const Scratch pa(tasks * dd), pb(tasks * dd);
+    const Scratch pab(tasks * 2 * dd);
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-        const BlockScratch buf(5, std::min(kTokenBlock, N), d);
-        float *y1 = buf[0], *y2 = buf[1], *sg = buf[2], *dy1 = buf[3], *dy2 = buf[4];
+        const BlockScratch buf(1, std::min(kTokenBlock, N), 2 * d);
+        float* y = buf[0];
         for (int64_t task = begin; task < end; ++task) {
             const int64_t bh = s.head_of(task), blk = s.block_of(task), b = bh / h, hh = bh % h, part = s.part_of(task);
             const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, N - n0);
             const float* qb = Q.row(b, hh, n0);
-            kr.gemm(T, d, d, qb, Q.sn, 1, w1n.data() + bh * dd, d, y1, d, false);
-            kr.gemm(T, d, d, qb, Q.sn, 1, w2n.data() + bh * dd, d, y2, d, false);
-            kr.sigmoid(y2, sg, T * d);
-            readout_backward(T, d, dO.row(b, hh, n0), dO.sn, y1, y2, sg, dy1, dy2);
-            kr.gemm(d, d, T, qb, 1, Q.sn, dy1, d, pa.get() + part * dd, d, false);
-            kr.gemm(d, d, T, qb, 1, Q.sn, dy2, d, pb.get() + part * dd, d, false);
-            float* dqb = dQ.row(b, hh, n0);
-            kr.gemm(T, d, d, dy1, d, 1, w1nT.data() + bh * dd, d, dqb, dQ.sn, false);
-            kr.gemm(T, d, d, dy2, d, 1, w2nT.data() + bh * dd, d, dqb, dQ.sn, true);
+            kr.gemm(T, 2 * d, d, qb, Q.sn, 1, w12n.data() + bh * 2 * dd, 2 * d, y, 2 * d, false);
+            kr.silu_mul_backward_rows(y + d, y, 2 * d, T, d, dO.row(b, hh, n0), dO.sn, 1.0f);
+            kr.gemm(d, 2 * d, T, qb, 1, Q.sn, y, 2 * d, pab.get() + part * 2 * dd, 2 * d, false);
+            kr.gemm(T, d, 2 * d, y, 2 * d, 1, wnT.data() + bh * 2 * dd, d, dQ.row(b, hh, n0), dQ.sn, false);
         }
     });
     Tensor dw1 = torch::empty({B, h, d, d}, torch::kFloat32), dw2 = torch::empty({B, h, d, d}, torch::kFloat32);
     float *dw1p = dw1.data_ptr<float>(), *dw2p = dw2.data_ptr<float>();
-    reduce_partials(pa.get(), BH, s.blocks, dd, dw1p);  // dW1' (the direct path of W1 - Ĝ1)
-    reduce_partials(pb.get(), BH, s.blocks, dd, dw2p);
+    {  // dW' (the direct path of W - Ĝ)
+        std::vector<float> dw12(BH * 2 * dd);
+        reduce_partials(pab.get(), BH, s.blocks, 2 * dd, dw12.data());
+        split_side_by_side(dw12.data(), BH, d, dw1p, dw2p);
+    }
     std::vector<float> dg1(BH * dd), dg2(BH * dd), dg1T(BH * dd), dg2T(BH * dd), neg(dd);
     for (int64_t bh = 0; bh < BH; ++bh) {
         for (int64_t i = 0; i < dd; ++i) neg[i] = -dw1p[bh * dd + i];
@@ -309,6 +303,7 @@ std::vector<Tensor> swiglu_backward(const Tensor& q, const Tensor& k, const Tens
     }
 
     // Pass C: inner-step backward.
+    const Scratch pa(tasks * dd), pb(tasks * dd);
     Tensor dk = dest.empty() ? new_heads_buffer(B, h, N, d) : dest[1];
     Tensor dv = dest.empty() ? new_heads_buffer(B, h, N, d) : dest[2];
     const Heads dK = heads_of(dk), dV = heads_of(dv);
