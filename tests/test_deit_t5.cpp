@@ -19,6 +19,33 @@ using linvis::testing::all_close;
 
 namespace {
 
+// PatchEmbed::tokens (the convolution as one product of the gathered patches) gives the convolution's map as
+// row-major tokens, on a non-square grid, in float64 to rounding and in float32 within the products' rounding, and
+// the same gradients for the images and the kernel.
+TEST(PatchEmbed, TokensAreTheConvolutionsMapAsTokens) {
+    torch::manual_seed(0);
+    linvis::nn::PatchEmbed embed(3, 24, 8);
+    for (const auto dtype : {torch::kFloat64, torch::kFloat32}) {
+        embed->to(dtype);
+        const torch::Tensor images = torch::randn({2, 3, 48, 80}, dtype).requires_grad_();
+        const torch::Tensor tokens = embed->tokens(images);
+        ASSERT_EQ(tokens.sizes(), (std::vector<int64_t>{2, 6 * 10, 24}));
+        EXPECT_TRUE(tokens.is_contiguous());
+        const torch::Tensor map = torch::conv2d(images, embed->proj->weight, embed->proj->bias, 8);
+        const torch::Tensor expected = map.flatten(2).transpose(1, 2);
+        const double tol = dtype == torch::kFloat64 ? 1e-12 : 1e-5;
+        EXPECT_TRUE(torch::allclose(tokens, expected, tol, tol)) << dtype << ": max error "
+                                                                 << (tokens - expected).abs().max().item<double>();
+        const torch::Tensor grad = torch::randn_like(tokens);
+        const auto got = torch::autograd::grad({tokens}, {images, embed->proj->weight}, {grad});
+        const auto want = torch::autograd::grad({expected}, {images, embed->proj->weight}, {grad});
+        for (size_t i = 0; i < got.size(); ++i)
+            EXPECT_TRUE(torch::allclose(got[i], want[i], tol, tol)) << dtype << ": gradient " << i;
+    }
+    EXPECT_THROW(embed->tokens(torch::randn({1, 3, 48, 84}, torch::kFloat32)), linvis::Error);
+    EXPECT_THROW(embed->tokens(torch::randn({1, 4, 48, 80}, torch::kFloat32)), linvis::Error);
+}
+
 const auto kF64 = torch::TensorOptions().dtype(torch::kFloat64);
 
 // Parameter count of a timm-style ViT written out by hand: patch conv, [class token], positions,

@@ -160,17 +160,16 @@ VisionModel::Embedding PlainVit::embed(const torch::Tensor& images) {
                      " (build the model with img_size=<size> and adapt pos_embed to change the resolution)");
     LINVIS_CHECK(images.size(2) % o_.patch_size == 0 && images.size(3) % o_.patch_size == 0, n, ": input images: ",
                  images.size(2), "x", images.size(3), " is not a multiple of the patch size ", o_.patch_size);
-    torch::Tensor map = patch_embed->forward(images);  // (B, D, h, w)
+    torch::Tensor x = patch_embed->tokens(images);  // (B, h * w, D), row-major
     Embedding e;
-    e.height = map.size(2);
-    e.width = map.size(3);
+    e.height = images.size(2) / o_.patch_size;
+    e.width = images.size(3) / o_.patch_size;
     e.prefix = num_prefix_tokens();
     if (o_.pos_embed == PosEmbedKind::Grid) {
-        torch::Tensor grid_tokens = grid_pos_embed->forward(map.permute({0, 2, 3, 1}));  // (B, h, w, D)
+        torch::Tensor grid_tokens = grid_pos_embed->forward(x.view({x.size(0), e.height, e.width, x.size(2)}));
         e.tokens = grid_tokens.reshape({grid_tokens.size(0), e.height * e.width, grid_tokens.size(3)});
         return e;
     }
-    torch::Tensor x = nn::map_to_tokens(map);  // (B, h * w, D), row-major
     if (cls_token.defined()) x = torch::cat({cls_token.expand({x.size(0), -1, -1}), x}, 1);
     if (pos_embed.defined())
         x = x + nn::resample_abs_pos_embed(pos_embed, {e.height, e.width}, {grid(), grid()}, e.prefix,

@@ -233,6 +233,20 @@ torch::Tensor PatchEmbedImpl::forward(const torch::Tensor& images) {
     return flops::conv2d(images, proj->weight, proj->bias, {patch, patch}, {0, 0}, {1, 1}, 1);
 }
 
+torch::Tensor PatchEmbedImpl::tokens(const torch::Tensor& images) {
+    LINVIS_CHECK(images.dim() == 4 && images.size(1) == in_chans && images.size(2) % patch == 0 &&
+                     images.size(3) % patch == 0,
+                 "PatchEmbed: images: expected (B, ", in_chans, ", H, W) with H and W multiples of ", patch, ", got ",
+                 images.sizes());
+    const int64_t B = images.size(0), h = images.size(2) / patch, w = images.size(3) / patch;
+    const int64_t dim = proj->weight.size(0);
+    // (B, C, h, p, w, p) -> (B, h, w, C, p, p): each row the patch in the kernel's (C, p, p) order.
+    const torch::Tensor patches = images.reshape({B, in_chans, h, patch, w, patch})
+                                      .permute({0, 2, 4, 1, 3, 5})
+                                      .reshape({B * h * w, in_chans * patch * patch});
+    return flops::linear(patches, proj->weight.reshape({dim, -1}), proj->bias).view({B, h * w, dim});
+}
+
 GridPosEmbedImpl::GridPosEmbedImpl(int64_t height, int64_t width, int64_t dim) {
     embed = register_parameter("embed", torch::empty({1, height, width, dim}));
     trunc_normal_(embed);

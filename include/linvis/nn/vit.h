@@ -84,6 +84,10 @@ public:
     PatchEmbedImpl(int64_t in_chans, int64_t dim, int64_t patch);
     // images (B, in_chans, H, W) with H, W multiples of the patch -> map (B, dim, H / patch, W / patch).
     torch::Tensor forward(const torch::Tensor& images);
+    // The same as tokens (B, H / patch * W / patch, dim), row-major over the patch grid, contiguous: the convolution
+    // (stride = kernel) as one product of the patches, gathered by one copy, with the kernel as a matrix. At 1024 px
+    // (3 x 192 x 16 x 16, 2 threads, AMX Xeon) 5.0 ms against 6.4-6.8 for the convolution and its tokens' transpose.
+    torch::Tensor tokens(const torch::Tensor& images);
 
     torch::nn::Conv2d proj{nullptr};
     int64_t in_chans, patch;
