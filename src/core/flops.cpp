@@ -371,6 +371,7 @@ torch::Tensor linear_relu(const torch::Tensor& x, const torch::Tensor& weight, c
 }
 
 int64_t packed_weight_bytes() { return static_cast<int64_t>(onednn::packed_weight_bytes()); }
+void release_packed_weights() { onednn::release_packed_weights(); }
 
 WeightsInTraining::WeightsInTraining() { ++onednn::weights_in_training_depth(); }
 

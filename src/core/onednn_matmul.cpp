@@ -226,6 +226,12 @@ public:
         drop_expired();
         return bytes_;
     }
+    // A product running on a copy keeps it alive (dnnl::memory is reference-counted).
+    void clear() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        kept_.clear();
+        bytes_ = 0;
+    }
 
 private:
     void drop_expired() {
@@ -272,6 +278,7 @@ bool packs(const torch::Tensor& b, torch::ScalarType type, int64_t M) {
 }  // namespace
 
 size_t packed_weight_bytes() { return packed_weights().bytes(); }
+void release_packed_weights() { packed_weights().clear(); }
 
 int& weights_in_training_depth() {
     thread_local int depth = 0;

@@ -39,6 +39,7 @@ std::string bf16_matmul_implementation();
 // Bytes of the float32 weights kept reordered into oneDNN's layout for inference (onednn_matmul.cpp, "packed
 // weights"); copies of freed weights are not counted.
 size_t packed_weight_bytes();
+void release_packed_weights();
 
 // Nesting depth of flops::WeightsInTraining on this thread: while positive, no weight is packed.
 int& weights_in_training_depth();

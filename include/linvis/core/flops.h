@@ -102,6 +102,10 @@ torch::Tensor linear_relu(const torch::Tensor& x, const torch::Tensor& weight, c
 // LINVIS_PACKED_WEIGHTS_MIB (read once, default 256) caps the kept copies' total; 0 turns them off.
 // packed_weight_bytes() is that total now: weight memory, constant in the image size.
 int64_t packed_weight_bytes();
+// Frees every packed copy now; the next pass that reads a weight packed copies it again. For a process that keeps
+// models alive past their inference (the copies live as long as their weights), or that wants the budget back for
+// other models.
+void release_packed_weights();
 
 // While alive, this thread's products read their weights in place, never from packed copies: for a training step's
 // forward without a graph (nn::checkpoint's), whose weights the optimizer changes after the step. (Inside a graph,
