@@ -173,7 +173,7 @@ void silu_mul_rows(const float* g, const float* u, int64_t ld, int64_t rows, int
 // One vector of silu_mul_backward_rows: the new u and g.
 HWY_INLINE void silu_mul_backward_vec(FloatTag d, FloatVec g, FloatVec u, FloatVec e, FloatVec& du, FloatVec& dg) {
     const auto one = hn::Set(d, 1.0f);
-    const auto s = hn::Div(one, hn::Add(one, exp_neg(d, g)));
+    const auto s = sigmoid_vec(d, g);
     du = hn::Mul(e, hn::Mul(g, s));
     dg = hn::Mul(hn::Mul(e, u), hn::Mul(s, hn::MulAdd(g, hn::Sub(one, s), one)));
 }
