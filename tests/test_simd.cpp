@@ -129,6 +129,48 @@ TEST(SimdLayer, SiluMulRowsAndBackwardMatchTheDefinitionOnEveryTarget) {
     });
 }
 
+// The backward of silu_mul_backward_rows' map (z1, z2, e = c v) -> [e silu(z2) | e z1 silu'(z2)] (ViT3's inner step),
+// against float64 autograd of that map: the map recomputed into z, [dz1 | dz2] into dp, dv in rows of its own
+// stride; guard columns after each row stay untouched.
+TEST(SimdLayer, SiluMulBackwardRowsBackwardIsTheMapsGradientOnEveryTarget) {
+    torch::manual_seed(4);
+    for_each_simd_target([](const SimdTarget& t) {
+        const simd::Kernels& k = simd::kernels(t.target);
+        for (int64_t n : {1, 7, 16, 17, 32, 40}) {
+            const int64_t rows = 5, ld = 2 * n + 1, ldv = n + 2, lddv = n + 3;
+            const std::string what = std::string(t.env) + ", n = " + std::to_string(n);
+            const float c = -0.37f;
+            const torch::Tensor z = 3.0 * torch::randn({rows, ld}), dp = torch::randn({rows, ld});
+            const torch::Tensor v = torch::randn({rows, ldv});
+            z[0][n] = 60.0f;  // gates far out on both sides: the sigmoid saturates without NaN
+            z[1][n] = -60.0f;
+
+            const auto f64 = [](const torch::Tensor& x) { return x.to(torch::kFloat64).detach().requires_grad_(); };
+            const torch::Tensor z1 = f64(z.narrow(1, 0, n)), z2 = f64(z.narrow(1, n, n)), v64 = f64(v.narrow(1, 0, n));
+            const torch::Tensor e = c * v64, s = torch::sigmoid(z2);
+            const torch::Tensor p1 = e * z2 * s, p2 = e * z1 * s * (1.0 + z2 * (1.0 - s));
+            const torch::Tensor dp1 = dp.narrow(1, 0, n).to(torch::kFloat64);
+            const torch::Tensor dp2 = dp.narrow(1, n, n).to(torch::kFloat64);
+            const auto grads = torch::autograd::grad({(p1 * dp1 + p2 * dp2).sum()}, {z1, z2, v64});
+
+            torch::Tensor zo = z.clone(), dpo = dp.clone(), dv = torch::full({rows, lddv}, 7.0f);
+            k.silu_mul_backward_rows_backward(zo.data_ptr<float>(), dpo.data_ptr<float>(), ld, rows, n,
+                                              v.data_ptr<float>(), ldv, c, dv.data_ptr<float>(), lddv);
+            const auto close = [](const torch::Tensor& got, const torch::Tensor& want) {
+                return torch::allclose(got.to(torch::kFloat64), want.detach(), 1e-5, 1e-5);
+            };
+            EXPECT_TRUE(close(zo.narrow(1, 0, n), p1)) << what << ": p1";
+            EXPECT_TRUE(close(zo.narrow(1, n, n), p2)) << what << ": p2";
+            EXPECT_TRUE(close(dpo.narrow(1, 0, n), grads[0])) << what << ": dz1";
+            EXPECT_TRUE(close(dpo.narrow(1, n, n), grads[1])) << what << ": dz2";
+            EXPECT_TRUE(close(dv.narrow(1, 0, n), grads[2])) << what << ": dv";
+            EXPECT_TRUE(torch::equal(zo.narrow(1, 2 * n, 1), z.narrow(1, 2 * n, 1))) << what << ": z's guard written";
+            EXPECT_TRUE(torch::equal(dpo.narrow(1, 2 * n, 1), dp.narrow(1, 2 * n, 1))) << what << ": dp's guard";
+            EXPECT_TRUE(torch::all(dv.narrow(1, n, lddv - n) == 7.0f).item<bool>()) << what << ": dv written past n";
+        }
+    });
+}
+
 // exp(x - shift) as the mLSTM's stabilised gates use it: arguments from 0 down to far below float's range (where
 // the result is 0 or subnormal), in place, a shift of 0 and a large one.
 TEST(SimdLayer, ExpSubMatchesTorchOnEveryTarget) {

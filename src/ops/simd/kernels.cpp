@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "ops/simd/gemm-inl.h"
 
@@ -170,37 +171,71 @@ void silu_mul(const float* g, const float* u, float* y, int64_t n) { map_floats(
 void silu_mul_rows(const float* g, const float* u, int64_t ld, int64_t rows, int64_t n, float* y, int64_t ldy) {
     for (int64_t r = 0; r < rows; ++r) map_floats(y + r * ldy, n, silu_mul_vec, g + r * ld, u + r * ld);
 }
-// One vector of silu_mul_backward_rows: the new u and g.
-HWY_INLINE void silu_mul_backward_vec(FloatTag d, FloatVec g, FloatVec u, FloatVec e, FloatVec& du, FloatVec& dg) {
-    const auto one = hn::Set(d, 1.0f);
-    const auto s = sigmoid_vec(d, g);
-    du = hn::Mul(e, hn::Mul(g, s));
-    dg = hn::Mul(hn::Mul(e, u), hn::Mul(s, hn::MulAdd(g, hn::Sub(one, s), one)));
+// Runs body(j, mask, whole) over the vectors of a row of n floats: whole vectors (whole is std::true_type, mask all
+// lanes), then the tail (std::false_type, mask its lanes). load_part / store_part read and write a vector so: plain
+// on whole vectors, masked on the tail only (masked loads and stores cost more on AVX2).
+template <class Body>
+HWY_INLINE void for_row_vectors(FloatTag d, int64_t n, Body body) {
+    const int64_t W = static_cast<int64_t>(hn::Lanes(d));
+    int64_t j = 0;
+    for (; j + W <= n; j += W) body(j, hn::FirstN(d, static_cast<size_t>(W)), std::true_type{});
+    if (j < n) body(j, hn::FirstN(d, static_cast<size_t>(n - j)), std::false_type{});
 }
+template <class M, class Whole>
+HWY_INLINE FloatVec load_part(FloatTag d, M m, const float* p, Whole) {
+    if constexpr (Whole::value) return hn::LoadU(d, p);
+    else return hn::MaskedLoad(m, d, p);
+}
+template <class M, class Whole>
+HWY_INLINE void store_part(FloatVec v, FloatTag d, M m, float* p, Whole) {
+    if constexpr (Whole::value) hn::StoreU(v, d, p);
+    else hn::BlendedStore(v, m, d, p);
+}
+
 void silu_mul_backward_rows(float* g, float* u, int64_t ld, int64_t rows, int64_t n, const float* dy, int64_t lddy,
                             float c) {
     const FloatTag d;
-    const int64_t W = static_cast<int64_t>(hn::Lanes(d));
-    const auto cv = hn::Set(d, c);
-    FloatVec du, dg;
+    const auto one = hn::Set(d, 1.0f), cv = hn::Set(d, c);
     for (int64_t r = 0; r < rows; ++r) {
         float* gr = g + r * ld;
         float* ur = u + r * ld;
         const float* er = dy + r * lddy;
-        int64_t j = 0;
-        for (; j + W <= n; j += W) {
-            silu_mul_backward_vec(d, hn::LoadU(d, gr + j), hn::LoadU(d, ur + j), hn::Mul(cv, hn::LoadU(d, er + j)),
-                                  du, dg);
-            hn::StoreU(du, d, ur + j);
-            hn::StoreU(dg, d, gr + j);
-        }
-        if (j < n) {
-            const auto m = hn::FirstN(d, static_cast<size_t>(n - j));
-            silu_mul_backward_vec(d, hn::MaskedLoad(m, d, gr + j), hn::MaskedLoad(m, d, ur + j),
-                                  hn::Mul(cv, hn::MaskedLoad(m, d, er + j)), du, dg);
-            hn::BlendedStore(du, m, d, ur + j);
-            hn::BlendedStore(dg, m, d, gr + j);
-        }
+        for_row_vectors(d, n, [&](int64_t j, auto m, auto whole) {
+            const auto gv = load_part(d, m, gr + j, whole), e = hn::Mul(cv, load_part(d, m, er + j, whole));
+            const auto s = sigmoid_vec(d, gv);
+            const auto dsilu = hn::Mul(s, hn::MulAdd(gv, hn::Sub(one, s), one));
+            const auto dg = hn::Mul(hn::Mul(e, load_part(d, m, ur + j, whole)), dsilu);
+            store_part(hn::Mul(e, hn::Mul(gv, s)), d, m, ur + j, whole);
+            store_part(dg, d, m, gr + j, whole);
+        });
+    }
+}
+void silu_mul_backward_rows_backward(float* z, float* dp, int64_t ld, int64_t rows, int64_t n, const float* v,
+                                     int64_t ldv, float c, float* dv, int64_t lddv) {
+    const FloatTag d;
+    const auto one = hn::Set(d, 1.0f), two = hn::Set(d, 2.0f), cv = hn::Set(d, c);
+    for (int64_t r = 0; r < rows; ++r) {
+        float* z1r = z + r * ld;
+        float* z2r = z1r + n;
+        float* dp1r = dp + r * ld;
+        float* dp2r = dp1r + n;
+        const float* vr = v + r * ldv;
+        float* dvr = dv + r * lddv;
+        for_row_vectors(d, n, [&](int64_t j, auto m, auto whole) {
+            const auto z1 = load_part(d, m, z1r + j, whole), z2 = load_part(d, m, z2r + j, whole);
+            const auto dp1 = load_part(d, m, dp1r + j, whole), dp2 = load_part(d, m, dp2r + j, whole);
+            const auto e = hn::Mul(cv, load_part(d, m, vr + j, whole));
+            const auto s = sigmoid_vec(d, z2), oms = hn::Sub(one, s);
+            const auto silu = hn::Mul(z2, s);
+            const auto ds = hn::Mul(s, hn::MulAdd(z2, oms, one));                                  // silu'(z2)
+            const auto d2s = hn::Mul(hn::Mul(s, oms), hn::MulAdd(z2, hn::NegMulAdd(two, s, one), two));  // silu''(z2)
+            const auto z1ds = hn::Mul(z1, ds), eds = hn::Mul(e, ds);
+            store_part(hn::Mul(e, silu), d, m, z1r + j, whole);
+            store_part(hn::Mul(e, z1ds), d, m, z2r + j, whole);
+            store_part(hn::Mul(dp2, eds), d, m, dp1r + j, whole);
+            store_part(hn::MulAdd(dp1, eds, hn::Mul(hn::Mul(dp2, e), hn::Mul(z1, d2s))), d, m, dp2r + j, whole);
+            store_part(hn::Mul(cv, hn::MulAdd(dp1, silu, hn::Mul(dp2, z1ds))), d, m, dvr + j, whole);
+        });
     }
 }
 void exp_sub(const float* x, float shift, float* y, int64_t n) {
@@ -651,6 +686,7 @@ void softmax_grad_rows_f64(double* s, double* dp, int64_t rows, int64_t n, int64
 const Kernels& table() {
     static const Kernels k{kTarget,        gemm_f32,       gemm_f64,   sigmoid,   gelu_erf,
                            gelu_tanh,      silu_mul,       silu_mul_rows, silu_mul_backward_rows,
+                           silu_mul_backward_rows_backward,
                            exp_sub,        widen_bf16,     narrow_to_bf16,
                            stencil3x3_row, stencil3x3_reduce_row, transpose, window_dots, window_sum,
                            online_softmax_cols_f32, online_softmax_cols_f64, softmax_grad_rows_f32,

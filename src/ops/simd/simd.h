@@ -88,6 +88,15 @@ struct Kernels {
     //   u <- c dy silu(g),  g <- c dy u silu'(g),  silu'(g) = s (1 + g (1 - s)), s = sigmoid(g).
     void (*silu_mul_backward_rows)(float* g, float* u, int64_t ld, int64_t rows, int64_t n, const float* dy,
                                    int64_t lddy, float c) = nullptr;
+    // And the backward of that map (z1, z2, e) -> [e silu(z2) | e z1 silu'(z2)] (ViT3's SwiGLU inner step, whose
+    // inner gradient it forms), over rows r < rows of n values: z = [z1 | z2] and the upstream gradient dp = [dp1 |
+    // dp2] side by side in rows of stride ld, e = c v (v in rows of stride ldv), s = sigmoid(z2), written in place:
+    //   z  <- [e silu(z2) | e z1 silu'(z2)]                              (the map itself, recomputed)
+    //   dp <- [dp2 e silu'(z2) | dp1 e silu'(z2) + dp2 e z1 silu''(z2)]  (dz1, dz2)
+    //   dv[r*lddv + j] = c (dp1 silu(z2) + dp2 z1 silu'(z2))             (dv = c de)
+    // with silu''(g) = s (1 - s) (2 + g (1 - 2 s)).
+    void (*silu_mul_backward_rows_backward)(float* z, float* dp, int64_t ld, int64_t rows, int64_t n, const float* v,
+                                            int64_t ldv, float c, float* dv, int64_t lddv) = nullptr;
     // y[i] = exp(x[i] - shift) for x[i] - shift <= 88 (kernels.cpp: about 2 ulp; 0 below -87); x and y may alias.
     void (*exp_sub)(const float* x, float shift, float* y, int64_t n) = nullptr;
     // bfloat16 (its bit pattern, as c10::BFloat16 stores it) to and from float32. Widening is exact; narrowing

@@ -9,7 +9,8 @@
 //            run the gate's elementwise part on those rows in place (the SIMD layer's silu_mul_*rows).
 //   backward pass B: recompute Q W', dQ, dW' = Qᵀ dY         (reduction; side by side as the forward)
 //            dG = normalisation backward of -dW'
-//            pass C: recompute Z1, Z2, P1, P2 from K, V; dK, dV, dW (direct) = Kᵀ dZ
+//            pass C: recompute Z = K [W1 | W2], dP = K [dG1 | dG2]; P, dZ, dV over their rows in one pass;
+//                    dK = P dGᵀ + dZ Wᵀ (stacked), dW (direct) = Kᵀ dZ      (side by side as the forward)
 // Saved for backward: the inputs and the raw inner gradients G1, G2 (B, h, d, d).
 // Depthwise branch, per sample on the (H, W) grid, channels contiguous:
 //   G = α Σ_grid kpad(shift) v (α = -s/(HW)), normalised over 3x3, W3' = w3 - Ĝ, out = dwconv(q, W3').
@@ -99,67 +100,6 @@ struct SwigluDims {
     int64_t block_of(int64_t task) const { return task / (B * h); }
     int64_t part_of(int64_t task) const { return head_of(task) * blocks + block_of(task); }
 };
-
-// ---- elementwise bodies (compiled for every SIMD target, see LINVIS_SIMD_CLONES)
-
-LINVIS_SIMD_INLINE void inner_elementwise_body(int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc,
-                                                const float* __restrict z1, const float* __restrict z2,
-                                                const float* __restrict sg, float* __restrict e,
-                                                float* __restrict p1, float* __restrict p2) {
-    for (int64_t t = 0; t < T; ++t) {
-        const float* __restrict vr = v + t * ldv;
-        for (int64_t j = 0; j < d; ++j) {
-            const int64_t i = t * d + j;
-            const float sig = sg[i], zz = z2[i];
-            const float ev = (-vr[j] / n) * sc;
-            e[i] = ev;
-            p1[i] = ev * (zz * sig);
-            p2[i] = ev * z1[i] * (sig * (1.0f + zz * (1.0f - sig)));
-        }
-    }
-}
-LINVIS_SIMD_CLONES(inner_elementwise,
-                  (int64_t T, int64_t d, const float* v, int64_t ldv, float n, float sc, const float* z1,
-                   const float* z2, const float* sg, float* e, float* p1, float* p2),
-                  (T, d, v, ldv, n, sc, z1, z2, sg, e, p1, p2))
-
-LINVIS_SIMD_INLINE void inner_backward_body(int64_t T, int64_t d, float dv_scale, const float* __restrict z1,
-                                             const float* __restrict z2, const float* __restrict sg,
-                                             const float* __restrict e, const float* __restrict dp1,
-                                             const float* __restrict dp2, float* dv, int64_t ldv,
-                                             float* __restrict dz1, float* __restrict dz2) {
-    for (int64_t t = 0; t < T; ++t) {
-        float* __restrict dvr = dv + t * ldv;
-        for (int64_t j = 0; j < d; ++j) {
-            const int64_t i = t * d + j;
-            const float sig = sg[i], z = z2[i], a = z * sig;
-            const float dsilu = sig * (1.0f + z * (1.0f - sig));
-            const float d2silu = sig * (1.0f - sig) * (2.0f + z * (1.0f - 2.0f * sig));
-            const float de = dp1[i] * a + dp2[i] * z1[i] * dsilu;
-            dvr[j] = de * dv_scale;
-            dz1[i] = dp2[i] * e[i] * dsilu;
-            dz2[i] = dp1[i] * e[i] * dsilu + dp2[i] * e[i] * z1[i] * d2silu;
-        }
-    }
-}
-LINVIS_SIMD_CLONES(inner_backward, (int64_t T, int64_t d, float dv_scale, const float* z1, const float* z2,
-                                   const float* sg, const float* e, const float* dp1, const float* dp2, float* dv,
-                                   int64_t ldv, float* dz1, float* dz2),
-                  (T, d, dv_scale, z1, z2, sg, e, dp1, dp2, dv, ldv, dz1, dz2))
-
-// Pass 1 of the inner step for one token block: fills z1, z2, sg (sigmoid(z2)), p1 = e*a,
-// p2 = e*z1*silu'(z2), and e, for rows [n0, n0 + T).
-void swiglu_inner_block(const Kernels& kr, const Heads& K, const Heads& V, int64_t b, int64_t hh, int64_t n0,
-                        int64_t T, const float* w1, const float* w2, const SwigluDims& s, float* z1, float* z2,
-                        float* sg, float* e, float* p1, float* p2) {
-    const int64_t d = s.d;
-    const float* kb = K.row(b, hh, n0);
-    kr.gemm(T, d, d, kb, K.sn, 1, w1, d, z1, d, false);
-    kr.gemm(T, d, d, kb, K.sn, 1, w2, d, z2, d, false);
-    kr.sigmoid(z2, sg, T * d);
-    inner_elementwise(T, d, V.row(b, hh, n0), V.sn, static_cast<float>(s.loss_tokens > 0 ? s.loss_tokens : s.N),
-                      static_cast<float>(s.scale), z1, z2, sg, e, p1, p2);
-}
 
 // Raw inner gradients G1, G2: (B, h, d, d). kr: the kernels whose products the pass runs (simd::inference_kernels).
 // Per token block: Z = K [W1 | W2], then [E∘silu(Z2) | E∘Z1∘silu'(Z2)] over Z's rows (silu_mul's backward for
@@ -256,13 +196,14 @@ std::vector<Tensor> swiglu_backward(const Tensor& q, const Tensor& k, const Tens
     std::vector<float> w1n(BH * dd), w2n(BH * dd), n1(BH * d), n2(BH * d);
     swiglu_updated_weights(w1, g1, s, w1n.data(), n1.data());
     swiglu_updated_weights(w2, g2, s, w2n.data(), n2.data());
-    // Transposed weights for the X·Wᵀ products; W1'ᵀ stacked on W2'ᵀ (2d x d) for pass B's dQ.
-    std::vector<float> wnT(BH * 2 * dd), w1T(BH * dd), w2T(BH * dd);
+    // Transposed weights for the X·Wᵀ products, stacked (2d x d): W1'ᵀ on W2'ᵀ for pass B's dQ, W1ᵀ on W2ᵀ for pass
+    // C's dK.
+    std::vector<float> wnT(BH * 2 * dd), wT(BH * 2 * dd);
     for (int64_t bh = 0; bh < BH; ++bh) {
         transpose(w1n.data() + bh * dd, d, d, d, wnT.data() + bh * 2 * dd);
         transpose(w2n.data() + bh * dd, d, d, d, wnT.data() + bh * 2 * dd + dd);
-        transpose(weight_of(w1, bh / h, bh % h, h, d), d, d, d, w1T.data() + bh * dd);
-        transpose(weight_of(w2, bh / h, bh % h, h, d), d, d, d, w2T.data() + bh * dd);
+        transpose(weight_of(w1, bh / h, bh % h, h, d), d, d, d, wT.data() + bh * 2 * dd);
+        transpose(weight_of(w2, bh / h, bh % h, h, d), d, d, d, wT.data() + bh * 2 * dd + dd);
     }
     const std::vector<float> w12n = side_by_side(w1n.data(), w2n.data(), BH, d);
     const Kernels& kr = kernels();
@@ -292,51 +233,51 @@ std::vector<Tensor> swiglu_backward(const Tensor& q, const Tensor& k, const Tens
         reduce_partials(pab.get(), BH, s.blocks, 2 * dd, dw12.data());
         split_side_by_side(dw12.data(), BH, d, dw1p, dw2p);
     }
-    std::vector<float> dg1(BH * dd), dg2(BH * dd), dg1T(BH * dd), dg2T(BH * dd), neg(dd);
+    // dG = the normalisation's backward of -dW'; [dG1 | dG2] side by side, and dG1ᵀ stacked on dG2ᵀ (2d x d).
+    std::vector<float> dg1(BH * dd), dg2(BH * dd), dgT(BH * 2 * dd), neg(dd);
     for (int64_t bh = 0; bh < BH; ++bh) {
         for (int64_t i = 0; i < dd; ++i) neg[i] = -dw1p[bh * dd + i];
         normalize_groups_backward(g1 + bh * dd, neg.data(), n1.data() + bh * d, d, d, d, true, dg1.data() + bh * dd);
         for (int64_t i = 0; i < dd; ++i) neg[i] = -dw2p[bh * dd + i];
         normalize_groups_backward(g2 + bh * dd, neg.data(), n2.data() + bh * d, d, d, d, true, dg2.data() + bh * dd);
-        transpose(dg1.data() + bh * dd, d, d, d, dg1T.data() + bh * dd);
-        transpose(dg2.data() + bh * dd, d, d, d, dg2T.data() + bh * dd);
+        transpose(dg1.data() + bh * dd, d, d, d, dgT.data() + bh * 2 * dd);
+        transpose(dg2.data() + bh * dd, d, d, d, dgT.data() + bh * 2 * dd + dd);
     }
+    const std::vector<float> dg12 = side_by_side(dg1.data(), dg2.data(), BH, d);
+    const std::vector<float> w12 = side_by_side(w1.data_ptr<float>(), w2.data_ptr<float>(), w1.size(0) * h, d);
 
-    // Pass C: inner-step backward.
-    const Scratch pa(tasks * dd), pb(tasks * dd);
+    // Pass C: inner-step backward, side by side as the forward. Z = K [W1 | W2] and dP = K [dG1 | dG2]; over their
+    // rows (silu_mul_backward_rows_backward) Z becomes P = [P1 | P2], dP becomes dZ = [dZ1 | dZ2], and dV is written;
+    // then dK = P [dG1ᵀ; dG2ᵀ] + dZ [W1ᵀ; W2ᵀ] and the direct dW = Kᵀ dZ (side by side, split after the sum).
+    const Scratch pab_direct(tasks * 2 * dd);
     Tensor dk = dest.empty() ? new_heads_buffer(B, h, N, d) : dest[1];
     Tensor dv = dest.empty() ? new_heads_buffer(B, h, N, d) : dest[2];
     const Heads dK = heads_of(dk), dV = heads_of(dv);
+    const float c = static_cast<float>(-scale / static_cast<double>(N));
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-        const BlockScratch buf(10, std::min(kTokenBlock, N), d);
-        float* arr[10];
-        for (int i = 0; i < 10; ++i) arr[i] = buf[i];
-        float *z1 = arr[0], *z2 = arr[1], *sg = arr[2], *e = arr[3], *p1 = arr[4], *p2 = arr[5], *dp1 = arr[6],
-              *dp2 = arr[7], *dz1 = arr[8], *dz2 = arr[9];
-        const float dv_scale = static_cast<float>(-scale / static_cast<double>(N));
+        const BlockScratch buf(2, std::min(kTokenBlock, N), 2 * d);
+        float *z = buf[0], *dp = buf[1];
         for (int64_t task = begin; task < end; ++task) {
             const int64_t bh = s.head_of(task), blk = s.block_of(task), b = bh / h, hh = bh % h, part = s.part_of(task);
             const int64_t n0 = blk * kTokenBlock, T = std::min(kTokenBlock, N - n0);
-            swiglu_inner_block(kr, K, V, b, hh, n0, T, weight_of(w1, b, hh, h, d), weight_of(w2, b, hh, h, d), s, z1,
-                               z2, sg, e, p1, p2);
+            const int64_t pair = w1.size(0) == 1 ? hh : bh;
             const float* kb = K.row(b, hh, n0);
-            kr.gemm(T, d, d, kb, K.sn, 1, dg1.data() + bh * dd, d, dp1, d, false);
-            kr.gemm(T, d, d, kb, K.sn, 1, dg2.data() + bh * dd, d, dp2, d, false);
-            inner_backward(T, d, dv_scale, z1, z2, sg, e, dp1, dp2, dV.row(b, hh, n0), dV.sn, dz1, dz2);
             float* dkb = dK.row(b, hh, n0);
-            kr.gemm(T, d, d, p1, d, 1, dg1T.data() + bh * dd, d, dkb, dK.sn, false);
-            kr.gemm(T, d, d, p2, d, 1, dg2T.data() + bh * dd, d, dkb, dK.sn, true);
-            kr.gemm(T, d, d, dz1, d, 1, w1T.data() + bh * dd, d, dkb, dK.sn, true);
-            kr.gemm(T, d, d, dz2, d, 1, w2T.data() + bh * dd, d, dkb, dK.sn, true);
-            kr.gemm(d, d, T, kb, 1, K.sn, dz1, d, pa.get() + part * dd, d, false);
-            kr.gemm(d, d, T, kb, 1, K.sn, dz2, d, pb.get() + part * dd, d, false);
+            kr.gemm(T, 2 * d, d, kb, K.sn, 1, w12.data() + pair * 2 * dd, 2 * d, z, 2 * d, false);
+            kr.gemm(T, 2 * d, d, kb, K.sn, 1, dg12.data() + bh * 2 * dd, 2 * d, dp, 2 * d, false);
+            kr.silu_mul_backward_rows_backward(z, dp, 2 * d, T, d, V.row(b, hh, n0), V.sn, c, dV.row(b, hh, n0), dV.sn);
+            kr.gemm(T, d, 2 * d, z, 2 * d, 1, dgT.data() + bh * 2 * dd, d, dkb, dK.sn, false);
+            kr.gemm(T, d, 2 * d, dp, 2 * d, 1, wT.data() + bh * 2 * dd, d, dkb, dK.sn, true);
+            kr.gemm(d, 2 * d, T, kb, 1, K.sn, dp, 2 * d, pab_direct.get() + part * 2 * dd, 2 * d, false);
         }
     });
-    std::vector<float> direct(BH * dd);
-    reduce_partials(pa.get(), BH, s.blocks, dd, direct.data());
-    for (int64_t i = 0; i < BH * dd; ++i) dw1p[i] += direct[i];
-    reduce_partials(pb.get(), BH, s.blocks, dd, direct.data());
-    for (int64_t i = 0; i < BH * dd; ++i) dw2p[i] += direct[i];
+    std::vector<float> direct12(BH * 2 * dd), direct1(BH * dd), direct2(BH * dd);
+    reduce_partials(pab_direct.get(), BH, s.blocks, 2 * dd, direct12.data());
+    split_side_by_side(direct12.data(), BH, d, direct1.data(), direct2.data());
+    for (int64_t i = 0; i < BH * dd; ++i) {
+        dw1p[i] += direct1[i];
+        dw2p[i] += direct2[i];
+    }
     return {dq, dk, dv, dw1, dw2};
 }
 
